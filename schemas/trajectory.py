@@ -1,0 +1,325 @@
+"""The Arrow trajectory codec: a padded tensor dict <-> one Arrow IPC message with ragged columns.
+
+One message holds one group (one row per sample). Token columns are `list<...>` columns whose offsets
+come from the attention mask; every per-token column of a message shares the same offsets. Padding is
+not stored: it decodes as 0. Original dtypes are kept in the schema metadata so a round trip gives the
+same arrays, dtype included. Nothing here loops over tokens in Python: rows are copied as slices.
+
+Inputs may be numpy arrays or torch tensors (duck-typed; torch is never imported here). Decoding
+gives numpy arrays; `to_torch` converts them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+TRAJECTORY_SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = frozenset({TRAJECTORY_SCHEMA_VERSION})
+
+#: per-token columns of the contract: padded name -> (Arrow column name, Arrow value type)
+TOKEN_COLUMNS: dict[str, tuple[str, pa.DataType]] = {
+    "input_ids": ("input_ids", pa.int32()),
+    "loss_mask": ("loss_mask", pa.int8()),
+    "logprobs": ("logprobs", pa.float32()),
+    "versions": ("versions", pa.int32()),
+}
+#: per-sample columns of the contract
+SAMPLE_COLUMNS: dict[str, tuple[str, pa.DataType]] = {
+    "rewards": ("reward", pa.float32()),
+    "prompt_len": ("prompt_len", pa.int32()),
+}
+REQUIRED_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "rewards", "versions")
+_RESERVED_ARROW_NAMES = {name for name, _ in (*TOKEN_COLUMNS.values(), *SAMPLE_COLUMNS.values())}
+
+
+class TrajectoryError(ValueError):
+    """A tensor dict or an Arrow message that breaks the trajectory contract; the text names the field."""
+
+
+@dataclass(frozen=True)
+class TrajectoryMeta:
+    """The schema metadata of one trajectory message."""
+
+    run: str
+    prompt_id: str
+    worker: str
+    head_version: int
+    """Oldest weight version that produced a token of the group (-1 if no token was generated)."""
+    tail_version: int
+    is_eval: bool = False
+
+
+@dataclass(frozen=True)
+class DecodedGroup:
+    tensors: dict[str, np.ndarray]
+    meta: TrajectoryMeta
+    table: pa.Table
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _as_numpy(name: str, value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):  # torch.Tensor, without importing torch
+        if str(value.dtype) == "torch.bfloat16":
+            raise TrajectoryError(f"{name}: bfloat16 has no lossless Arrow type; cast to float32 first")
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.dtype == object:
+        raise TrajectoryError(f"{name}: not a numeric array (got an object array; ragged rows?)")
+    return arr
+
+
+def _check_kind(name: str, arr: np.ndarray, kinds: str, what: str) -> None:
+    if arr.dtype.kind not in kinds:
+        raise TrajectoryError(f"{name}: dtype {arr.dtype} is not {what}")
+
+
+def _check_castable(name: str, arr: np.ndarray, target: np.dtype) -> None:
+    """Refuse any cast to the Arrow column's type that would change a value."""
+    if arr.dtype == target:
+        return
+    if arr.dtype.kind in "iub" and target.kind == "i":
+        info = np.iinfo(target)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise TrajectoryError(f"{name}: values out of {target} range [{arr.min()}, {arr.max()}]")
+        return
+    if arr.dtype.kind == "f" and target.kind == "f":
+        if arr.dtype.itemsize > target.itemsize:
+            raise TrajectoryError(f"{name}: {arr.dtype} would lose precision as {target}; cast it first")
+        return
+    raise TrajectoryError(f"{name}: cannot store {arr.dtype} as {target}")
+
+
+def _ragged(arr2d: np.ndarray, lengths: np.ndarray, offsets: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
+    """Concatenate the first lengths[i] entries of each row, cast on the fly: one slice copy per row."""
+    target = np.dtype(arrow_type.to_pandas_dtype())
+    if int(offsets[-1]) == arr2d.size:
+        flat = arr2d.reshape(-1).astype(target, copy=False)
+    else:
+        flat = np.empty(int(offsets[-1]), dtype=target)
+        for i in range(arr2d.shape[0]):
+            flat[offsets[i] : offsets[i + 1]] = arr2d[i, : lengths[i]]
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type=arrow_type))
+
+
+# ------------------------------------------------------------------------------------------- encode
+
+
+def encode_group(
+    tensors: Mapping[str, Any],
+    *,
+    run: str,
+    prompt_id: str,
+    worker: str,
+    is_eval: bool = False,
+) -> bytes:
+    """Encode a padded tensor dict (one group) as one Arrow IPC stream message."""
+    table, _ = group_to_table(tensors, run=run, prompt_id=prompt_id, worker=worker, is_eval=is_eval)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def group_to_table(
+    tensors: Mapping[str, Any],
+    *,
+    run: str,
+    prompt_id: str,
+    worker: str,
+    is_eval: bool = False,
+) -> tuple[pa.Table, TrajectoryMeta]:
+    missing = [k for k in REQUIRED_KEYS if k not in tensors]
+    if missing:
+        raise TrajectoryError(f"missing required keys: {', '.join(missing)}")
+    arrays = {k: _as_numpy(k, v) for k, v in tensors.items()}
+
+    mask = arrays["attention_mask"]
+    if mask.ndim != 2:
+        raise TrajectoryError(f"attention_mask: expected shape (batch, seqlen), got {mask.shape}")
+    _check_kind("attention_mask", mask, "biuf", "numeric or bool")
+    batch, seqlen = mask.shape
+    mask_bool = mask.astype(bool, copy=False)
+    lengths = np.count_nonzero(mask_bool, axis=1)
+    # right-padded <=> every row is ones up to its length: the last one sits at length - 1
+    last_one = seqlen - 1 - np.argmax(mask_bool[:, ::-1], axis=1)
+    if not np.all(np.where(lengths > 0, last_one == lengths - 1, True)):
+        raise TrajectoryError("attention_mask: must be right-padded (ones then zeros in every row)")
+    offsets = np.zeros(batch + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] > np.iinfo(np.int32).max:
+        raise TrajectoryError("attention_mask: more than 2^31 tokens in one group")
+
+    dtypes: dict[str, str] = {"attention_mask": str(mask.dtype)}
+    columns: dict[str, pa.Array] = {}
+    for key, (col, arrow_type) in TOKEN_COLUMNS.items():
+        arr = arrays[key]
+        if arr.shape != (batch, seqlen):
+            raise TrajectoryError(f"{key}: shape {arr.shape} does not match attention_mask {(batch, seqlen)}")
+        _check_kind(key, arr, "f" if key == "logprobs" else "iub", "float" if key == "logprobs" else "integer")
+        dtypes[key] = str(arr.dtype)
+        _check_castable(key, arr, np.dtype(arrow_type.to_pandas_dtype()))
+        columns[col] = _ragged(arr, lengths, offsets, arrow_type)
+
+    rewards = arrays["rewards"]
+    if rewards.shape != (batch,):
+        raise TrajectoryError(f"rewards: expected shape ({batch},), got {rewards.shape}")
+    _check_kind("rewards", rewards, "fiub", "numeric")
+    dtypes["rewards"] = str(rewards.dtype)
+    _check_castable("rewards", rewards, np.dtype(np.float32))
+    columns["reward"] = pa.array(rewards.astype(np.float32), type=pa.float32())
+
+    if "prompt_len" in arrays:
+        prompt_len = arrays["prompt_len"]
+        if prompt_len.shape != (batch,):
+            raise TrajectoryError(f"prompt_len: expected shape ({batch},), got {prompt_len.shape}")
+        dtypes["prompt_len"] = str(prompt_len.dtype)
+    else:  # the first token the loss sees starts the completion
+        active = arrays["loss_mask"] != 0
+        prompt_len = np.where(active.any(axis=1), active.argmax(axis=1), lengths)
+    _check_castable("prompt_len", prompt_len, np.dtype(np.int32))
+    columns["prompt_len"] = pa.array(prompt_len.astype(np.int32), type=pa.int32())
+
+    for key, arr in arrays.items():
+        if key in REQUIRED_KEYS or key == "prompt_len":
+            continue
+        if key in _RESERVED_ARROW_NAMES:
+            raise TrajectoryError(f"{key}: extra key collides with a contract column name")
+        _check_kind(key, arr, "biuf", "numeric or bool")
+        dtypes[key] = str(arr.dtype)
+        if arr.shape == (batch,):
+            columns[key] = pa.array(arr)
+        elif arr.shape == (batch, seqlen):
+            columns[key] = _ragged(arr, lengths, offsets, pa.from_numpy_dtype(arr.dtype))
+        else:
+            raise TrajectoryError(
+                f"{key}: extra keys must be per-sample ({batch},) or per-token {(batch, seqlen)}, got {arr.shape}"
+            )
+
+    flat_versions = columns["versions"].values.to_numpy()
+    generated = flat_versions[flat_versions >= 0]
+    head = int(generated.min()) if generated.size else -1
+    tail = int(generated.max()) if generated.size else -1
+    meta = TrajectoryMeta(run=run, prompt_id=prompt_id, worker=worker, head_version=head, tail_version=tail, is_eval=is_eval)
+    metadata = {
+        "jetrl.schema": str(TRAJECTORY_SCHEMA_VERSION),
+        "run": run,
+        "prompt_id": prompt_id,
+        "worker": worker,
+        "head_version": str(head),
+        "tail_version": str(tail),
+        "is_eval": "1" if is_eval else "0",
+        "jetrl.dtypes": json.dumps(dtypes),
+        "jetrl.seqlen": str(seqlen),
+    }
+    table = pa.Table.from_pydict(columns).replace_schema_metadata(metadata)
+    return table, meta
+
+
+# ------------------------------------------------------------------------------------------- decode
+
+
+def decode_group(data: bytes | memoryview | pa.Buffer) -> DecodedGroup:
+    """Decode one trajectory message into a padded numpy tensor dict and its metadata."""
+    try:
+        table = pa.ipc.open_stream(pa.py_buffer(data) if not isinstance(data, pa.Buffer) else data).read_all()
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        raise TrajectoryError(f"not a complete Arrow IPC stream (truncated or corrupt): {exc}") from exc
+    meta = table_meta(table)
+    return DecodedGroup(tensors=table_to_padded(table), meta=meta, table=table)
+
+
+def table_meta(table: pa.Table) -> TrajectoryMeta:
+    md = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    version = md.get("jetrl.schema")
+    if version is None or not version.isdigit() or int(version) not in SUPPORTED_SCHEMA_VERSIONS:
+        raise TrajectoryError(
+            f"jetrl.schema: unsupported trajectory schema version {version!r} "
+            f"(this build reads {sorted(SUPPORTED_SCHEMA_VERSIONS)})"
+        )
+    try:
+        return TrajectoryMeta(
+            run=md["run"],
+            prompt_id=md["prompt_id"],
+            worker=md.get("worker", ""),
+            head_version=int(md["head_version"]),
+            tail_version=int(md["tail_version"]),
+            is_eval=md.get("is_eval") == "1",
+        )
+    except (KeyError, ValueError) as exc:
+        raise TrajectoryError(f"schema metadata: missing or bad field {exc}") from exc
+
+
+def _list_parts(name: str, column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    arr = column.combine_chunks()
+    if not pa.types.is_list(arr.type):
+        raise TrajectoryError(f"{name}: expected a list column, got {arr.type}")
+    if arr.null_count:
+        raise TrajectoryError(f"{name}: has null rows")
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy(zero_copy_only=False)
+    return offsets - offsets[0], values
+
+
+def table_to_padded(table: pa.Table) -> dict[str, np.ndarray]:
+    """Arrow table of one group (or of many samples) -> padded numpy dict with the original dtypes."""
+    md = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    try:
+        dtypes: dict[str, str] = json.loads(md.get("jetrl.dtypes", "{}"))
+    except json.JSONDecodeError as exc:
+        raise TrajectoryError(f"jetrl.dtypes: not JSON: {exc}") from exc
+    names = set(table.column_names)
+    for key, (col, arrow_type) in TOKEN_COLUMNS.items():
+        if col not in names:
+            raise TrajectoryError(f"{col}: required column missing")
+        if table.schema.field(col).type != pa.list_(arrow_type):
+            raise TrajectoryError(f"{col}: expected list<{arrow_type}>, got {table.schema.field(col).type}")
+    for key, (col, arrow_type) in SAMPLE_COLUMNS.items():
+        if col not in names:
+            raise TrajectoryError(f"{col}: required column missing")
+
+    batch = table.num_rows
+    ref_offsets, _ = _list_parts("input_ids", table.column("input_ids"))
+    lengths = np.diff(ref_offsets)
+    seqlen = max(int(md.get("jetrl.seqlen", 0)), int(lengths.max()) if batch else 0)
+
+    def pad(name: str, offsets: np.ndarray, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        if not np.array_equal(offsets, ref_offsets):
+            raise TrajectoryError(f"{name}: row lengths differ from input_ids (ragged mismatch)")
+        out = np.zeros((batch, seqlen), dtype=dtype)
+        for i in range(batch):
+            out[i, : lengths[i]] = values[offsets[i] : offsets[i + 1]]
+        return out
+
+    out: dict[str, np.ndarray] = {}
+    for key, (col, _) in TOKEN_COLUMNS.items():
+        offsets, values = _list_parts(col, table.column(col))
+        out[key] = pad(col, offsets, values, np.dtype(dtypes.get(key, values.dtype)))
+    out["attention_mask"] = (np.arange(seqlen)[None, :] < lengths[:, None]).astype(dtypes.get("attention_mask", "int64"))
+    out["rewards"] = table.column("reward").to_numpy().astype(dtypes.get("rewards", "float32"))
+    if "prompt_len" in dtypes:
+        out["prompt_len"] = table.column("prompt_len").to_numpy().astype(dtypes["prompt_len"])
+    for col in table.column_names:
+        if col in _RESERVED_ARROW_NAMES or col not in dtypes:
+            continue  # columns added outside the codec (e.g. export metadata) are not tensors
+        column = table.column(col)
+        if pa.types.is_list(column.type):
+            offsets, values = _list_parts(col, column)
+            out[col] = pad(col, offsets, values, np.dtype(dtypes[col]))
+        else:
+            out[col] = column.to_numpy().astype(dtypes[col])
+    return out
+
+
+def to_torch(tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """Numpy dict -> torch tensors (shares memory); imports torch lazily."""
+    import torch
+
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}

@@ -1,0 +1,1 @@
+"""jetrl services. Each is `python -m services.<name>` and `jetrl <name>`."""

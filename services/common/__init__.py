@@ -1,0 +1,1 @@
+"""What every service shares: settings, logging, the bus, the supervised runner, metrics."""

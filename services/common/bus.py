@@ -1,0 +1,105 @@
+"""NATS connection with reconnect, and idempotent declaration of the streams of DESIGN.md."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+
+from schemas.subjects import StreamSpec, stream_specs
+from services.common.logging import get_logger
+
+log = get_logger("bus")
+
+# Replies to requests larger than this go over several messages; keep a margin below max_payload.
+DEFAULT_PENDING_BYTES = 256 * 1024 * 1024
+
+
+async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0) -> NATS:
+    """Connect with unlimited reconnects; retry the first connect until `connect_timeout_s` (services
+    do not depend on start order)."""
+
+    async def error_cb(exc: Exception) -> None:
+        log.warning("nats error", error=repr(exc))
+
+    async def disconnected_cb() -> None:
+        log.warning("nats disconnected")
+
+    async def reconnected_cb() -> None:
+        log.info("nats reconnected")
+
+    deadline = asyncio.get_running_loop().time() + connect_timeout_s
+    delay = 0.1
+    while True:
+        try:
+            return await nats.connect(
+                servers=[u.strip() for u in url.split(",")],
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                connect_timeout=2,
+                allow_reconnect=True,
+                error_cb=error_cb,
+                disconnected_cb=disconnected_cb,
+                reconnected_cb=reconnected_cb,
+                pending_size=DEFAULT_PENDING_BYTES,
+            )
+        except Exception as exc:  # nats raises several types (NoServersError, OSError, TimeoutError)
+            if asyncio.get_running_loop().time() + delay > deadline:
+                raise ConnectionError(f"cannot connect to NATS at {url}: {exc!r}") from exc
+            log.info("waiting for NATS", url=url, error=repr(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+def _config(spec: StreamSpec) -> StreamConfig:
+    return StreamConfig(
+        name=spec.name,
+        subjects=list(spec.subjects),
+        retention=RetentionPolicy.WORK_QUEUE if spec.retention == "workqueue" else RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_msgs_per_subject=spec.max_msgs_per_subject,
+        max_age=spec.max_age_s,
+        max_bytes=spec.max_bytes,
+        max_msg_size=spec.max_msg_size,
+        duplicate_window=spec.duplicate_window_s,
+        discard=DiscardPolicy.OLD,
+    )
+
+
+_COMPARED = ("subjects", "retention", "max_msgs_per_subject", "max_age", "max_bytes", "max_msg_size", "duplicate_window")
+
+
+async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | None = None) -> dict[str, str]:
+    """Create each stream, or update it if its config differs; a stream that matches is left alone.
+    Returns {name: "created" | "updated" | "unchanged"}."""
+    result: dict[str, str] = {}
+    for spec in specs if specs is not None else stream_specs():
+        want = _config(spec)
+        try:
+            info = await js.stream_info(spec.name)
+        except NotFoundError:
+            await js.add_stream(want)
+            result[spec.name] = "created"
+            continue
+        have = info.config
+        if all(_same(getattr(have, f), getattr(want, f)) for f in _COMPARED):
+            result[spec.name] = "unchanged"
+            continue
+        want.subjects = sorted(set(have.subjects or []) | set(want.subjects or []))
+        await js.update_stream(want)
+        result[spec.name] = "updated"
+    return result
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, list) and isinstance(b, list):
+        return sorted(a) == sorted(b)
+    if isinstance(a, float | int) and isinstance(b, float | int):
+        return abs(float(a) - float(b)) < 1e-6
+    return a == b

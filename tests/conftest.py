@@ -1,0 +1,38 @@
+"""Shared fixtures: a real nats-server per test on a free port with a temp store (ready-checked on its
+/healthz, never by sleeping), and the tiny model built once per session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from services.common.nats_server import NatsServer  # noqa: E402
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path / "nats").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server: NatsServer) -> str:
+    return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny model (char tokenizer, Llama 64x2), built locally once per test session."""
+    from services.inference.make_model import build_model
+
+    return build_model(tmp_path_factory.mktemp("models") / "tiny")
