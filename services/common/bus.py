@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterable
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
@@ -33,11 +34,10 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0) -> NA
     async def reconnected_cb() -> None:
         log.info("nats reconnected")
 
-    deadline = asyncio.get_running_loop().time() + connect_timeout_s
-    delay = 0.1
-    while True:
-        try:
-            return await nats.connect(
+    # With unlimited reconnects nats-py also retries the first connect forever: bound it here.
+    try:
+        return await asyncio.wait_for(
+            nats.connect(
                 servers=[u.strip() for u in url.split(",")],
                 name=name,
                 max_reconnect_attempts=-1,
@@ -48,13 +48,11 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0) -> NA
                 disconnected_cb=disconnected_cb,
                 reconnected_cb=reconnected_cb,
                 pending_size=DEFAULT_PENDING_BYTES,
-            )
-        except Exception as exc:  # nats raises several types (NoServersError, OSError, TimeoutError)
-            if asyncio.get_running_loop().time() + delay > deadline:
-                raise ConnectionError(f"cannot connect to NATS at {url}: {exc!r}") from exc
-            log.info("waiting for NATS", url=url, error=repr(exc))
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            ),
+            timeout=connect_timeout_s,
+        )
+    except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+        raise ConnectionError(f"cannot connect to NATS at {url} within {connect_timeout_s:.0f}s: {exc!r}") from exc
 
 
 def _config(spec: StreamSpec) -> StreamConfig:

@@ -45,6 +45,8 @@ class ServiceSettings(BaseSettings):
     """Run name: part of every subject, so several runs can share one NATS server."""
     nats_url: str = "nats://127.0.0.1:4222"
     """NATS server URL(s), comma-separated."""
+    connect_timeout_s: float = 60.0
+    """How long to keep trying the first NATS connection (services do not depend on start order)."""
     log_level: str = "info"
     """debug | info | warning | error."""
     log_format: str = "auto"
