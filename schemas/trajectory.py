@@ -204,9 +204,8 @@ def group_to_table(
             )
 
     flat_versions = columns["versions"].values.to_numpy()
-    generated = flat_versions[flat_versions >= 0]
-    head = int(generated.min()) if generated.size else -1
-    tail = int(generated.max()) if generated.size else -1
+    tail = int(flat_versions.max()) if flat_versions.size else -1
+    head = int(np.min(flat_versions, where=flat_versions >= 0, initial=np.iinfo(np.int32).max)) if tail >= 0 else -1
     meta = TrajectoryMeta(run=run, prompt_id=prompt_id, worker=worker, head_version=head, tail_version=tail, is_eval=is_eval)
     metadata = {
         "jetrl.schema": str(TRAJECTORY_SCHEMA_VERSION),
@@ -258,7 +257,7 @@ def table_meta(table: pa.Table) -> TrajectoryMeta:
 
 
 def _list_parts(name: str, column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    arr = column.combine_chunks()
+    arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     if not pa.types.is_list(arr.type):
         raise TrajectoryError(f"{name}: expected a list column, got {arr.type}")
     if arr.null_count:
@@ -290,9 +289,13 @@ def table_to_padded(table: pa.Table) -> dict[str, np.ndarray]:
     lengths = np.diff(ref_offsets)
     seqlen = max(int(md.get("jetrl.seqlen", 0)), int(lengths.max()) if batch else 0)
 
+    full_rows = batch > 0 and bool(np.all(lengths == seqlen))
+
     def pad(name: str, offsets: np.ndarray, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
         if not np.array_equal(offsets, ref_offsets):
             raise TrajectoryError(f"{name}: row lengths differ from input_ids (ragged mismatch)")
+        if full_rows:  # no padding: one cast of the whole buffer
+            return values.reshape(batch, seqlen).astype(dtype)
         out = np.zeros((batch, seqlen), dtype=dtype)
         for i in range(batch):
             out[i, : lengths[i]] = values[offsets[i] : offsets[i + 1]]
@@ -302,7 +305,11 @@ def table_to_padded(table: pa.Table) -> dict[str, np.ndarray]:
     for key, (col, _) in TOKEN_COLUMNS.items():
         offsets, values = _list_parts(col, table.column(col))
         out[key] = pad(col, offsets, values, np.dtype(dtypes.get(key, values.dtype)))
-    out["attention_mask"] = (np.arange(seqlen)[None, :] < lengths[:, None]).astype(dtypes.get("attention_mask", "int64"))
+    mask_dtype = dtypes.get("attention_mask", "int64")
+    if full_rows:
+        out["attention_mask"] = np.ones((batch, seqlen), dtype=mask_dtype)
+    else:
+        out["attention_mask"] = (np.arange(seqlen)[None, :] < lengths[:, None]).astype(mask_dtype)
     out["rewards"] = table.column("reward").to_numpy().astype(dtypes.get("rewards", "float32"))
     if "prompt_len" in dtypes:
         out["prompt_len"] = table.column("prompt_len").to_numpy().astype(dtypes["prompt_len"])
