@@ -1,0 +1,124 @@
+"""Checkpoint files on disk: listing, hashing, copying with a hash, version directories and URIs.
+
+A version lives at `<root>/v<N>/` (shared directory, agent cache) or under `<run>/v<N>/` in the
+`WEIGHTS` bucket; its URI says which: `file:///abs/root/v<N>` or `nats-os://WEIGHTS/<run>/v<N>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from schemas.messages import WeightFile
+
+READ_SIZE = 4 * 1024 * 1024
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+class ChecksumError(ValueError):
+    """A file's bytes are not the ones announced."""
+
+
+def checkpoint_files(hf_dir: Path) -> list[Path]:
+    """The files of a HF checkpoint directory (recursively, sorted, hidden and partial files left out)."""
+    if not hf_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {hf_dir} does not exist")
+    files = sorted(p for p in hf_dir.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(hf_dir).parts))
+    if not any(p.name == "config.json" for p in files):
+        raise FileNotFoundError(f"{hf_dir} is not a HF checkpoint: no config.json")
+    if not any(p.suffix == ".safetensors" for p in files):
+        raise FileNotFoundError(f"{hf_dir} is not a HF checkpoint: no *.safetensors")
+    return files
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while data := f.read(READ_SIZE):
+            h.update(data)
+    return h.hexdigest()
+
+
+def copy_hashed(src: Path, dst: Path, name: str) -> WeightFile:
+    """Copy `src` to `dst`, hashing the bytes as they pass (one read of the source)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    size = 0
+    with open(src, "rb", buffering=0) as fin, open(dst, "wb") as fout:
+        while data := fin.read(READ_SIZE):
+            h.update(data)
+            fout.write(data)
+            size += len(data)
+    return WeightFile(name=name, sha256=h.hexdigest(), size=size)
+
+
+def verify_file(path: Path, expected: WeightFile) -> None:
+    """Raise `ChecksumError` (or `FileNotFoundError`) unless `path` holds exactly the announced bytes."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{expected.name}: missing ({path})")
+    size = path.stat().st_size
+    if size != expected.size:
+        raise ChecksumError(f"{expected.name}: size {size} != announced {expected.size}")
+    digest = sha256_file(path)
+    if digest != expected.sha256:
+        raise ChecksumError(f"{expected.name}: sha256 {digest[:12]}... != announced {expected.sha256[:12]}...")
+
+
+def version_dirs(root: Path) -> dict[int, Path]:
+    """{version: dir} for every `v<N>` directory under `root`."""
+    if not root.is_dir():
+        return {}
+    out = {}
+    for p in root.iterdir():
+        m = _VERSION_DIR.match(p.name)
+        if m and p.is_dir():
+            out[int(m.group(1))] = p
+    return out
+
+
+def versions_to_drop(versions: list[int] | set[int], keep: int, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """The versions outside the newest `keep` (never those in `protect`), oldest first."""
+    newest = set(sorted(versions, reverse=True)[: max(keep, 0)])
+    return sorted(v for v in versions if v not in newest and v not in protect)
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def safe_name(name: str) -> str:
+    """A file name from an announcement, refused if it could escape the version directory."""
+    parts = Path(name).parts
+    if not parts or Path(name).is_absolute() or any(p in ("..", "") for p in parts):
+        raise ValueError(f"file name {name!r} is not a plain relative path")
+    return name
+
+
+@dataclass(frozen=True)
+class WeightsUri:
+    scheme: str  # "nats-os" | "file"
+    bucket: str = ""
+    prefix: str = ""  # object name prefix in the bucket: "<run>/v<N>"
+    path: Path | None = None  # shared directory of the version
+
+
+def object_uri(bucket: str, prefix: str) -> str:
+    return f"nats-os://{bucket}/{prefix}"
+
+
+def file_uri(path: Path) -> str:
+    return path.resolve().as_uri()
+
+
+def parse_uri(uri: str) -> WeightsUri:
+    parsed = urlparse(uri)
+    if parsed.scheme == "nats-os" and parsed.netloc and parsed.path.strip("/"):
+        return WeightsUri("nats-os", bucket=parsed.netloc, prefix=parsed.path.strip("/"))
+    if parsed.scheme == "file" and parsed.path:
+        return WeightsUri("file", path=Path(unquote(parsed.path)))
+    raise ValueError(f"weights uri {uri!r}: expected nats-os://<bucket>/<run>/v<N> or file:///abs/dir")
+

@@ -1,0 +1,147 @@
+"""`WeightPublisher`: the trainer's rank 0 hands it a HF checkpoint directory after each step; it puts
+the files in the `WEIGHTS` object store (or a shared directory) with a sha256 each, announces
+`WeightsPublished` on the weight-sync subject and deletes versions older than the last `keep_last`."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
+
+from schemas.messages import WeightFile, WeightsPublished, decode, encode
+from schemas.subjects import WEIGHT_SYNC_STREAM, WEIGHTS_BUCKET, Subjects, stream_specs
+from services.common.bus import declare_streams
+from services.common.logging import get_logger
+from services.weights import objstore
+from services.weights.files import (
+    checkpoint_files,
+    copy_hashed,
+    file_uri,
+    object_uri,
+    remove_tree,
+    version_dirs,
+    versions_to_drop,
+)
+
+log = get_logger("weights.publisher")
+
+
+async def ensure_weight_sync_stream(nc: NATS) -> None:
+    """Declare the WEIGHT_SYNC stream (idempotent), so publisher and agents can start in any order."""
+    await declare_streams(nc.jetstream(), [s for s in stream_specs() if s.name == WEIGHT_SYNC_STREAM])
+
+
+async def latest_published(nc: NATS, run: str) -> WeightsPublished | None:
+    """The last announcement of the run (the stream keeps the last message per subject), or None."""
+    try:
+        msg = await nc.jetstream().get_last_msg(WEIGHT_SYNC_STREAM, Subjects(run).weights_published)
+    except NotFoundError:
+        return None
+    return decode(WeightsPublished, msg.data)
+
+
+class WeightPublisher:
+    def __init__(
+        self,
+        nc: NATS,
+        run: str,
+        *,
+        shared_dir: str | Path | None = None,
+        keep_last: int = 3,
+        bucket: str = WEIGHTS_BUCKET,
+        chunk_size: int = objstore.CHUNK_SIZE,
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (got {keep_last}): the announced version must stay fetchable")
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.subjects = Subjects(run)
+        self.run = run
+        self.shared_dir = Path(shared_dir).resolve() if shared_dir else None
+        self.keep_last = keep_last
+        self.bucket = bucket
+        self.chunk_size = chunk_size
+        self._ready = False
+
+    async def _setup(self) -> None:
+        if not self._ready:
+            await ensure_weight_sync_stream(self.nc)
+            if self.shared_dir is None:
+                await objstore.open_bucket(self.js, self.bucket)
+            self._ready = True
+
+    async def publish_dir(self, version: int, step: int, hf_dir: str | Path) -> WeightsPublished:
+        """Upload (or copy) the checkpoint at `hf_dir` as `version`, announce it, drop old versions."""
+        await self._setup()
+        hf_dir = Path(hf_dir)
+        files = checkpoint_files(hf_dir)
+        t0 = time.perf_counter()
+        if self.shared_dir is not None:
+            uri, entries = await self._copy_to_shared(version, hf_dir, files)
+        else:
+            uri, entries = await self._upload(version, hf_dir, files)
+        upload_s = time.perf_counter() - t0
+        msg = WeightsPublished(run=self.run, version=version, uri=uri, files=entries, step=step)
+        await self.js.publish(self.subjects.weights_published, encode(msg))
+        total = sum(f.size for f in entries)
+        log.info("weights published", version=version, step=step, uri=uri, bytes=total, seconds=round(upload_s, 3))
+        await self._collect_garbage(version)
+        return msg
+
+    async def latest(self) -> WeightsPublished | None:
+        await self._setup()
+        return await latest_published(self.nc, self.run)
+
+    async def _upload(self, version: int, hf_dir: Path, files: list[Path]) -> tuple[str, list[WeightFile]]:
+        prefix = f"{self.run}/v{version}"
+        entries = []
+        for path in files:
+            name = path.relative_to(hf_dir).as_posix()
+            info = await objstore.put_file(self.js, self.bucket, f"{prefix}/{name}", path, self.chunk_size)
+            entries.append(WeightFile(name=name, sha256=objstore.digest_hex(info), size=int(info.size or 0)))
+        return object_uri(self.bucket, prefix), entries
+
+    async def _copy_to_shared(self, version: int, hf_dir: Path, files: list[Path]) -> tuple[str, list[WeightFile]]:
+        assert self.shared_dir is not None
+        final = self.shared_dir / f"v{version}"
+        # Written under a hidden name and renamed, so an agent never sees a half-copied version.
+        partial = self.shared_dir / f".v{version}.partial"
+        remove_tree(partial)
+
+        def copy_all() -> list[WeightFile]:
+            out = []
+            for path in files:
+                name = path.relative_to(hf_dir).as_posix()
+                out.append(copy_hashed(path, partial / name, name))
+            remove_tree(final)
+            partial.rename(final)
+            return out
+
+        entries = await asyncio.to_thread(copy_all)
+        return file_uri(final), entries
+
+    async def _collect_garbage(self, current: int) -> None:
+        """Keep the newest `keep_last` versions (always the one just announced); failures only log,
+        since a stale version left behind costs space, not correctness."""
+        try:
+            if self.shared_dir is not None:
+                dirs = version_dirs(self.shared_dir)
+                for v in versions_to_drop(set(dirs), self.keep_last, protect={current}):
+                    await asyncio.to_thread(remove_tree, dirs[v])
+                    log.info("old weights deleted", version=v, path=str(dirs[v]))
+                return
+            pattern = re.compile(rf"^{re.escape(self.run)}/v(\d+)/")
+            by_version: dict[int, list[str]] = {}
+            for name in await objstore.list_names(self.js, self.bucket):
+                if m := pattern.match(name):
+                    by_version.setdefault(int(m.group(1)), []).append(name)
+            for v in versions_to_drop(set(by_version), self.keep_last, protect={current}):
+                for name in by_version[v]:
+                    await objstore.delete(self.js, self.bucket, name)
+                log.info("old weights deleted", version=v, objects=len(by_version[v]))
+        except Exception as exc:
+            log.warning("deleting old weights failed", error=repr(exc))

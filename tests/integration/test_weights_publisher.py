@@ -1,0 +1,94 @@
+"""WeightPublisher against a real nats-server: object store and shared directory, checksums, the
+announcement a late reader sees, and garbage collection of old versions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import nats
+import pytest
+
+from schemas.subjects import WEIGHTS_BUCKET
+from services.weights import objstore
+from services.weights.files import parse_uri
+from services.weights.publisher import WeightPublisher
+
+
+def make_checkpoint(root: Path, tag: str, big: int = 0) -> Path:
+    """A minimal HF-shaped directory: config.json and a safetensors file (random bytes are enough for
+    the publisher, which never parses them)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "tag": tag}))
+    (root / "model.safetensors").write_bytes(os.urandom(big or 4096))
+    return root
+
+
+async def test_object_store_round_trip_is_bit_exact_and_larger_than_max_payload(nats_url: str, tmp_path: Path) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        # 20 MiB + 3 bytes: above the server's 8 MB max_payload, not a multiple of the chunk size.
+        ckpt = make_checkpoint(tmp_path / "ckpt", "a", big=20 * 1024 * 1024 + 3)
+        pub = WeightPublisher(nc, "t1")
+        msg = await pub.publish_dir(1, step=1, hf_dir=ckpt)
+        assert msg.uri == f"nats-os://{WEIGHTS_BUCKET}/t1/v1"
+        by_name = {f.name: f for f in msg.files}
+        assert set(by_name) == {"config.json", "model.safetensors"}
+        src = (ckpt / "model.safetensors").read_bytes()
+        assert by_name["model.safetensors"].sha256 == hashlib.sha256(src).hexdigest()
+        assert by_name["model.safetensors"].size == len(src)
+
+        out = tmp_path / "got.bin"
+        with open(out, "wb") as f:
+            _, digest = await objstore.get_file(nc.jetstream(), WEIGHTS_BUCKET, "t1/v1/model.safetensors", f)
+        assert out.read_bytes() == src
+        assert digest == by_name["model.safetensors"].sha256
+        # nats-py's own client reads our objects too (same wire format).
+        store = await nc.jetstream().object_store(WEIGHTS_BUCKET)
+        assert (await store.get("t1/v1/config.json")).data == (ckpt / "config.json").read_bytes()
+    finally:
+        await nc.close()
+
+
+async def test_latest_and_keep_last_in_object_store(nats_url: str, tmp_path: Path) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        pub = WeightPublisher(nc, "t2", keep_last=2)
+        assert await pub.latest() is None
+        for v in (1, 2, 3):
+            await pub.publish_dir(v, step=v * 10, hf_dir=make_checkpoint(tmp_path / f"c{v}", str(v)))
+        latest = await pub.latest()
+        assert latest is not None and (latest.version, latest.step) == (3, 30)
+        names = await objstore.list_names(nc.jetstream(), WEIGHTS_BUCKET)
+        versions = sorted({n.split("/")[1] for n in names if n.startswith("t2/")})
+        assert versions == ["v2", "v3"]
+    finally:
+        await nc.close()
+
+
+async def test_shared_dir_copies_hashes_and_keeps_last(nats_url: str, tmp_path: Path) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        shared = tmp_path / "shared"
+        pub = WeightPublisher(nc, "t3", shared_dir=shared, keep_last=2)
+        for v in (1, 2, 3):
+            msg = await pub.publish_dir(v, step=v, hf_dir=make_checkpoint(tmp_path / f"c{v}", str(v)))
+        where = parse_uri(msg.uri)
+        assert where.scheme == "file" and where.path == shared.resolve() / "v3"
+        for f in msg.files:
+            assert hashlib.sha256((where.path / f.name).read_bytes()).hexdigest() == f.sha256
+        assert sorted(p.name for p in shared.iterdir()) == ["v2", "v3"]
+    finally:
+        await nc.close()
+
+
+async def test_refuses_a_directory_that_is_not_a_checkpoint(nats_url: str, tmp_path: Path) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(FileNotFoundError, match="config.json"):
+            await WeightPublisher(nc, "t4").publish_dir(1, step=1, hf_dir=tmp_path / "empty")
+    finally:
+        await nc.close()
