@@ -1,0 +1,270 @@
+"""The rollout worker loop: prompts in from the PROMPTS work queue, one trajectory message out per
+prompt, the prompt acked only after the trajectory's publish was acknowledged.
+
+Runs inside `jetrl rollout`, and in a test's event loop as is. Delivery rules (DESIGN.md "Failure
+semantics"):
+- every worker of a run shares one durable pull consumer, so each prompt goes to one worker;
+- while an episode runs, `in_progress()` keeps the prompt from being redelivered;
+- the result carries `Nats-Msg-Id`, so a result published twice (a worker died between publish and
+  ack) is dropped by JetStream;
+- an episode that raises is `nak`ed with a delay and retried; at the consumer's `max_deliver`-th
+  attempt (or at once for errors no retry can fix) a rejection marker carrying the error is published;
+- a prompt that does not decode is terminated and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import nats.errors
+import pyarrow as pa
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from schemas.headers import rejection_headers, trajectory_headers
+from schemas.messages import MessageError, PromptTask, RejectionMarker, decode, encode
+from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
+from schemas.trajectory import TrajectoryError, group_to_table
+from services.common.bus import declare_streams
+from services.common.logging import get_logger
+from services.common.metrics import MetricsPublisher
+from services.common.poison import terminate_poison
+from services.rollout.dump import TrajectoryDumper
+from services.rollout.stats import RolloutStats
+from services.rollout.tensors import group_sizes
+from services.rollout.workflow import RolloutWorkflow, WorkflowError, as_tensor_dict, workflow_context
+
+log = get_logger("rollout")
+
+#: errors a retry of the same episode cannot fix: reject the prompt on the first attempt
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (WorkflowError, TrajectoryError, NotImplementedError)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker: str
+    max_concurrent: int = 16
+    max_deliver: int = 3
+    ack_wait_s: float = 60.0
+    nak_delay_s: float = 2.0
+    publish_timeout_s: float = 10.0
+    fetch_timeout_s: float = 1.0
+    max_ack_pending: int = 10_000
+    drain_timeout_s: float = 10.0
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        nc: NATS,
+        run: str,
+        workflow: RolloutWorkflow,
+        engine: Any,
+        config: WorkerConfig,
+        *,
+        metrics: MetricsPublisher | None = None,
+        dumper: TrajectoryDumper | None = None,
+    ) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.subjects = Subjects(run)
+        self.run_name = run
+        self.workflow = workflow
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.dumper = dumper
+        self.stats = RolloutStats()
+        self.max_deliver = config.max_deliver
+        self._inflight: set[asyncio.Task[None]] = set()
+
+    # ---------------------------------------------------------------------------------- the consumer
+
+    def consumer_config(self) -> ConsumerConfig:
+        return ConsumerConfig(
+            durable_name=self.subjects.rollout_consumer,
+            filter_subject=self.subjects.prompts_all,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            max_deliver=self.config.max_deliver,
+            ack_wait=self.config.ack_wait_s,
+            max_ack_pending=self.config.max_ack_pending,
+        )
+
+    async def declare(self) -> None:
+        """Declare the streams and the shared consumer (idempotent: every worker does it). The
+        consumer's own `max_deliver` is what counts, whichever worker declared it."""
+        await declare_streams(self.js)
+        info = await self.js.add_consumer(PROMPTS_STREAM, self.consumer_config())
+        self.max_deliver = info.config.max_deliver or self.config.max_deliver
+
+    # ---------------------------------------------------------------------------------- the loop
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Pull and run episodes until `stopping` is set, then let in-flight episodes finish within
+        `drain_timeout_s`; those still running are cancelled and their prompts `nak`ed."""
+        await self.declare()
+        sub = await self.js.pull_subscribe_bind(self.subjects.rollout_consumer, stream=PROMPTS_STREAM)
+        log.info("rollout worker pulling", consumer=self.subjects.rollout_consumer, max_deliver=self.max_deliver)
+        stop_wait = asyncio.create_task(stopping.wait(), name="stop-wait")
+        try:
+            while not stopping.is_set():
+                free = self.config.max_concurrent - len(self._inflight)
+                if free <= 0:
+                    await asyncio.wait({*self._inflight, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    msgs = await sub.fetch(free, timeout=self.config.fetch_timeout_s)
+                except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                    continue
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
+                    log.warning("fetch failed; NATS reconnecting", error=repr(exc))
+                    await asyncio.wait({stop_wait}, timeout=0.5)
+                    continue
+                for msg in msgs:
+                    self._start(msg)
+        finally:
+            stop_wait.cancel()
+            await self._drain()
+            await sub.unsubscribe()
+
+    def _start(self, msg: Msg) -> None:
+        task = asyncio.create_task(self.handle(msg), name=f"episode-{msg.metadata.sequence.stream}")
+        self._inflight.add(task)
+        self.stats.in_flight = len(self._inflight)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._inflight.discard(task)
+        self.stats.in_flight = len(self._inflight)
+        if not task.cancelled() and task.exception() is not None:
+            # handle() catches episode errors; what reaches here is a bus failure (publish/ack): the
+            # prompt was not acked, so JetStream redelivers it
+            log.error("episode handling failed", error=repr(task.exception()))
+
+    async def _drain(self) -> None:
+        if not self._inflight:
+            return
+        log.info("draining in-flight episodes", count=len(self._inflight))
+        _, still = await asyncio.wait(set(self._inflight), timeout=self.config.drain_timeout_s)
+        for task in still:
+            task.cancel()
+        if still:
+            await asyncio.wait(still, timeout=2.0)
+
+    # ---------------------------------------------------------------------------------- one prompt
+
+    async def handle(self, msg: Msg) -> None:
+        try:
+            task = decode(PromptTask, msg.data)
+        except MessageError as exc:
+            await terminate_poison(msg, exc, self.metrics)
+            return
+        is_eval = task.is_eval or msg.subject == self.subjects.prompts_eval
+        heartbeat = asyncio.create_task(self._heartbeat(msg), name=f"in-progress-{task.prompt_id}")
+        started = time.monotonic()
+        try:
+            await self._episode(msg, task, is_eval, started)
+        except asyncio.CancelledError:
+            # shutting down mid-episode: hand the prompt straight to another worker
+            await asyncio.shield(self._quiet(msg.nak()))
+            raise
+        except Exception as exc:  # the bus failed (publish timed out, connection lost): try again later
+            log.warning("publishing the result failed; prompt retried later", prompt_id=task.prompt_id, error=repr(exc))
+            await self._quiet(msg.nak(delay=self.config.nak_delay_s))
+        finally:
+            heartbeat.cancel()
+
+    async def _episode(self, msg: Msg, task: PromptTask, is_eval: bool, started: float) -> None:
+        try:
+            with workflow_context.set(is_eval=is_eval, task_id=task.prompt_id):
+                result = as_tensor_dict(await self.workflow.arun_episode(self.engine, task.data))
+            encoded = None if result is None else self._encode(task, result, is_eval)
+        except Exception as exc:
+            await self._failed(msg, task, is_eval, exc, started)
+            return
+        if result is None or encoded is None:
+            await self._reject(msg, task, is_eval, "every sample was rejected by the workflow", started)
+            return
+        body, headers = encoded
+        await self._publish(self._subject(is_eval), body, headers)
+        if self.dumper is not None:
+            await self.dumper.awrite(task.prompt_id, result, is_eval)
+        await msg.ack()
+        samples, tokens = group_sizes(result)
+        self.stats.episode_done(time.monotonic() - started, samples, tokens, rejected=False)
+
+    def _encode(self, task: PromptTask, result: dict[str, Any], is_eval: bool) -> tuple[bytes, dict[str, str]]:
+        table, meta = group_to_table(result, run=self.run_name, prompt_id=task.prompt_id, worker=self.config.worker, is_eval=is_eval)
+        return _ipc_bytes(table), trajectory_headers(meta)
+
+    async def _failed(self, msg: Msg, task: PromptTask, is_eval: bool, exc: Exception, started: float) -> None:
+        attempt = msg.metadata.num_delivered or 1
+        permanent = isinstance(exc, PERMANENT_ERRORS)
+        if permanent or attempt >= self.max_deliver:
+            log.error("episode failed; prompt rejected", prompt_id=task.prompt_id, attempt=attempt, error=repr(exc))
+            if self.metrics is not None:
+                self.metrics.count("dead_letters")
+            reason = f"{type(exc).__name__}: {exc} (attempt {attempt} of {self.max_deliver})"
+            await self._reject(msg, task, is_eval, reason, started)
+            return
+        log.warning("episode failed; retrying later", prompt_id=task.prompt_id, attempt=attempt, error=repr(exc))
+        if self.metrics is not None:
+            self.metrics.count("episode_errors")
+        await msg.nak(delay=self.config.nak_delay_s)
+
+    async def _reject(self, msg: Msg, task: PromptTask, is_eval: bool, reason: str, started: float) -> None:
+        marker = RejectionMarker(run=self.run_name, prompt_id=task.prompt_id, worker=self.config.worker, reason=reason, is_eval=is_eval)
+        await self._publish(self._subject(is_eval), encode(marker), rejection_headers(self.run_name, task.prompt_id))
+        await msg.ack()
+        self.stats.episode_done(time.monotonic() - started, 0, 0, rejected=True)
+
+    def _subject(self, is_eval: bool) -> str:
+        return self.subjects.trajectories_eval if is_eval else self.subjects.trajectories
+
+    async def _publish(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
+        """Publish and wait for the stream's ack, bounded: nats-py may never resolve a publish the
+        server answered with 429 (shared/reference/nats-notes.md)."""
+        timeout = self.config.publish_timeout_s
+        ack = await asyncio.wait_for(
+            self.js.publish(subject, body, timeout=timeout, stream=TRAJECTORIES_STREAM, headers=dict(headers)),
+            timeout=timeout + 1.0,
+        )
+        if ack.duplicate:
+            log.info("result already recorded (duplicate dropped)", subject=subject, msg_id=headers.get("Nats-Msg-Id"))
+
+    async def _heartbeat(self, msg: Msg) -> None:
+        period = max(self.config.ack_wait_s / 3, 0.05)
+        while True:
+            await asyncio.sleep(period)
+            await self._quiet(msg.in_progress())
+
+    @staticmethod
+    async def _quiet(coro: Any) -> None:
+        try:
+            await coro
+        except Exception as exc:  # the connection is going away; JetStream redelivers after ack_wait
+            log.warning("ack-side message failed", error=repr(exc))
+
+    # ---------------------------------------------------------------------------------- metrics
+
+    async def metrics_loop(self, stopping: asyncio.Event, interval_s: float) -> None:
+        if self.metrics is None:
+            return
+        while not stopping.is_set():
+            try:
+                await asyncio.wait_for(stopping.wait(), timeout=interval_s)
+            except asyncio.TimeoutError:
+                pass
+            await self.metrics.emit(self.stats.snapshot())
+
+
+def _ipc_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()

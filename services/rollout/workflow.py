@@ -1,0 +1,199 @@
+"""The workflow API (AReaL-lite's, on our bus): what one episode of a prompt produces.
+
+`RolloutWorkflow.arun_episode(engine, data)` returns
+- a padded tensor dict (`input_ids`, `attention_mask`, `loss_mask`, `logprobs`, `rewards`, `versions`;
+  batch-first, one row per sample), which becomes one trajectory message,
+- `None`: the prompt is rejected (a rejection marker is published, so the feeder's count closes),
+- a dict of interactions (agent workflows through the proxy, issue #11): turned into a tensor dict by
+  `interactions_to_tensors`, the extension point that issue fills in.
+
+`workflow_context` tells a running episode whether it is an evaluation and which task it serves, as a
+context variable, so it follows the episode's task and every task it starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import importlib
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from services.rollout.tensors import TensorDict, concat_padded
+
+
+class WorkflowError(TypeError):
+    """A workflow that cannot be resolved or returned something outside the contract. Retrying the
+    episode cannot help, so the worker rejects the prompt at once."""
+
+
+# ----------------------------------------------------------------------------------------- context
+
+
+@dataclass(frozen=True)
+class WorkflowContext:
+    is_eval: bool = False
+    task_id: str | None = None
+
+    def stat_scope(self) -> str:
+        """Where an episode's statistics go: evaluation figures never mix with training ones."""
+        return "eval-rollout" if self.is_eval else "rollout"
+
+
+_CURRENT: contextvars.ContextVar[WorkflowContext] = contextvars.ContextVar(
+    "jetrl_workflow_context", default=WorkflowContext()
+)
+
+
+class _WorkflowContextAccess:
+    """`workflow_context.is_eval`, `.task_id`, `.stat_scope()` read the running episode's context;
+    `with workflow_context.set(is_eval=..., task_id=...)` sets it (the worker does this)."""
+
+    def get(self) -> WorkflowContext:
+        return _CURRENT.get()
+
+    @contextlib.contextmanager
+    def set(self, *, is_eval: bool = False, task_id: str | None = None) -> Iterator[WorkflowContext]:
+        ctx = WorkflowContext(is_eval=is_eval, task_id=task_id)
+        token = _CURRENT.set(ctx)
+        try:
+            yield ctx
+        finally:
+            _CURRENT.reset(token)
+
+    @property
+    def is_eval(self) -> bool:
+        return _CURRENT.get().is_eval
+
+    @property
+    def task_id(self) -> str | None:
+        return _CURRENT.get().task_id
+
+    def stat_scope(self) -> str:
+        return _CURRENT.get().stat_scope()
+
+
+workflow_context = _WorkflowContextAccess()
+
+
+# ---------------------------------------------------------------------------------------- workflows
+
+
+class RolloutWorkflow(ABC):
+    """One episode of one prompt. Subclass it and implement `arun_episode`."""
+
+    @abstractmethod
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None | dict[str, Any]:
+        """Run the episode for the dataset row `data` with the inference `engine`
+        (`services.rollout.engine.InferenceEngine`)."""
+
+
+def is_interactions(result: Mapping[str, Any]) -> bool:
+    """A dict of interactions maps ids to interaction objects; a tensor dict maps names to arrays."""
+    return bool(result) and not any(hasattr(v, "shape") for v in result.values())
+
+
+def interactions_to_tensors(interactions: Mapping[str, Any]) -> TensorDict:
+    """Extension point for agent workflows (issue #11): turn the interactions recorded by the
+    OpenAI-compatible proxy into a padded tensor dict."""
+    raise NotImplementedError(
+        "a workflow returned a dict of interactions; turning interactions into trajectories arrives with "
+        "the agent proxy (issue #11). Return a padded tensor dict (input_ids, attention_mask, loss_mask, "
+        "logprobs, rewards, versions) or None for now"
+    )
+
+
+def as_tensor_dict(result: TensorDict | None | dict[str, Any]) -> TensorDict | None:
+    """Normalise what `arun_episode` returned: a tensor dict or None; anything else is a WorkflowError."""
+    if result is None:
+        return None
+    if not isinstance(result, Mapping):
+        raise WorkflowError(
+            f"arun_episode returned {type(result).__name__}; expected a tensor dict, None or a dict of interactions"
+        )
+    if is_interactions(result):
+        return interactions_to_tensors(result)
+    return dict(result)
+
+
+class GroupedRolloutWorkflow(RolloutWorkflow):
+    """Runs `group_size` episodes of the wrapped workflow concurrently and concatenates the accepted
+    ones (padded to the longest); None when every episode was rejected. If one episode raises, the
+    others are cancelled and the error propagates (the worker retries the whole prompt)."""
+
+    def __init__(self, workflow: RolloutWorkflow, group_size: int) -> None:
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        self.workflow = workflow
+        self.group_size = group_size
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(self.workflow.arun_episode(engine, data)) for _ in range(self.group_size)]
+        results = [as_tensor_dict(t.result()) for t in tasks]
+        kept = [r for r in results if r is not None]
+        return concat_padded(kept) if kept else None
+
+
+# --------------------------------------------------------------------------------------- resolution
+
+
+def _import_ref(ref: str) -> Any:
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise WorkflowError(f"workflow {ref!r}: expected 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise WorkflowError(f"workflow {ref!r}: cannot import module {module_name!r}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise WorkflowError(f"workflow {ref!r}: module {module_name!r} has no attribute {attr!r}") from exc
+    return obj
+
+
+def _is_agent(obj: Any) -> bool:
+    run = getattr(obj, "run", None)
+    return run is not None and inspect.iscoroutinefunction(run)
+
+
+def wrap_agent(agent: Any, kwargs: Mapping[str, Any]) -> RolloutWorkflow:
+    """Extension point for agents (any object or class with `async def run()`, issue #11): wrap it in
+    a workflow that runs it against the OpenAI-compatible proxy and records its interactions."""
+    raise NotImplementedError(
+        f"{agent!r} is an agent (it has `async def run()`); agent workflows through the OpenAI-compatible "
+        "proxy arrive with issue #11. Subclass services.rollout.workflow.RolloutWorkflow for now"
+    )
+
+
+def resolve_workflow(spec: Any, kwargs: Mapping[str, Any] | None = None) -> RolloutWorkflow:
+    """A workflow from an instance, a class (+ `kwargs`), or a `"module:Class"` string (+ `kwargs`)."""
+    kwargs = dict(kwargs or {})
+    if isinstance(spec, str):
+        spec = _import_ref(spec)
+    if isinstance(spec, RolloutWorkflow):
+        if kwargs:
+            raise WorkflowError(
+                f"workflow {type(spec).__name__} is already an instance; workflow_kwargs {sorted(kwargs)} cannot apply"
+            )
+        return spec
+    if isinstance(spec, type) and issubclass(spec, RolloutWorkflow):
+        if inspect.isabstract(spec):
+            raise WorkflowError(f"workflow {spec.__name__} is abstract: implement arun_episode")
+        try:
+            inspect.signature(spec).bind(**kwargs)
+        except TypeError as exc:
+            raise WorkflowError(f"workflow {spec.__name__}: bad workflow_kwargs {sorted(kwargs)}: {exc}") from exc
+        return spec(**kwargs)
+    if _is_agent(spec):
+        return wrap_agent(spec, kwargs)
+    raise WorkflowError(
+        f"workflow {spec!r} is not a RolloutWorkflow instance or subclass, nor a 'module:Class' string naming one"
+    )

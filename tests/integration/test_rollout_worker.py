@@ -1,0 +1,161 @@
+"""The rollout worker loop against a real nats-server, in the test's event loop, with workflows that
+need no model: delivery, retries, rejections, poison prompts, eval routing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats
+import pytest
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from schemas.headers import is_rejection
+from schemas.messages import MetricsEvent, PromptTask, RejectionMarker, decode, encode
+from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
+from schemas.trajectory import decode_group
+from services.common.bus import declare_streams
+from services.common.metrics import MetricsPublisher
+from services.rollout.workflow import RolloutWorkflow, workflow_context
+from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.workflows.synthetic import SyntheticWorkflow
+
+RUN = "rt"
+S = Subjects(RUN)
+
+
+class CountingWorkflow(SyntheticWorkflow):
+    """Counts episode starts per task id, and records what `workflow_context` said."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.starts: dict[str, int] = {}
+        self.scopes: dict[str, str] = {}
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Any:
+        task_id = workflow_context.task_id or "?"
+        self.starts[task_id] = self.starts.get(task_id, 0) + 1
+        self.scopes[task_id] = workflow_context.stat_scope()
+        return await super().arun_episode(engine, data)
+
+
+async def push_prompts(js: Any, n: int, *, subject: str = S.prompts_train, prefix: str = "p") -> list[str]:
+    ids = []
+    for i in range(n):
+        pid = f"{prefix}{i}"
+        task = PromptTask(run=RUN, prompt_id=pid, data={"id": pid, "prompt": f"{i:03d}=", "answer": f"{i:03d}"})
+        await js.publish(subject, encode(task), headers={"Nats-Msg-Id": f"{RUN}/prompt/{pid}"})
+        ids.append(pid)
+    return ids
+
+
+async def collect(js: Any, subject: str, n: int, timeout_s: float = 20.0) -> list[Any]:
+    """Read `n` messages from the TRAJECTORIES stream on `subject` (as the trainer's consumer would),
+    then check for a little longer that nothing more arrives."""
+    sub = await js.pull_subscribe(subject, durable=None, stream=TRAJECTORIES_STREAM, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+    got: list[Any] = []
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while len(got) < n and asyncio.get_running_loop().time() < deadline:
+        with contextlib.suppress(asyncio.TimeoutError, nats.errors.TimeoutError):
+            got.extend(await sub.fetch(n - len(got), timeout=0.3))
+    with contextlib.suppress(asyncio.TimeoutError, nats.errors.TimeoutError):
+        got.extend(await sub.fetch(10, timeout=0.3))
+    for m in got:
+        await m.ack()
+    await sub.unsubscribe()
+    return got
+
+
+@contextlib.asynccontextmanager
+async def workers(url: str, workflow: RolloutWorkflow, count: int, **config: Any) -> AsyncIterator[list[RolloutWorker]]:
+    conns = [await nats.connect(url) for _ in range(count)]
+    stopping = asyncio.Event()
+    made = [
+        RolloutWorker(nc, RUN, workflow, None, WorkerConfig(worker=f"w{i}", **config), metrics=MetricsPublisher(nc, RUN, "rollout", f"w{i}"))
+        for i, nc in enumerate(conns)
+    ]
+    for w in made:  # declare first, so prompts pushed next have a consumer
+        await w.declare()
+    tasks = [asyncio.create_task(w.run(stopping)) for w in made]
+    try:
+        yield made
+    finally:
+        stopping.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 15)
+        for nc in conns:
+            await nc.close()
+
+
+@pytest.fixture
+async def js(nats_url: str) -> AsyncIterator[Any]:
+    nc = await nats.connect(nats_url)
+    await declare_streams(nc.jetstream())
+    try:
+        yield nc.jetstream()
+    finally:
+        await nc.close()
+
+
+async def test_n_prompts_through_three_workers_give_exactly_n_results(nats_url: str, js: Any) -> None:
+    wf = CountingWorkflow(group_size=3, delay_s=0.02)
+    async with workers(nats_url, wf, 3, max_concurrent=2, ack_wait_s=5.0) as ws:
+        ids = await push_prompts(js, 18)
+        msgs = await collect(js, S.trajectories, 18)
+    got = sorted(m.headers["Jetrl-Prompt-Id"] for m in msgs)
+    assert got == sorted(ids)
+    assert all(n == 1 for n in wf.starts.values()) and len(wf.starts) == 18  # each prompt ran once
+    groups = [decode_group(m.data) for m in msgs]
+    assert all(g.tensors["input_ids"].shape[0] == 3 for g in groups)
+    assert {g.meta.worker for g in groups} <= {"w0", "w1", "w2"}
+    assert len({g.meta.worker for g in groups}) >= 2  # the work was shared
+    assert sum(w.stats.accepted for w in ws) == 18
+    assert (await js.stream_info(PROMPTS_STREAM)).state.messages == 0  # every prompt acked
+
+
+async def test_always_raising_workflow_ends_as_rejections_after_max_deliver(nats_url: str, js: Any) -> None:
+    wf = CountingWorkflow(fail="always")
+    async with workers(nats_url, wf, 2, max_deliver=3, nak_delay_s=0.05, ack_wait_s=5.0):
+        ids = await push_prompts(js, 4)
+        msgs = await collect(js, S.trajectories, 4)
+    assert sorted(m.headers["Jetrl-Prompt-Id"] for m in msgs) == sorted(ids)
+    assert all(is_rejection(m.headers) for m in msgs)
+    reasons = [decode(RejectionMarker, m.data).reason for m in msgs]
+    assert all("EpisodeFailed" in r and "attempt 3 of 3" in r for r in reasons), reasons
+    assert wf.starts == {pid: 3 for pid in ids}
+
+
+async def test_rejected_episode_publishes_a_marker(nats_url: str, js: Any) -> None:
+    async with workers(nats_url, CountingWorkflow(reject=True), 1):
+        await push_prompts(js, 2)
+        msgs = await collect(js, S.trajectories, 2)
+    assert len(msgs) == 2 and all(is_rejection(m.headers) for m in msgs)
+    assert "rejected by the workflow" in decode(RejectionMarker, msgs[0].data).reason
+
+
+async def test_poison_prompt_is_terminated_counted_and_the_worker_goes_on(nats_url: str, js: Any) -> None:
+    metrics_sub = await js.subscribe(S.metrics("rollout"), stream=METRICS_STREAM)
+    async with workers(nats_url, CountingWorkflow(group_size=1), 1) as ws:
+        await js.publish(S.prompts_train, b"\xc1 not msgpack")
+        await push_prompts(js, 1)
+        msgs = await collect(js, S.trajectories, 1)
+        await ws[0].metrics.emit(ws[0].stats.snapshot())
+        event = decode(MetricsEvent, (await metrics_sub.next_msg(timeout=5)).data)
+    assert len(msgs) == 1 and not is_rejection(msgs[0].headers)
+    assert event.values["malformed_messages"] == 1
+    assert event.values["accepted_total"] == 1
+    assert (await js.stream_info(PROMPTS_STREAM)).state.messages == 0  # the poison is gone, not retried
+
+
+async def test_eval_prompts_run_as_eval_and_land_on_their_own_subject(nats_url: str, js: Any) -> None:
+    wf = CountingWorkflow(group_size=2)
+    async with workers(nats_url, wf, 1):
+        await push_prompts(js, 2, subject=S.prompts_eval, prefix="e")
+        await push_prompts(js, 1)
+        evals = await collect(js, S.trajectories_eval, 2)
+        train = await collect(js, S.trajectories, 1)
+    assert sorted(m.headers["Jetrl-Prompt-Id"] for m in evals) == ["e0", "e1"]
+    assert all(decode_group(m.data).meta.is_eval for m in evals)
+    assert [m.headers["Jetrl-Prompt-Id"] for m in train] == ["p0"]  # the trainer's subject has no eval result
+    assert wf.scopes == {"e0": "eval-rollout", "e1": "eval-rollout", "p0": "rollout"}
