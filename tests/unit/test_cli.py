@@ -45,8 +45,14 @@ def test_service_help_lists_settings_with_docs(name: str) -> None:
     assert out.returncode == 0, out.stderr
     assert "nats_url" in out.stdout and "NATS server URL" in out.stdout
     assert f"JETRL_{name.upper()}__" in out.stdout
-    # --help must not pay for torch: the settings are validated before heavy imports
-    assert "torch" not in out.stderr
+    # --help must not pay for torch: settings are validated before heavy imports
+    probe = (
+        "import sys\nfrom services.cli import main\n"
+        f"try:\n    main([{name!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+        "print('HEAVY' if 'torch' in sys.modules else 'LIGHT')"
+    )
+    light = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert light.stdout.strip().endswith("LIGHT"), light.stdout[-300:]
 
 
 def test_bad_setting_exits_2_naming_it() -> None:
