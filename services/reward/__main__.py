@@ -1,0 +1,3 @@
+from services.reward import main
+
+raise SystemExit(main())

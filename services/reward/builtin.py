@@ -1,0 +1,72 @@
+"""Built-in reward functions, allow-listed by default. Each is called as
+`fn(prompt=..., completion=..., prompt_ids=..., completion_ids=..., **row)` and returns a float.
+
+A completion that is merely wrong scores 0.0; a dataset row that cannot be scored (no answer, an
+answer that is not a number for `numeric_match`) raises, so the item comes back as `error` instead
+of a 0 that would look like a wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import math_verify as _mv  # imported here so pool processes load it once, at start
+
+from services.common.demo_task import copy3_reward
+
+_NUMBER_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?")
+
+
+def _answer(row: dict[str, Any], fn: str) -> str:
+    for key in ("answer", "solution", "ground_truth"):
+        if row.get(key) is not None:
+            return str(row[key])
+    raise ValueError(f"{fn}: the item has no 'answer' (or 'solution' / 'ground_truth') field to compare with")
+
+
+def copy3(completion: str = "", **row: Any) -> float:
+    """The default demo task: the fraction of the answer's positions the completion gets right."""
+    return copy3_reward(completion, _answer(row, "copy3"))
+
+
+def exact_match(completion: str = "", **row: Any) -> float:
+    """1.0 if the completion equals the answer after trimming surrounding whitespace, else 0.0."""
+    return 1.0 if completion.strip() == _answer(row, "exact_match").strip() else 0.0
+
+
+def parse_number(text: str) -> float | None:
+    """The last number written in `text` (thousands separators allowed), or None."""
+    found = _NUMBER_RE.findall(text)
+    if not found:
+        return None
+    return float(found[-1].replace(",", ""))
+
+
+def numeric_match(completion: str = "", rel_tol: float = 1e-6, abs_tol: float = 1e-9, **row: Any) -> float:
+    """1.0 if the last number in the completion equals the answer (within `rel_tol`/`abs_tol`, which a
+    dataset row may set), else 0.0."""
+    answer = _answer(row, "numeric_match")
+    gold = parse_number(answer)
+    if gold is None:
+        raise ValueError(f"numeric_match: the answer {answer!r} is not a number")
+    got = parse_number(completion)
+    if got is None:
+        return 0.0
+    return 1.0 if math.isclose(got, gold, rel_tol=rel_tol, abs_tol=abs_tol) else 0.0
+
+
+def math_verify(completion: str = "", **row: Any) -> float:
+    """1.0 if math-verify finds the completion's final answer equivalent to the reference (LaTeX,
+    fractions, boxed answers, numbers), else 0.0."""
+    answer = _answer(row, "math_verify")
+    gold = _mv.parse(answer)
+    if not gold:
+        gold = _mv.parse(f"${answer}$")
+    if not gold:
+        raise ValueError(f"math_verify: math-verify cannot parse the reference answer {answer!r}")
+    pred = _mv.parse(completion)
+    if not pred:
+        return 0.0
+    return 1.0 if _mv.verify(gold, pred) else 0.0
