@@ -142,7 +142,7 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
 # --------------------------------------------------------------------------------------- resolution
 
 
-def _import_ref(ref: str) -> Any:
+def import_ref(ref: str) -> Any:
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise WorkflowError(f"workflow {ref!r}: expected 'package.module:ClassName'")
@@ -177,7 +177,7 @@ def resolve_workflow(spec: Any, kwargs: Mapping[str, Any] | None = None) -> Roll
     """A workflow from an instance, a class (+ `kwargs`), or a `"module:Class"` string (+ `kwargs`)."""
     kwargs = dict(kwargs or {})
     if isinstance(spec, str):
-        spec = _import_ref(spec)
+        spec = import_ref(spec)
     if isinstance(spec, RolloutWorkflow):
         if kwargs:
             raise WorkflowError(

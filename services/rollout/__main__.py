@@ -1,0 +1,3 @@
+from services.rollout import main
+
+raise SystemExit(main())

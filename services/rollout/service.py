@@ -1,0 +1,110 @@
+"""`jetrl rollout`'s lifetime: connect, build the workflow, run the worker loop and the metrics loop
+under the supervisor until SIGTERM, then drain.
+
+Standard workflow arguments: a workflow class's constructor gets, for each of these names it
+accepts and `workflow_kwargs` does not set, the worker's value: `tokenizer` (loaded from
+`model_path`), `reward` (a RewardClient on this worker's NATS connection), `reward_fn`,
+`reward_timeout_s`, `group_size`, `max_new_tokens`, `temperature`. A workflow that takes no
+`group_size` is wrapped in `GroupedRolloutWorkflow(group_size)`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from services.common.bus import connect
+from services.common.logging import bind_context, get_logger
+from services.common.metrics import MetricsPublisher
+from services.common.runner import Supervisor, supervise
+from services.rollout.dump import TrajectoryDumper
+from services.rollout.settings import RolloutSettings
+from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError, import_ref, resolve_workflow
+
+log = get_logger("rollout")
+
+
+def standard_kwargs(settings: RolloutSettings, tokenizer: Callable[[], Any], reward: Any) -> dict[str, Callable[[], Any]]:
+    """Name -> how to make it; made only when the workflow asks for it (no tokenizer load otherwise)."""
+    return {
+        "tokenizer": tokenizer,
+        "reward": lambda: reward,
+        "reward_fn": lambda: settings.reward_fn,
+        "reward_timeout_s": lambda: settings.reward_timeout_s,
+        "group_size": lambda: settings.group_size,
+        "max_new_tokens": lambda: settings.max_new_tokens,
+        "temperature": lambda: settings.temperature,
+    }
+
+
+def build_workflow(settings: RolloutSettings, standard: dict[str, Callable[[], Any]]) -> RolloutWorkflow:
+    cls = import_ref(settings.workflow)
+    kwargs = dict(settings.workflow_kwargs)
+    accepted: set[str] = set()
+    if isinstance(cls, type) and issubclass(cls, RolloutWorkflow):
+        params = inspect.signature(cls).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        accepted = set(standard) if takes_any else set(params) & set(standard)
+        for name in accepted - set(kwargs):
+            kwargs[name] = standard[name]()
+    workflow = resolve_workflow(cls, kwargs)
+    if "group_size" not in accepted and settings.group_size > 1:
+        workflow = GroupedRolloutWorkflow(workflow, settings.group_size)
+    return workflow
+
+
+async def run(settings: RolloutSettings) -> None:
+    bind_context(worker=settings.worker)
+
+    async def main(sup: Supervisor) -> None:
+        from services.reward.client import RewardClient
+        from services.rollout.engine import InferenceEngine
+
+        nc = await connect(settings.nats_url, f"rollout-{settings.worker}")
+        sup.stack.push_async_callback(nc.drain)
+        engine = InferenceEngine(settings.inference)
+        sup.stack.push_async_callback(engine.aclose)
+
+        loaded: dict[str, Any] = {}
+
+        def tokenizer() -> Any:
+            if "tok" not in loaded:
+                from transformers import AutoTokenizer
+
+                loaded["tok"] = AutoTokenizer.from_pretrained(settings.model_path)
+            return loaded["tok"]
+
+        try:
+            workflow = build_workflow(settings, standard_kwargs(settings, tokenizer, RewardClient(nc, settings.reward_timeout_s)))
+        except WorkflowError:
+            raise
+        except Exception as exc:
+            raise WorkflowError(f"workflow {settings.workflow}: construction failed: {exc!r}") from exc
+        dumper = None
+        if settings.dump_dir:
+            decode = None
+            if settings.model_path:
+                tok = tokenizer()
+                decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
+            dumper = TrajectoryDumper(settings.dump_dir, settings.experiment_name, settings.trial, decode)
+        metrics = MetricsPublisher(nc, settings.run, "rollout", settings.worker)
+        worker = RolloutWorker(nc, settings.run, workflow, engine, worker_config(settings), metrics=metrics, dumper=dumper)
+        log.info("rollout worker starting", workflow=type(workflow).__name__, max_concurrent=settings.max_concurrent)
+        sup.spawn("worker", worker.run(sup.stopping))
+        sup.spawn("metrics", worker.metrics_loop(sup.stopping, settings.metrics_interval_s))
+
+    await supervise("rollout", main, settings.shutdown_timeout_s)
+
+
+def worker_config(settings: RolloutSettings) -> WorkerConfig:
+    return WorkerConfig(
+        worker=settings.worker,
+        max_concurrent=settings.max_concurrent,
+        max_deliver=settings.max_deliver,
+        ack_wait_s=settings.ack_wait_s,
+        nak_delay_s=settings.nak_delay_s,
+        publish_timeout_s=settings.publish_timeout_s,
+        drain_timeout_s=settings.drain_timeout_s,
+    )

@@ -1,0 +1,79 @@
+"""Settings of `jetrl rollout` (`jetrl rollout --help` lists them with these docs)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, ClassVar
+
+from pydantic import Field, model_validator
+
+from services.common.settings import ServiceSettings
+from services.rollout.engine import InferenceClientSettings
+
+
+def _default_worker() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class RolloutSettings(ServiceSettings):
+    service: ClassVar[str] = "rollout"
+
+    model_path: str = ".jetrl/models/tiny"
+    """Model directory whose tokenizer the workflow uses (the inference servers hold the weights)."""
+    inference: InferenceClientSettings = InferenceClientSettings()
+    """The inference servers and how to call them."""
+    workflow: str = "services.rollout.workflows.rlvr:RLVRWorkflow"
+    """The workflow, "module:Class" (a RolloutWorkflow subclass)."""
+    workflow_kwargs: dict[str, Any] = {}
+    """Keyword arguments of the workflow's constructor (override the standard ones below)."""
+    group_size: int = 8
+    """Samples per prompt (GRPO's group). A workflow without a `group_size` argument is run this many times per prompt."""
+    max_new_tokens: int = 32
+    """Longest completion (per turn)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    reward_fn: str = "services.reward.builtin:copy3"
+    """Reward function, "module:function", on the reward service's allow-list."""
+    reward_timeout_s: float = 30.0
+    """Longest wait for one reward request's reply."""
+    max_concurrent: int = 16
+    """Episodes (prompts) this worker runs at once."""
+    max_deliver: int = 3
+    """Attempts per prompt; after the last failed one the prompt is published as rejected with the error."""
+    ack_wait_s: float = 60.0
+    """How long a prompt stays with a silent worker before redelivery (running episodes send in_progress)."""
+    nak_delay_s: float = 2.0
+    """Delay before a failed episode's prompt is delivered again."""
+    publish_timeout_s: float = 10.0
+    """Longest wait for the TRAJECTORIES stream to acknowledge a result."""
+    drain_timeout_s: float = 10.0
+    """On SIGTERM, how long in-flight episodes may finish before their prompts are handed back."""
+    worker: str = Field(default_factory=_default_worker)
+    """This worker's name in trajectories and metrics (default hostname-pid)."""
+    dump_dir: str | None = None
+    """If set, write each trajectory as JSONL under {dump_dir}/{experiment}/{trial}/{rollout|eval-rollout}/{version}/{task_id}.jsonl."""
+    experiment: str = ""
+    """Experiment name in dump paths (default: the run name)."""
+    trial: str = "trial0"
+    """Trial name in dump paths."""
+    metrics_interval_s: float = 5.0
+    """Seconds between two metrics events on METRICS."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "RolloutSettings":
+        for name in ("group_size", "max_concurrent", "max_deliver", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("ack_wait_s", "publish_timeout_s", "metrics_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.nak_delay_s < 0:
+            raise ValueError(f"nak_delay_s must be >= 0, got {self.nak_delay_s}")
+        if ":" not in self.workflow:
+            raise ValueError(f"workflow {self.workflow!r}: expected 'package.module:ClassName'")
+        return self
+
+    @property
+    def experiment_name(self) -> str:
+        return self.experiment or self.run
