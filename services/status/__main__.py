@@ -1,0 +1,3 @@
+from services.status import main
+
+raise SystemExit(main())

@@ -1,0 +1,16 @@
+"""Settings of `jetrl status`."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from services.common.settings import ServiceSettings
+
+
+class StatusSettings(ServiceSettings):
+    service: ClassVar[str] = "status"
+
+    format: Literal["table", "json"] = "table"
+    """table: readable text; json: one JSON object (for scripts)."""
+    timeout_s: float = 5.0
+    """How long to wait for NATS and for the stream reads."""

@@ -1,0 +1,3 @@
+from services.weights import main
+
+raise SystemExit(main())

@@ -1,0 +1,215 @@
+"""`jetrl weights`: the agent beside one inference server.
+
+At start it waits for the server, reads the version the server holds, and reads the weight-sync
+subject from its last message on, so a late joiner loads the latest published version at once.
+For each announcement: fetch and verify, `/pause_generation` (abort), `/update_weights_from_disk`,
+`/continue_generation`, then `WeightsLoaded`. An announcement that arrives while an older one is still
+being fetched cancels that fetch (the newer wins; the server is not paused for a version that is
+already stale). Any failure is reported as `WeightsLoadFailed`; the server keeps its old weights and
+generation is always resumed; the next announcement is tried afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+
+from schemas.messages import MessageError, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode, encode
+from schemas.subjects import Subjects
+from services.common.bus import connect
+from services.common.logging import bind_context, get_logger
+from services.common.metrics import MetricsPublisher
+from services.common.poison import terminate_poison
+from services.common.runner import Supervisor, supervise
+from services.weights.fetch import FetchError, fetch_version
+from services.weights.files import remove_tree, version_dirs, versions_to_drop
+from services.weights.publisher import ensure_weight_sync_stream
+from services.weights.server_client import ServerClient, ServerError
+from services.weights.settings import WeightsSettings
+
+log = get_logger("weights.agent")
+
+RESUME_ATTEMPTS = 5
+
+
+class WeightsAgent:
+    def __init__(self, nc: NATS, server: ServerClient, settings: WeightsSettings, metrics: MetricsPublisher) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.server = server
+        self.settings = settings
+        self.metrics = metrics
+        self.subjects = Subjects(settings.run)
+        self.cache_dir = Path(settings.cache_dir).resolve()
+        self.loaded_version: int | None = None
+        self._wanted: WeightsPublished | None = None
+        self._received = 0  # announcements received; the loader handles each at most once
+        self._handled = 0
+        self._wake = asyncio.Event()
+        self._fetching: tuple[int, asyncio.Task[Path]] | None = None
+
+    # ------------------------------------------------------------------------------ announcements
+
+    async def listen(self, stopping: asyncio.Event) -> None:
+        """Follow the weight-sync subject from its last message on (late joiners catch up at once)."""
+        sub = await self.js.subscribe(
+            self.subjects.weights_published, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
+        )
+        try:
+            while not stopping.is_set():
+                try:
+                    msg = await sub.next_msg(timeout=0.25)
+                except (asyncio.TimeoutError, TimeoutError):
+                    continue
+                await self._on_message(msg)
+        finally:
+            await sub.unsubscribe()
+
+    async def _on_message(self, msg: Msg) -> None:
+        try:
+            announced = decode(WeightsPublished, msg.data)
+        except MessageError as exc:
+            await terminate_poison(msg, exc, self.metrics)
+            return
+        self.offer(announced)
+
+    def offer(self, announced: WeightsPublished) -> None:
+        """The latest announcement is the one to load; an older one still being fetched is dropped."""
+        log.info("weights announced", version=announced.version, step=announced.step, uri=announced.uri)
+        self._wanted = announced
+        self._received += 1
+        if self._fetching is not None and self._fetching[0] != announced.version:
+            old, task = self._fetching
+            log.info("newer version supersedes the one being fetched", fetching=old, newer=announced.version)
+            self.metrics.count("superseded")
+            task.cancel()
+        self._wake.set()
+
+    # ------------------------------------------------------------------------------------ loading
+
+    async def load_loop(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            if self._handled == self._received:
+                self._wake.clear()
+                waiter = asyncio.ensure_future(self._wake.wait())
+                stopper = asyncio.ensure_future(stopping.wait())
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                stopper.cancel()
+                continue
+            self._handled = self._received
+            target = self._wanted
+            assert target is not None
+            if target.version == self.loaded_version:
+                log.info("server already holds the announced version", version=target.version)
+                continue
+            await self.load(target)
+
+    async def load(self, target: WeightsPublished) -> bool:
+        """Fetch, verify and load one version. True if the server now serves it."""
+        t0 = time.perf_counter()
+        bind_context(version=target.version)
+        fetch = asyncio.ensure_future(fetch_version(self.js, target, self.cache_dir))
+        self._fetching = (target.version, fetch)
+        try:
+            path = await fetch
+        except asyncio.CancelledError:
+            if fetch.cancelled() and not _current_task_cancelling():
+                return False  # superseded by a newer announcement; the loop moves on to it
+            raise
+        except FetchError as exc:
+            await self._failed(target.version, str(exc))
+            return False
+        finally:
+            self._fetching = None
+        fetch_s = time.perf_counter() - t0
+        ok, reason, paused_s = await self._swap(path, target.version)
+        if not ok:
+            await self._failed(target.version, reason)
+            return False
+        seconds = time.perf_counter() - t0
+        self.loaded_version = target.version
+        report = WeightsLoaded(run=self.settings.run, server=self.settings.server_name, version=target.version, seconds=seconds)
+        await self.js.publish(self.subjects.weights_loaded(self.settings.server_name), encode(report))
+        log.info("weights loaded", version=target.version, seconds=round(seconds, 3), fetch_s=round(fetch_s, 3), paused_s=round(paused_s, 3))
+        self.metrics.count("loads")
+        await self.metrics.emit(
+            {"weights_version": target.version, "load_seconds": seconds, "fetch_seconds": fetch_s, "paused_seconds": paused_s},
+            version=target.version,
+        )
+        self._clean_cache()
+        return True
+
+    async def _swap(self, path: Path, version: int) -> tuple[bool, str, float]:
+        """Pause, load, and resume whatever happened: (ok, reason if not, seconds paused)."""
+        t0 = time.perf_counter()
+        reason = ""
+        try:
+            await self.server.pause(self.settings.pause_mode)
+            await self.server.update_weights_from_disk(str(path), version)
+        except ServerError as exc:
+            reason = str(exc)
+        finally:
+            # Shielded: generation must be resumed even if the agent is being cancelled meanwhile.
+            resumed = await asyncio.shield(self._resume())
+        if not resumed:
+            reason = (reason + "; " if reason else "") + "continue_generation failed: server may be left paused"
+        return not reason, reason, time.perf_counter() - t0
+
+    async def _resume(self) -> bool:
+        for attempt in range(RESUME_ATTEMPTS):
+            try:
+                await self.server.resume()
+                return True
+            except ServerError as exc:
+                log.error("continue_generation failed", attempt=attempt + 1, error=str(exc))
+                await asyncio.sleep(min(0.2 * 2**attempt, 2.0))
+        return False
+
+    async def _failed(self, version: int, reason: str) -> None:
+        log.error("weights load failed; server keeps its current version", version=version, serving=self.loaded_version, reason=reason)
+        self.metrics.count("load_failures")
+        report = WeightsLoadFailed(run=self.settings.run, server=self.settings.server_name, version=version, reason=reason)
+        await self.js.publish(self.subjects.weights_failed(self.settings.server_name), encode(report))
+        await self.metrics.emit({}, version=self.loaded_version)
+
+    def _clean_cache(self) -> None:
+        """Drop local copies of old versions and partial fetches left by a crash."""
+        dirs = version_dirs(self.cache_dir)
+        protect = {self.loaded_version} if self.loaded_version is not None else set()
+        for v in versions_to_drop(set(dirs), self.settings.keep_local, protect=protect):
+            remove_tree(dirs[v])
+        if self.cache_dir.is_dir() and self._fetching is None:
+            for p in self.cache_dir.glob(".v*.partial"):
+                remove_tree(p)
+
+
+def _current_task_cancelling() -> bool:
+    task = asyncio.current_task()
+    return bool(task is not None and task.cancelling())
+
+
+async def run_agent(settings: WeightsSettings) -> None:
+    await supervise("weights", lambda sup: _start(sup, settings), settings.shutdown_timeout_s)
+
+
+async def _start(sup: Supervisor, settings: WeightsSettings) -> None:
+    bind_context(server=settings.server_name)
+    nc = await connect(settings.nats_url, f"jetrl-weights-{settings.server_name}")
+    sup.stack.push_async_callback(nc.drain)
+    await ensure_weight_sync_stream(nc)
+    server = ServerClient(settings.server, settings.request_timeout_s)
+    sup.stack.push_async_callback(server.aclose)
+    if not await server.wait_ready(settings.server_ready_timeout_s, sup.stopping):
+        return
+    agent = WeightsAgent(nc, server, settings, MetricsPublisher(nc, settings.run, "weights", worker=settings.server_name))
+    agent.loaded_version = await server.get_weight_version()
+    agent._clean_cache()
+    log.info("agent ready", server=settings.server, serving=agent.loaded_version)
+    sup.spawn("announcements", agent.listen(sup.stopping))
+    sup.spawn("loader", agent.load_loop(sup.stopping))

@@ -1,0 +1,72 @@
+"""Agent side: turn an announcement into a verified local directory the server can load.
+
+Object store versions are downloaded into `<cache_dir>/v<N>` (through a hidden partial directory, so a
+half-fetched version is never loaded); shared-directory versions are verified in place. Every file's
+size and sha256 must match the announcement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+from nats.js import JetStreamContext
+from nats.js.errors import ObjectNotFoundError
+
+from schemas.messages import WeightsPublished
+from services.weights import objstore
+from services.weights.files import ChecksumError, parse_uri, remove_tree, safe_name, verify_file
+
+
+class FetchError(RuntimeError):
+    """The announced version cannot be used: a file is missing, truncated or has the wrong sha256."""
+
+
+async def fetch_version(js: JetStreamContext, msg: WeightsPublished, cache_dir: Path) -> Path:
+    """Return a local directory holding exactly the announced files of `msg`."""
+    if not msg.files:
+        raise FetchError(f"v{msg.version}: the announcement lists no files")
+    where = parse_uri(msg.uri)
+    if where.scheme == "file":
+        assert where.path is not None
+        await _verify_in_place(where.path, msg)
+        return where.path
+    return await _download(js, where.bucket, where.prefix, msg, cache_dir)
+
+
+async def _verify_in_place(root: Path, msg: WeightsPublished) -> None:
+    for f in msg.files:
+        try:
+            await asyncio.to_thread(verify_file, root / safe_name(f.name), f)
+        except (ChecksumError, FileNotFoundError, ValueError) as exc:
+            raise FetchError(f"v{msg.version}: {exc}") from exc
+
+
+async def _download(js: JetStreamContext, bucket: str, prefix: str, msg: WeightsPublished, cache_dir: Path) -> Path:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    final = cache_dir / f"v{msg.version}"
+    partial = cache_dir / f".v{msg.version}.{uuid.uuid4().hex[:8]}.partial"
+    try:
+        for f in msg.files:
+            try:
+                dest = partial / safe_name(f.name)
+            except ValueError as exc:
+                raise FetchError(f"v{msg.version}: {exc}") from exc
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(dest, "wb") as out:
+                    info, digest = await objstore.get_file(js, bucket, f"{prefix}/{f.name}", out)
+            except ObjectNotFoundError as exc:
+                raise FetchError(f"v{msg.version}: {f.name}: missing from {bucket}/{prefix}") from exc
+            except objstore.ObjectStoreError as exc:
+                raise FetchError(f"v{msg.version}: {exc}") from exc
+            if info.size != f.size:
+                raise FetchError(f"v{msg.version}: {f.name}: size {info.size} != announced {f.size}")
+            if digest != f.sha256:
+                raise FetchError(f"v{msg.version}: {f.name}: sha256 {digest[:12]}... != announced {f.sha256[:12]}...")
+        remove_tree(final)
+        partial.rename(final)
+        return final
+    finally:
+        remove_tree(partial)  # a no-op after the rename; cleans up a failed or superseded fetch

@@ -1,0 +1,46 @@
+"""Settings of `jetrl weights`, the agent beside one inference server."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import field_validator
+
+from services.common.settings import ServiceSettings
+
+
+class WeightsSettings(ServiceSettings):
+    service: ClassVar[str] = "weights"
+
+    server: str = "http://127.0.0.1:30000"
+    """Base URL of the inference server this agent loads weights into."""
+    name: str = ""
+    """How this server is named in WeightsLoaded/WeightsLoadFailed and their subjects; default: `server`."""
+    cache_dir: str = ".jetrl/weights-cache"
+    """Where versions fetched from the object store are written (one `v<N>` directory each)."""
+    keep_local: int = 2
+    """Versions kept in `cache_dir` (the loaded one always among them); older ones are deleted."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """`/pause_generation` mode: abort returns in-flight requests with their partial tokens."""
+    request_timeout_s: float = 300.0
+    """Timeout of each HTTP call to the server (`/update_weights_from_disk` of a large model is slow)."""
+    server_ready_timeout_s: float = 600.0
+    """How long to wait at start for the server's `/health` to answer 200."""
+
+    @field_validator("keep_local")
+    @classmethod
+    def _keep_one(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("keep_local must be >= 1: the loaded version stays on disk")
+        return v
+
+    @field_validator("server")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"server {v!r}: expected an http(s):// base URL")
+        return v.rstrip("/")
+
+    @property
+    def server_name(self) -> str:
+        return self.name or self.server
