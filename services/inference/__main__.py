@@ -1,0 +1,3 @@
+from services.inference import main
+
+raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""The transformers backend: one batch of sequences decoded together over a shared, left-padded KV cache.
+
+Iteration-level batching: sequences join (`prefill`) and leave (`remove`) between steps. A joining
+group is prefilled on its own (sequences of equal prompt length together, so no padding ever reaches a
+prefill) and its cache is left-padded and concatenated onto the batch; an attention mask hides the
+padding and per-row position ids keep positions exact, so a token's logits do not depend on what else
+is in the batch. Every method runs in the server's single model thread, which is also where weight
+updates happen, so a load always falls between two steps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from services.common.logging import get_logger
+from services.inference.requests import SamplingParams
+from services.inference.sampling import sample
+from services.inference.weights import load_safetensors_into
+
+log = get_logger("inference.model")
+
+
+@dataclass
+class Joining:
+    """What the scheduler hands the backend when a sequence joins the batch."""
+
+    sid: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Row:
+    sid: int
+    params: SamplingParams
+    generator: torch.Generator
+    next_pos: int
+    last_token: int = 0
+
+
+class TransformersBackend:
+    def __init__(self, model_path: str, *, seed: int = 0, version: str = "0", threads: int = 1) -> None:
+        torch.set_num_threads(threads)
+        path = Path(model_path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model_path {model_path!r} has no config.json (build one with `jetrl make-model`)")
+        config = AutoConfig.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model_path = str(path)
+        try:
+            self.tokenizer: Any = AutoTokenizer.from_pretrained(path)
+        except Exception as exc:  # a model directory without a tokenizer still serves input_ids
+            log.warning("no tokenizer at model_path; text input disabled", error=repr(exc))
+            self.tokenizer = None
+        self.vocab_size = int(config.vocab_size)
+        self.context_length = int(getattr(config, "max_position_embeddings", 4096))
+        eos = config.eos_token_id if config.eos_token_id is not None else []
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.version = version
+        self._server_gen = torch.Generator().manual_seed(seed)
+        self._rows: list[_Row] = []
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._mask = torch.zeros(0, 0, dtype=torch.long)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows)
+
+    def _generator(self, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._server_gen
+        return torch.Generator().manual_seed(params.seed)
+
+    @torch.inference_mode()
+    def prefill(self, joining: list[Joining]) -> tuple[list[tuple[int, int, float]], str]:
+        """Run the prompts of `joining`, add them to the batch; returns (sid, first token, logprob)."""
+        by_len: dict[int, list[Joining]] = defaultdict(list)
+        for j in joining:
+            by_len[len(j.prompt)].append(j)
+        out: list[tuple[int, int, float]] = []
+        for length, group in by_len.items():
+            ids = torch.tensor([j.prompt for j in group], dtype=torch.long)
+            cache = DynamicCache()
+            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
+            rows = [_Row(j.sid, j.params, self._generator(j.params), next_pos=length) for j in group]
+            tokens, logps = sample(logits, [r.params for r in rows], [r.generator for r in rows])
+            for row, tok, lp in zip(rows, tokens, logps):
+                row.last_token = tok
+                out.append((row.sid, tok, lp))
+            layers = [(layer.keys, layer.values) for layer in cache.layers]
+            self._merge(rows, layers, torch.ones(len(group), length, dtype=torch.long))
+        return out, self.version
+
+    def _merge(self, rows: list[_Row], layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
+        if not self._rows:
+            self._rows = rows
+            self._keys = [k for k, _ in layers]
+            self._values = [v for _, v in layers]
+            self._mask = mask
+            return
+        old_len, new_len = self._mask.shape[1], mask.shape[1]
+        width = max(old_len, new_len)
+        self._keys = [torch.cat([_lpad(a, width), _lpad(b, width)]) for a, (b, _) in zip(self._keys, layers)]
+        self._values = [torch.cat([_lpad(a, width), _lpad(b, width)]) for a, (_, b) in zip(self._values, layers)]
+        self._mask = torch.cat([_lpad(self._mask, width), _lpad(mask, width)])
+        self._rows = self._rows + rows
+
+    @torch.inference_mode()
+    def decode(self) -> tuple[list[tuple[int, int, float]], str]:
+        """One token for every sequence in the batch: (sid, token, logprob)."""
+        if not self._rows:
+            return [], self.version
+        ids = torch.tensor([[r.last_token] for r in self._rows], dtype=torch.long)
+        pos = torch.tensor([[r.next_pos] for r in self._rows], dtype=torch.long)
+        mask = torch.cat([self._mask, torch.ones(len(self._rows), 1, dtype=torch.long)], dim=1)
+        cache = DynamicCache(ddp_cache_data=list(zip(self._keys, self._values)))
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+        ).logits[:, -1, :]
+        self._keys = [layer.keys for layer in cache.layers]
+        self._values = [layer.values for layer in cache.layers]
+        self._mask = mask
+        tokens, logps = sample(logits, [r.params for r in self._rows], [r.generator for r in self._rows])
+        out = []
+        for row, tok, lp in zip(self._rows, tokens, logps):
+            row.last_token = tok
+            row.next_pos += 1
+            out.append((row.sid, tok, lp))
+        return out, self.version
+
+    def remove(self, sids: set[int]) -> None:
+        """Drop finished or aborted sequences; trim padding columns no remaining row needs."""
+        keep = [i for i, r in enumerate(self._rows) if r.sid not in sids]
+        if len(keep) == len(self._rows):
+            return
+        if not keep:
+            self._rows, self._keys, self._values = [], [], []
+            self._mask = torch.zeros(0, 0, dtype=torch.long)
+            return
+        index = torch.tensor(keep)
+        self._rows = [self._rows[i] for i in keep]
+        mask = self._mask.index_select(0, index)
+        used = mask.any(dim=0).nonzero()
+        start = int(used[0]) if len(used) else mask.shape[1]
+        self._mask = mask[:, start:]
+        self._keys = [k.index_select(0, index)[:, :, start:] for k in self._keys]
+        self._values = [v.index_select(0, index)[:, :, start:] for v in self._values]
+
+    def load_weights(self, model_path: str, version: str | None) -> str:
+        """Load a checkpoint's safetensors in place (between steps); raises WeightLoadError and
+        leaves the old weights serving when the path or a shape is wrong."""
+        count = load_safetensors_into(self.model, model_path)
+        if version is not None:
+            self.version = version
+        return f"Succeeded to update model weights: {count} tensors from {model_path}"
+
+    def decode_text(self, ids: list[int], skip_special_tokens: bool = True) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _lpad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Left-pad the sequence dimension (-2 for [B, H, L, D] caches, -1 for [B, L] masks) with zeros."""
+    dim = -1 if t.dim() == 2 else -2
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)

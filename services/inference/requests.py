@@ -1,0 +1,194 @@
+"""Parse and validate a `/generate` body into prompts and sampling parameters.
+
+Everything wrong with a request is found here, before it reaches the decode loop, and becomes SGLang's
+error shape (HTTP 400 `{"error": {"message": ...}}`) with a message that names the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestError(ValueError):
+    """A request the server will not run (HTTP 400)."""
+
+
+# Known SGLang sampling params this server accepts only at their neutral value.
+_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
+_IGNORED = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "json_schema", "regex",
+            "ebnf", "structural_tag", "custom_params", "logit_bias", "stream_interval"}
+_TOP_IGNORED = {"logprob_start_len", "return_text_in_logprobs", "custom_logit_processor", "modalities",
+                "image_data", "session_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                "data_parallel_rank", "log_metrics", "return_hidden_states", "priority"}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-6 or self.top_k == 1
+
+
+@dataclass
+class GenerateInput:
+    prompts: list[list[int]]
+    """One prompt per output (a batch input and `n` > 1 expand here)."""
+    batched: bool
+    """Answer with a JSON list (batch input or n > 1)."""
+    params: SamplingParams
+    return_logprob: bool = False
+    stream: bool = False
+    rids: list[str] = field(default_factory=list)
+
+
+def _int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        raise RequestError(f"{name} must be an integer, got {v!r}")
+    return v
+
+
+def _float(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise RequestError(f"{name} must be a number, got {v!r}")
+    return float(v)
+
+
+def parse_sampling(raw: Any) -> SamplingParams:
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
+    known = set(SamplingParams.__dataclass_fields__) - {"seed"} | {"sampling_seed", "n"} | set(_NEUTRAL) | _IGNORED
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise RequestError(f"sampling_params: unknown field(s) {', '.join(unknown)}")
+    for name, neutral in _NEUTRAL.items():
+        if raw.get(name) not in (None, neutral):
+            raise RequestError(f"sampling_params.{name}={raw[name]!r} is not supported by the CPU server")
+    max_new = _int("max_new_tokens", raw.get("max_new_tokens", 128))
+    if max_new < 0:
+        raise RequestError(f"max_new_tokens must be >= 0, got {max_new}")
+    temperature = _float("temperature", raw.get("temperature", 1.0))
+    if temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature}")
+    top_p = _float("top_p", raw.get("top_p", 1.0))
+    if not 0 < top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}")
+    top_k = _int("top_k", raw.get("top_k", -1))
+    if top_k == 0 or top_k < -1:
+        raise RequestError(f"top_k must be -1 (all) or >= 1, got {top_k}")
+    stop = raw.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"stop must be a string or a list of non-empty strings, got {raw.get('stop')!r}")
+    stop_ids = raw.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list):
+        raise RequestError(f"stop_token_ids must be a list of integers, got {stop_ids!r}")
+    seed = raw.get("sampling_seed")
+    return SamplingParams(
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop=tuple(stop),
+        stop_token_ids=frozenset(_int("stop_token_ids[]", t) for t in stop_ids),
+        ignore_eos=bool(raw.get("ignore_eos", False)),
+        min_new_tokens=_int("min_new_tokens", raw.get("min_new_tokens", 0)),
+        seed=None if seed is None else _int("sampling_seed", seed),
+        skip_special_tokens=bool(raw.get("skip_special_tokens", True)),
+        no_stop_trim=bool(raw.get("no_stop_trim", False)),
+    )
+
+
+def parse_generate(
+    body: Any,
+    *,
+    vocab_size: int,
+    context_length: int,
+    tokenize: Callable[[str], list[int]] | None,
+) -> GenerateInput:
+    """Validate a `/generate` body; raise RequestError naming the problem."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    allowed = {"text", "input_ids", "sampling_params", "return_logprob", "top_logprobs_num", "stream", "rid",
+               "lora_path", "input_embeds"} | _TOP_IGNORED
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RequestError(f"unknown field(s) {', '.join(unknown)}")
+    has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
+    if has_text == has_ids:
+        raise RequestError("Either text or input_ids should be provided (exactly one of them).")
+    if body.get("input_embeds") is not None or body.get("lora_path") is not None:
+        raise RequestError("input_embeds and lora_path are not supported by the CPU server")
+    if _int("top_logprobs_num", body.get("top_logprobs_num", 0) or 0) > 0:
+        raise RequestError("top_logprobs_num > 0 is not supported by the CPU server")
+    if body.get("logprob_start_len") not in (None, -1):
+        raise RequestError("input logprobs (logprob_start_len >= 0) are not supported by the CPU server")
+
+    if has_text:
+        if tokenize is None:
+            raise RequestError("text input needs a tokenizer; this server has none: send input_ids")
+        texts = body["text"]
+        batched = isinstance(texts, list)
+        texts = texts if batched else [texts]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise RequestError("text must be a string or a non-empty list of strings")
+        prompts = [tokenize(t) for t in texts]
+    else:
+        ids = body["input_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
+        batched = isinstance(ids[0], list)
+        prompts = [list(p) for p in ids] if batched else [ids]
+    params = parse_sampling(body.get("sampling_params"))
+    n = _int("n", (body.get("sampling_params") or {}).get("n", 1))
+    if n < 1:
+        raise RequestError(f"n must be >= 1, got {n}")
+
+    for i, prompt in enumerate(prompts):
+        where = f"input_ids[{i}]" if batched else "input_ids"
+        if not prompt:
+            raise RequestError(f"{where} is empty")
+        for tok in prompt:
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+                raise RequestError(f"{where}: token id {tok!r} is out of vocabulary (vocab size {vocab_size})")
+        total = len(prompt) + params.max_new_tokens
+        if total > context_length:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of {context_length} tokens: "
+                f"{len(prompt)} prompt tokens + max_new_tokens {params.max_new_tokens} = {total}"
+            )
+    rid = body.get("rid")
+    expanded = [p for p in prompts for _ in range(n)]
+    if isinstance(rid, list):
+        rids = [str(r) for r in rid]
+        if len(rids) != len(prompts):
+            raise RequestError(f"rid has {len(rids)} entries for {len(prompts)} inputs")
+        rids = [f"{r}-{k}" if n > 1 else r for r in rids for k in range(n)]
+    elif rid is not None:
+        rids = [str(rid)] if len(expanded) == 1 else [f"{rid}-{i}" for i in range(len(expanded))]
+    else:
+        rids = []
+    return GenerateInput(
+        prompts=expanded,
+        batched=batched or n > 1,
+        params=params,
+        return_logprob=bool(body.get("return_logprob", False)),
+        stream=bool(body.get("stream", False)),
+        rids=rids,
+    )

@@ -1,0 +1,55 @@
+"""Batched sampling with per-row parameters, returning the logprob of each chosen token under the
+distribution it was actually drawn from (temperature, top-k and top-p applied, renormalised).
+
+Each row draws its uniform number from its own generator, so a request with `sampling_seed` gets the
+same tokens whatever else is in the batch; the draw is an inverse-CDF lookup, one batched op.
+Greedy rows (temperature 0 or top_k 1) take the argmax and report its logprob under softmax(logits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.inference.requests import SamplingParams
+
+
+def _filter(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask logits outside each row's top-k / nucleus with -inf."""
+    vocab = scaled.shape[-1]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    if all(k == vocab for k in ks) and all(p >= 1.0 for p in top_p):
+        return scaled
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= torch.tensor(ks).unsqueeze(1)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token: keep while < top_p
+    drop |= before >= torch.tensor(top_p, dtype=scaled.dtype).unsqueeze(1)
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> tuple[list[int], list[float]]:
+    """logits [B, V] -> (token per row, its logprob)."""
+    logits = logits.float()
+    greedy = [p.greedy for p in params]
+    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)]).unsqueeze(1)
+    scaled = _filter(
+        logits / temps,
+        [-1 if g else p.top_k for p, g in zip(params, greedy)],
+        [1.0 if g else p.top_p for p, g in zip(params, greedy)],
+    )
+    logp = torch.log_softmax(scaled, dim=-1)
+    if all(greedy):
+        tokens = logp.argmax(dim=-1)
+    else:
+        u = torch.cat([torch.rand(1, generator=g) for g in generators])
+        cdf = logp.exp().cumsum(dim=-1)
+        target = (u * cdf[:, -1]).unsqueeze(1)
+        drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+        tokens = torch.where(torch.tensor(greedy), logp.argmax(dim=-1), drawn)
+    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens.tolist(), chosen.tolist()

@@ -1,0 +1,194 @@
+"""The decode loop: admits waiting requests, steps the batch, finishes sequences; pause and abort.
+
+One asyncio task owns the schedule; every backend call (prefill, decode, remove, weight load) runs in
+one dedicated thread, so the event loop keeps answering HTTP during a step and a weight update always
+lands between two steps. A request can join or leave the batch at any step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+from services.common.logging import get_logger
+from services.inference.model_backend import Joining
+from services.inference.requests import SamplingParams
+
+log = get_logger("inference.scheduler")
+T = TypeVar("T")
+BEFORE_PREFILL = "Abort before prefill"
+
+
+@dataclass(eq=False)
+class Seq:
+    sid: int
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    created: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    prefilled: bool = False
+    finished_at: float | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set after every step that touched this sequence (streaming waits on it)."""
+
+
+class Scheduler:
+    def __init__(self, backend: Any, max_batch_size: int) -> None:
+        self.backend = backend
+        self.max_batch_size = max_batch_size
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.waiting: deque[Seq] = deque()
+        self.running: dict[int, Seq] = {}
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._abort: set[str] = set()  # rids to abort
+        self._abort_all = False
+        self._abort_done: list[asyncio.Future[None]] = []
+        self.tokens_generated = 0
+        self.requests_finished = 0
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    async def in_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # ---- requests ------------------------------------------------------------------------------
+    async def submit(self, prompt: list[int], params: SamplingParams, rid: str | None) -> Seq:
+        """Queue a request (blocking first while generation is paused)."""
+        await self._resumed.wait()
+        sid = next(self._ids)
+        seq = Seq(sid=sid, rid=rid or f"req-{sid}", prompt=prompt, params=params)
+        if params.max_new_tokens == 0:
+            self._finish(seq, {"type": "length", "length": 0})
+            return seq
+        self.waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request by rid (None: all); returns once the loop has done it."""
+        if rid is None:
+            self._abort_all = True
+        else:
+            self._abort.add(rid)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._abort_done.append(fut)
+        self._wake.set()
+        await fut
+
+    async def pause(self) -> None:
+        """Abort mode: in-flight requests end with `abort` and their partial output; new ones block."""
+        self._resumed.clear()
+        await self.abort(None)
+
+    def resume(self) -> None:
+        self._resumed.set()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    async def run(self, stopping: asyncio.Event) -> None:
+        try:
+            while not (stopping.is_set() and not self.waiting and not self.running):
+                if not self.waiting and not self.running and not self._abort_done:
+                    waiter = asyncio.ensure_future(self._wake.wait())
+                    stop = asyncio.ensure_future(stopping.wait())
+                    await asyncio.wait([waiter, stop], return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    stop.cancel()
+                self._wake.clear()
+                await self._do_aborts()
+                await self._step()
+        finally:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _do_aborts(self) -> None:
+        if not self._abort_done:
+            return
+        everything, rids = self._abort_all, self._abort
+        self._abort_all, self._abort = False, set()
+        waiters, self._abort_done = self._abort_done, []
+        hit = lambda s: everything or s.rid in rids  # noqa: E731
+        for seq in [s for s in self.waiting if hit(s)]:
+            self.waiting.remove(seq)
+            self._finish(seq, {"type": "abort", "message": BEFORE_PREFILL, "status_code": 200, "err_type": None})
+        gone = {sid for sid, s in self.running.items() if hit(s)}
+        for sid in gone:
+            self._finish(self.running.pop(sid), {"type": "abort", "message": "Aborted by request", "status_code": 200, "err_type": None})
+        if gone:
+            await self.in_model_thread(self.backend.remove, gone)
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    async def _step(self) -> None:
+        room = self.max_batch_size - len(self.running)
+        joining: list[Seq] = []
+        while self.waiting and room > 0:
+            joining.append(self.waiting.popleft())
+            room -= 1
+        if joining:
+            for seq in joining:
+                seq.prefilled = True
+                self.running[seq.sid] = seq
+            out, version = await self.in_model_thread(
+                self.backend.prefill, [Joining(s.sid, s.prompt, s.params) for s in joining]
+            )
+            await self._apply(out, version)
+        if self.running:
+            out, version = await self.in_model_thread(self.backend.decode)
+            await self._apply(out, version)
+
+    async def _apply(self, out: list[tuple[int, int, float]], version: str) -> None:
+        done: set[int] = set()
+        for sid, tok, lp in out:
+            seq = self.running.get(sid)
+            if seq is None:  # aborted while the step ran
+                continue
+            seq.output_ids.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(version)
+            seq.progress.set()
+            finish = self._stop_check(seq, tok)
+            if finish is not None:
+                self._finish(seq, finish)
+                done.add(sid)
+        self.tokens_generated += len(out)
+        for sid in done:
+            del self.running[sid]
+        if done:
+            await self.in_model_thread(self.backend.remove, done)
+
+    def _stop_check(self, seq: Seq, tok: int) -> dict[str, Any] | None:
+        p, n = seq.params, len(seq.output_ids)
+        if n >= p.min_new_tokens:
+            if (not p.ignore_eos and tok in self.backend.eos_ids) or tok in p.stop_token_ids:
+                return {"type": "stop", "matched": tok}
+            if p.stop:
+                longest = max(len(s) for s in p.stop)
+                tail = self.backend.decode_text(seq.output_ids[-(longest + 4):], False) or ""
+                for s in p.stop:
+                    if tail.endswith(s):
+                        return {"type": "stop", "matched": s}
+        if n >= p.max_new_tokens:
+            return {"type": "length", "length": n}
+        return None
+
+    def _finish(self, seq: Seq, finish: dict[str, Any]) -> None:
+        seq.finish = finish
+        seq.finished_at = time.monotonic()
+        self.requests_finished += 1
+        seq.progress.set()
+        seq.done.set()

@@ -1,0 +1,253 @@
+"""`jetrl inference`: the SGLang HTTP protocol over the CPU scheduler (see docs/inference.md).
+
+The HTTP side listens at once and answers `/health` 503 until the model is loaded; the decode loop is
+a supervised task, so SIGTERM drains in-flight requests and exits within `shutdown_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from services.common.logging import get_logger
+from services.common.runner import Supervisor, supervise
+from services.inference.replies import error_body, models_body, output_body
+from services.inference.requests import RequestError, parse_generate
+from services.inference.scheduler import Scheduler, Seq
+from services.inference.settings import InferenceSettings
+from services.inference.weights import WeightLoadError
+
+log = get_logger("inference")
+
+
+def make_backend(settings: InferenceSettings) -> Any:
+    if settings.simulate:
+        from services.inference.simulate import SimulatedBackend
+
+        return SimulatedBackend(settings.sim, seed=settings.seed, version=settings.weight_version)
+    from services.inference.model_backend import TransformersBackend
+
+    return TransformersBackend(
+        settings.model_path, seed=settings.seed, version=settings.weight_version, threads=settings.torch_threads
+    )
+
+
+class InferenceServer:
+    def __init__(self, settings: InferenceSettings) -> None:
+        self.settings = settings
+        self.scheduler: Scheduler | None = None
+        self.stopping = False
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler is not None and not self.stopping
+
+    def start(self, backend: Any) -> Scheduler:
+        self.scheduler = Scheduler(backend, self.settings.max_batch_size)
+        return self.scheduler
+
+    @property
+    def context_length(self) -> int:
+        assert self.scheduler is not None
+        return self.settings.context_length or self.scheduler.backend.context_length
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._not_ready])
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health)
+        r.add_post("/pause_generation", self.pause)
+        r.add_post("/continue_generation", self.resume)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/get_load", self.load)
+        r.add_get("/v1/loads", self.load)
+        return app
+
+    @web.middleware
+    async def _not_ready(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if not self.ready and request.path not in ("/health", "/health_generate"):
+            return web.json_response(error_body("server is starting or shutting down"), status=503)
+        return await handler(request)
+
+    @property
+    def sched(self) -> Scheduler:
+        assert self.scheduler is not None
+        return self.scheduler
+
+    async def _json(self, request: web.Request) -> Any:
+        if not request.can_read_body:
+            return {}
+        try:
+            return await request.json()
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"request body is not valid JSON: {exc}") from exc
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        backend = self.sched.backend
+        try:
+            gen = parse_generate(
+                await self._json(request),
+                vocab_size=backend.vocab_size,
+                context_length=self.context_length,
+                tokenize=backend.tokenize if backend.tokenizer is not None else None,
+            )
+            if gen.stream and len(gen.prompts) > 1:
+                raise RequestError("stream: true with a batch input or n > 1 is not supported by the CPU server")
+        except RequestError as exc:
+            return web.json_response(error_body(str(exc)), status=400)
+        rids = gen.rids or [None] * len(gen.prompts)
+        seqs = [await self.sched.submit(p, gen.params, rid) for p, rid in zip(gen.prompts, rids)]
+        try:
+            if gen.stream:
+                return await self._stream(request, seqs[0], gen.return_logprob)
+            await asyncio.gather(*(s.done.wait() for s in seqs))
+        finally:
+            # A client that went away (the handler is cancelled) aborts what it asked for.
+            for s in seqs:
+                if s.finish is None:
+                    asyncio.ensure_future(self.sched.abort(s.rid))
+        outs = [self._out(s, gen.return_logprob) for s in seqs]
+        return web.json_response(outs if gen.batched else outs[0])
+
+    def _out(self, seq: Seq, return_logprob: bool) -> dict[str, Any]:
+        return output_body(seq, self.sched.backend, return_logprob=return_logprob, server_version=self.sched.backend.version)
+
+    async def _stream(self, request: web.Request, seq: Seq, return_logprob: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        sent = -1
+        while True:
+            await seq.progress.wait()
+            seq.progress.clear()
+            if len(seq.output_ids) != sent or seq.finish is not None:
+                sent = len(seq.output_ids)
+                chunk = self._out(seq, return_logprob)
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if seq.finish is not None:
+                break
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # ---- control -------------------------------------------------------------------------------
+    async def pause(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        mode = (body or {}).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return web.json_response(error_body(f"pause mode {mode!r}: expected abort, retract or in_place"), status=400)
+        # retract / in_place keep requests on a GPU server; here every mode aborts, which the client
+        # continues, so the observable result (one completion, tokens tagged per version) is the same.
+        await self.sched.pause()
+        log.info("generation paused", mode=mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.sched.resume()
+        log.info("generation continued")
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        path = body.get("model_path") if isinstance(body, dict) else None
+        if not path:
+            return web.json_response({"success": False, "message": "model_path is required"}, status=400)
+        version = body.get("weight_version")
+        if body.get("abort_all_requests"):
+            await self.sched.abort(None)
+        try:
+            msg = await self.sched.in_model_thread(self.sched.backend.load_weights, str(path), None if version is None else str(version))
+        except WeightLoadError as exc:
+            log.warning("weight update failed; old weights keep serving", error=str(exc))
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        log.info("weights updated", model_path=path, version=self.sched.backend.version)
+        return web.json_response({"success": True, "message": msg, "num_paused_requests": 0})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        if not isinstance(body, dict) or body.get("new_version") is None:
+            return web.json_response({"success": False, "message": "new_version is required"}, status=400)
+        if body.get("abort_all_requests", True):
+            await self.sched.abort(None)
+        self.sched.backend.version = str(body["new_version"])
+        return web.json_response({"success": True, "message": "ok", "new_version": self.sched.backend.version})
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.sched.backend.version})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self._json(request) or {}
+        if body.get("abort_all"):
+            await self.sched.abort(None)
+        elif body.get("rid"):
+            await self.sched.abort(str(body["rid"]))
+        return web.Response(status=200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.sched.running or self.sched.waiting:
+            return web.Response(status=400, text="Cache not flushed: requests are running.\n")
+        return web.Response(text="Cache flushed.\n")
+
+    # ---- info ----------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.ready else 503, text="ok" if self.ready else "starting")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        b = self.sched.backend
+        return web.json_response({
+            "model_path": b.model_path, "tokenizer_path": b.model_path if b.tokenizer is not None else None,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": b.version,
+        })
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        info = self.settings.model_dump(mode="json")
+        info.update(version="jetrl-cpu", context_length=self.context_length, vocab_size=self.sched.backend.vocab_size,
+                    weight_version=self.sched.backend.version, tokens_generated=self.sched.tokens_generated,
+                    requests_finished=self.sched.requests_finished, paused=self.sched.paused)
+        return web.json_response(info)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(models_body(self.sched.backend.model_path, self.context_length))
+
+    async def load(self, request: web.Request) -> web.Response:
+        running, waiting = len(self.sched.running), len(self.sched.waiting)
+        return web.json_response({"num_running_reqs": running, "num_waiting_reqs": waiting, "num_reqs": running + waiting,
+                                  "num_tokens": sum(len(s.prompt) + len(s.output_ids) for s in self.sched.running.values())})
+
+
+async def run(settings: InferenceSettings) -> None:
+    server = InferenceServer(settings)
+
+    async def main(sup: Supervisor) -> None:
+        runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        sup.stack.push_async_callback(runner.cleanup)
+        port = runner.addresses[0][1]
+        log.info("listening; loading model", url=f"http://{settings.host}:{port}", simulate=settings.simulate)
+        backend = await asyncio.to_thread(make_backend, settings)
+        scheduler = server.start(backend)
+        sup.spawn("decode-loop", scheduler.run(sup.stopping))
+        sup.spawn("unready-on-stop", _mark_stopping(sup, server))
+        log.info("ready", url=f"http://{settings.host}:{port}", model_path=backend.model_path, version=backend.version)
+
+    await supervise("inference", main, settings.shutdown_timeout_s)
+
+
+async def _mark_stopping(sup: Supervisor, server: InferenceServer) -> None:
+    await sup.stopping.wait()
+    server.stopping = True
+    if server.scheduler is not None:
+        server.scheduler.resume()  # requests blocked by a pause must not hold shutdown

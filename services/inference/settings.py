@@ -1,0 +1,57 @@
+"""Settings of `jetrl inference`, the SGLang-protocol server on CPU."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import model_validator
+
+from services.common.settings import Section, ServiceSettings
+
+
+class SimulateSettings(Section):
+    token_latency_s: float = 0.01
+    """Time one decode step takes (every running request gets one token per step, as on a GPU)."""
+    prefill_latency_s: float = 0.0
+    """Extra time a step takes when it admits new requests."""
+    vocab_size: int = 48
+    """Token ids are drawn from [3, vocab_size); 2 is the end-of-sequence id."""
+    eos_token_id: int = 2
+    """Token id a simulated completion ends with (finish `stop`)."""
+    median_new_tokens: float = 32.0
+    """Median completion length of the long-tailed (log-normal) length distribution."""
+    length_sigma: float = 1.0
+    """Log-normal sigma: larger means a longer tail of long completions."""
+
+
+class InferenceSettings(ServiceSettings):
+    service: ClassVar[str] = "inference"
+
+    model_path: str = ".jetrl/models/tiny"
+    """Local HF model directory (config.json + *.safetensors [+ tokenizer]); `jetrl make-model` builds the default."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 30000
+    """Port to listen on (0 picks a free one; the chosen port is logged)."""
+    weight_version: str = "0"
+    """Weight version the loaded model serves until the first /update_weights_from_disk."""
+    max_batch_size: int = 64
+    """Most requests decoded together in one step; more wait in the queue."""
+    seed: int = 0
+    """Seed of the server's sampler for requests without `sampling_seed`."""
+    torch_threads: int = 1
+    """torch intra-op threads of the decode thread."""
+    context_length: int = 0
+    """Longest prompt + completion; 0 means the model's max_position_embeddings."""
+    simulate: bool = False
+    """Serve the protocol with no model: random tokens at `sim.token_latency_s` per step (for benchmarks)."""
+    sim: SimulateSettings = SimulateSettings()
+    """Simulation knobs (used when `simulate` is true)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "InferenceSettings":
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if self.torch_threads < 1:
+            raise ValueError("torch_threads must be >= 1")
+        return self

@@ -1,0 +1,302 @@
+"""`InferenceEngine`: the SGLang client rollout workflows call (`agenerate`), plus weight control.
+
+Interruptible generation (AReaL's `agenerate`): a pass that ends in `abort` (a weight update paused the
+server) is continued with prompt + tokens so far and the remaining budget, so one completion can carry
+tokens of several weight versions. Transport failures (timeouts, connection errors, 408/429/5xx) are
+retried with capped jittered backoff, then the next server takes over; a 400 is the caller's bug and
+raises at once. Payloads and replies are handled by the pure functions in `sglang_protocol.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from services.common.logging import get_logger
+from services.common.settings import Section
+from services.rollout.sglang_protocol import (
+    ProtocolError,
+    build_generate_payload,
+    error_message,
+    parse_generate_reply,
+    parse_version,
+)
+
+log = get_logger("inference-client")
+
+
+class InferenceError(Exception):
+    """Generation failed."""
+
+
+class BadRequestError(InferenceError):
+    """The server refused the request (HTTP 400): the caller's bug, never retried."""
+
+
+class ServersUnavailableError(InferenceError):
+    """Every server failed (timeouts, connection errors, 5xx) after its retries."""
+
+
+@dataclass
+class ModelRequest:
+    input_ids: list[int]
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    rid: str | None = None
+
+
+@dataclass
+class ModelResponse:
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    stop_reason: str
+    latency_s: float
+    server: str
+    passes: int = 1
+    """How many `/generate` passes it took (more than 1 when aborts were continued)."""
+
+
+class InferenceClientSettings(Section):
+    servers: list[str] = ["http://127.0.0.1:30000"]
+    """Base URLs of the inference servers (or one sglang_router)."""
+    policy: Literal["least_loaded", "round_robin"] = "least_loaded"
+    """How a new episode picks its server: fewest requests in flight from this client, or in turn."""
+    request_timeout_s: float = 600.0
+    """Timeout of one /generate pass (a long generation is one pass)."""
+    connect_timeout_s: float = 5.0
+    """Timeout for opening a connection."""
+    control_timeout_s: float = 120.0
+    """Timeout of pause / continue / update_weights_from_disk calls (loading can be slow)."""
+    max_retries: int = 2
+    """Retries on one server (timeouts, connection errors, 408/429/5xx) before failing over."""
+    backoff_initial_s: float = 0.2
+    """First backoff; doubles each retry, with full jitter."""
+    backoff_max_s: float = 5.0
+    """Cap of one backoff."""
+    down_cooldown_s: float = 10.0
+    """A server that failed all its retries is skipped by new choices for this long."""
+    max_passes: int = 1000
+    """Abort continuations allowed for one request before it is an error (a server stuck aborting)."""
+
+
+class InferenceEngine:
+    def __init__(self, settings: InferenceClientSettings) -> None:
+        if not settings.servers:
+            raise ValueError("InferenceClientSettings.servers is empty: give at least one server URL")
+        self.settings = settings
+        self.servers = [s.rstrip("/") for s in settings.servers]
+        self._inflight: dict[str, int] = {s: 0 for s in self.servers}
+        self._down_until: dict[str, float] = {}
+        self._rr = itertools.count()
+        self._episodes: dict[str, str] = {}
+        timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self._http = httpx.AsyncClient(timeout=timeout, limits=limits)
+
+    # ---- server choice -------------------------------------------------------------------------
+    def _up(self) -> list[str]:
+        now = time.monotonic()
+        up = [s for s in self.servers if self._down_until.get(s, 0.0) <= now]
+        return up or list(self.servers)  # all down: try them all again rather than give up
+
+    def _choose(self, episode: str | None) -> str:
+        up = self._up()
+        if episode is not None and self._episodes.get(episode) in up:
+            return self._episodes[episode]
+        if self.settings.policy == "round_robin":
+            server = up[next(self._rr) % len(up)]
+        else:
+            low = min(self._inflight[s] for s in up)
+            server = next(s for s in up if self._inflight[s] == low)
+        if episode is not None:
+            self._episodes[episode] = server
+        return server
+
+    def _order(self, first: str) -> list[str]:
+        """`first`, then the other servers (healthy ones first, least loaded first)."""
+        up = set(self._up())
+        rest = [s for s in self.servers if s != first]
+        rest.sort(key=lambda s: (s not in up, self._inflight[s]))
+        return [first, *rest]
+
+    def release_episode(self, episode: str) -> None:
+        """Forget an episode's server (call when the episode ends to keep the map small)."""
+        self._episodes.pop(episode, None)
+
+    # ---- HTTP with retry and failover ----------------------------------------------------------
+    async def _backoff(self, attempt: int) -> None:
+        cap = min(self.settings.backoff_max_s, self.settings.backoff_initial_s * (2**attempt))
+        await asyncio.sleep(random.uniform(0, cap))
+
+    async def _post_once(self, server: str, path: str, payload: dict[str, Any], timeout: float | None) -> Any:
+        """One POST with retries on this server. Raises BadRequestError on 4xx, OSError-like
+        `_Unavailable` when the retries are spent."""
+        last = "no attempt"
+        for attempt in range(self.settings.max_retries + 1):
+            if attempt:
+                await self._backoff(attempt - 1)
+            try:
+                kwargs: dict[str, Any] = {"json": payload}
+                if timeout is not None:
+                    kwargs["timeout"] = httpx.Timeout(timeout, connect=self.settings.connect_timeout_s)
+                resp = await self._http.post(server + path, **kwargs)
+            except httpx.TimeoutException as exc:
+                last = f"timeout ({type(exc).__name__})"
+                continue
+            except httpx.TransportError as exc:
+                last = f"connection error ({type(exc).__name__}: {exc})"
+                continue
+            if resp.status_code in (408, 429) or resp.status_code >= 500:
+                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                continue
+            body = _json_or_text(resp)
+            if resp.status_code >= 400:
+                raise BadRequestError(f"{server}{path}: HTTP {resp.status_code}: {error_message(body, resp.text[:500])}")
+            return body
+        raise _Unavailable(f"{server}{path}: {last}")
+
+    async def _post(self, server: str, path: str, payload: dict[str, Any], episode: str | None) -> tuple[Any, str]:
+        errors = []
+        for candidate in self._order(server):
+            self._inflight[candidate] += 1
+            try:
+                return await self._post_once(candidate, path, payload, None), candidate
+            except _Unavailable as exc:
+                errors.append(str(exc))
+                self._down_until[candidate] = time.monotonic() + self.settings.down_cooldown_s
+                log.warning("inference server unavailable; failing over", server=candidate, error=str(exc))
+                if episode is not None:
+                    self._episodes.pop(episode, None)
+            finally:
+                self._inflight[candidate] -= 1
+        raise ServersUnavailableError("every inference server failed: " + "; ".join(errors))
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def agenerate(self, req: ModelRequest, *, episode: str | None = None) -> ModelResponse:
+        """Generate until `stop`/`length`, continuing across aborts; tokens carry their versions."""
+        if req.max_new_tokens < 0:
+            raise BadRequestError(f"max_new_tokens must be >= 0, got {req.max_new_tokens}")
+        start = time.monotonic()
+        server = self._choose(episode)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        passes = 0
+        idle_aborts = 0
+        while True:
+            passes += 1
+            if passes > self.settings.max_passes:
+                raise InferenceError(f"gave up after {self.settings.max_passes} aborted passes (server {server})")
+            payload = build_generate_payload(
+                req.input_ids + ids,
+                max_new_tokens=req.max_new_tokens - len(ids),
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                stop_token_ids=req.stop_token_ids,
+                stop=req.stop,
+                ignore_eos=req.ignore_eos,
+                seed=req.seed,
+                rid=f"{req.rid}-p{passes}" if req.rid else None,
+            )
+            body, server = await self._post(server, "/generate", payload, episode)
+            if episode is not None:
+                self._episodes[episode] = server
+            try:
+                part = parse_generate_reply(body)
+            except ProtocolError as exc:
+                raise InferenceError(f"{server}: {exc}") from exc
+            ids += part.output_ids
+            logprobs += part.output_logprobs
+            versions += part.output_versions
+            if part.finished:
+                stop_reason = part.finish_type
+                break
+            if part.finish_type != "abort":
+                raise InferenceError(f"{server}: unknown finish_reason {part.finish_type!r}")
+            if part.status_code == 400:
+                raise BadRequestError(f"{server}: request aborted: {part.finish_message}")
+            if len(ids) >= req.max_new_tokens:
+                stop_reason = "length"
+                break
+            # An abort with no progress (e.g. "Abort before prefill"): a paused server blocks the next
+            # pass itself, so only a short growing pause guards against a server that aborts at once.
+            idle_aborts = 0 if part.output_ids else idle_aborts + 1
+            if idle_aborts > 1:
+                await asyncio.sleep(min(1.0, 0.01 * 2**idle_aborts))
+        return ModelResponse(
+            input_ids=list(req.input_ids),
+            output_ids=ids,
+            output_logprobs=logprobs,
+            output_versions=versions,
+            stop_reason=stop_reason,
+            latency_s=time.monotonic() - start,
+            server=server,
+            passes=passes,
+        )
+
+    # ---- control -------------------------------------------------------------------------------
+    def _targets(self, server: str | None) -> list[str]:
+        return [server.rstrip("/")] if server else list(self.servers)
+
+    async def _control(self, server: str | None, path: str, payload: dict[str, Any]) -> list[Any]:
+        async def one(s: str) -> Any:
+            try:
+                return await self._post_once(s, path, payload, self.settings.control_timeout_s)
+            except _Unavailable as exc:
+                raise ServersUnavailableError(str(exc)) from exc
+
+        return list(await asyncio.gather(*(one(s) for s in self._targets(server))))
+
+    async def pause(self, server: str | None = None) -> None:
+        """Pause generation in abort mode: in-flight requests return their partial tokens."""
+        await self._control(server, "/pause_generation", {"mode": "abort"})
+
+    async def resume(self, server: str | None = None) -> None:
+        await self._control(server, "/continue_generation", {})
+
+    async def update_weights_from_disk(self, model_path: str, version: int, server: str | None = None) -> None:
+        """Load a HF checkpoint directory; raises BadRequestError with the server's message on failure."""
+        bodies = await self._control(
+            server, "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": str(version)}
+        )
+        for s, body in zip(self._targets(server), bodies):
+            if isinstance(body, dict) and body.get("success") is False:
+                raise BadRequestError(f"{s}: update_weights_from_disk failed: {body.get('message')}")
+
+    async def get_weight_version(self, server: str) -> int:
+        try:
+            resp = await self._http.get(server.rstrip("/") + "/get_weight_version", timeout=self.settings.control_timeout_s)
+        except httpx.TransportError as exc:
+            raise ServersUnavailableError(f"{server}/get_weight_version: {exc!r}") from exc
+        if resp.status_code != 200:
+            raise InferenceError(f"{server}/get_weight_version: HTTP {resp.status_code}: {resp.text[:200]}")
+        return parse_version(resp.json().get("weight_version"))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+class _Unavailable(Exception):
+    """One server's retries are spent (internal: turns into failover)."""
+
+
+def _json_or_text(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        return resp.text
