@@ -1,0 +1,3 @@
+from services.up import main
+
+raise SystemExit(main())

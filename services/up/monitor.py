@@ -1,0 +1,84 @@
+"""Watches a run through the bus: the METRICS stream (every service's events) and the weight-sync
+reports, and keeps what the live display, the summary and the report need."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from schemas.messages import MessageError, MetricsEvent, WeightsLoaded, decode
+from schemas.subjects import Subjects
+
+# Keys the display looks for in the trainer's events (first present wins).
+REWARD_KEYS = ("reward_mean", "reward/mean", "reward")
+ACCURACY_KEYS = ("accuracy", "reward/accuracy")
+STALENESS_KEYS = ("staleness_mean", "staleness/mean", "staleness")
+WAIT_KEYS = ("wait_fraction", "time/wait_fraction")
+
+
+def pick(values: dict[str, float], keys: tuple[str, ...]) -> float | None:
+    for key in keys:
+        if key in values:
+            return values[key]
+    return None
+
+
+@dataclass
+class RunView:
+    started: float = field(default_factory=time.time)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    """One dict per trainer step event: step, version, time, and the event's values."""
+    latest: dict[str, MetricsEvent] = field(default_factory=dict)
+    """Last event per service/worker."""
+    servers: dict[str, int] = field(default_factory=dict)
+    """Weight version loaded per inference server."""
+    malformed: int = 0
+
+    def add(self, event: MetricsEvent) -> None:
+        self.latest[f"{event.service}/{event.worker}"] = event
+        if event.service == "trainer" and event.step is not None:
+            if not self.steps or self.steps[-1]["step"] != event.step:
+                self.steps.append({"step": event.step, "version": event.version, "time": event.time - self.started, **event.values})
+
+    @property
+    def step(self) -> int:
+        return self.steps[-1]["step"] if self.steps else 0
+
+    def recent(self, keys: tuple[str, ...], n: int = 10) -> float | None:
+        vals = [v for s in self.steps[-n:] if (v := pick(s, keys)) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    def rollout_rate(self, key: str = "episodes_per_s") -> float:
+        return sum(e.values.get(key, 0.0) for k, e in self.latest.items() if k.startswith("rollout/"))
+
+    def live_workers(self, service: str, within_s: float = 30.0) -> int:
+        now = time.time()
+        return sum(1 for k, e in self.latest.items() if k.startswith(f"{service}/") and now - e.time < within_s)
+
+
+async def watch(nc: NATS, run: str, view: RunView) -> list[Any]:
+    """Subscribe to the run's metrics and weight reports; returns the subscriptions."""
+    subjects = Subjects(run)
+
+    async def on_metrics(msg: Msg) -> None:
+        try:
+            view.add(decode(MetricsEvent, msg.data))
+        except MessageError:
+            view.malformed += 1
+
+    async def on_loaded(msg: Msg) -> None:
+        try:
+            loaded = decode(WeightsLoaded, msg.data)
+        except MessageError:
+            view.malformed += 1
+            return
+        view.servers[loaded.server] = loaded.version
+
+    return [
+        await nc.subscribe(subjects.metrics_all, cb=on_metrics),
+        await nc.subscribe(subjects.weights_loaded_all, cb=on_loaded),
+    ]

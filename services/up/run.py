@@ -1,0 +1,173 @@
+"""The body of `jetrl up`: start the stack, watch it, stop it, report."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.common.bus import connect, declare_streams
+from services.common.logging import configure_logging, get_logger
+from services.common.nats_server import NatsServer, free_port
+from services.up.display import Display
+from services.up.monitor import REWARD_KEYS, RunView, watch
+from services.up.report import plot_curves, summary_lines, write_metrics
+from services.up.settings import UpSettings
+from services.up.stack import Stack, to_env
+
+log = get_logger("up")
+ROOT = Path(__file__).resolve().parents[2]
+_PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TORCH_EXTENSIONS_DIR", "VIRTUAL_ENV")
+
+
+def run_stack(settings: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
+    configure_logging(settings.log_level, settings.log_format, run=settings.run, service="up")
+    _validate_sections(sections)
+    return asyncio.run(_run(settings, sections))
+
+
+def _validate_sections(sections: dict[str, dict[str, Any]]) -> None:
+    """Fail before starting anything if a service section has an unknown key or a bad value."""
+    import importlib
+
+    from pydantic import ValidationError
+
+    for name, values in sections.items():
+        module = importlib.import_module(f"services.{name}.settings")
+        cls = next(c for c in vars(module).values() if isinstance(c, type) and getattr(c, "service", None) == name)
+        try:
+            cls.model_validate(values)
+        except ValidationError as exc:
+            raise SystemExit(f"jetrl up: --config section {name!r}: {exc}") from exc
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
+    run_dir = Path(s.run_dir).resolve() / s.run
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stop = asyncio.Event()
+    interrupted: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        interrupted.append(sig.name)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    started = time.time()
+    nats = NatsServer(run_dir / "nats", log_file=run_dir / "nats-server.log")
+    base_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+    base_env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    stack = Stack(run_dir, base_env)
+    view = RunView(started=started)
+    display = Display(s, view, stack)
+    outcome = "failed"
+    try:
+        nats.start()
+        log.info("nats-server ready", url=nats.url, store=str(nats.store_dir))
+        await asyncio.to_thread(_make_model, s.model_path)
+        dataset = s.dataset_path or await asyncio.to_thread(_make_dataset, run_dir, s.dataset_size)
+        nc = await connect(nats.url, "jetrl-up")
+        await declare_streams(nc.jetstream())
+        await watch(nc, s.run, view)
+
+        common = {"run": s.run, "nats_url": nats.url, "log_format": "json"}
+        sec = lambda name: sections.get(name, {})  # noqa: E731
+        stack.start("reward", "services.reward", to_env("reward", deep_merge(common, sec("reward"))))
+        servers = []
+        for i in range(s.inference_servers):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            servers.append(url)
+            stack.start(f"inference-{i}", "services.inference", to_env("inference", deep_merge({**common, "model_path": s.model_path, "port": port, "seed": i}, sec("inference"))))
+            weights = {**common, "server": url, "cache_dir": str(run_dir / f"weights-cache-{i}")}
+            stack.start(f"weights-{i}", "services.weights", to_env("weights", deep_merge(weights, sec("weights"))))
+        await _wait_healthy(servers, stack, s.ready_timeout_s, stop)
+        for i in range(s.rollout_workers):
+            rollout = {**common, "model_path": s.model_path, "worker": f"rollout-{i}", "inference": {"servers": servers}}
+            stack.start(f"rollout-{i}", "services.rollout", to_env("rollout", deep_merge(rollout, sec("rollout"))))
+        trainer = {
+            **common,
+            "model_path": s.model_path,
+            "output_dir": str(run_dir / "trainer"),
+            "total_steps": s.total_steps,
+            "feeder": {"dataset_path": str(dataset)},
+        }
+        trainer_proc = stack.start("trainer", "services.trainer", to_env("trainer", deep_merge(trainer, sec("trainer"))))
+
+        with display:
+            while not stop.is_set():
+                display.refresh()
+                if trainer_proc.poll() == 0:
+                    outcome = "finished"
+                    break
+                failed = stack.failed()
+                if failed is not None:
+                    display.stop()
+                    print(f"\njetrl up: service {failed.name} exited with code {failed.poll()}; last lines of {failed.log_path}:\n{failed.log_tail()}", file=sys.stderr)
+                    break
+                if s.stop_at_reward and len(view.steps) >= 10 and (view.recent(REWARD_KEYS) or 0) >= s.stop_at_reward:
+                    outcome = "converged"
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.5)
+            if interrupted:
+                outcome = f"interrupted ({interrupted[0]})"
+        await asyncio.sleep(0.3)  # let the last metrics events arrive
+        await nc.close()
+    finally:
+        log.info("stopping the stack", outcome=outcome)
+        await asyncio.to_thread(stack.stop, s.stop_timeout_s)
+        nats.stop()
+    wall = time.time() - started
+    write_metrics(run_dir, view.steps, {"outcome": outcome, "wall_s": wall, "servers": view.servers})
+    png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})")
+    print("\n".join([f"run {s.run}: {outcome}", *summary_lines(view.steps, view.servers, wall), f"metrics: {run_dir / 'metrics.json'}", f"curve: {png}", f"logs: {run_dir / 'logs'}"]))
+    if outcome in ("finished", "converged"):
+        return 0
+    return 130 if interrupted else 1
+
+
+def _make_model(path: str) -> None:
+    from services.inference.make_model import build_model
+
+    build_model(path)
+
+
+def _make_dataset(run_dir: Path, n: int) -> Path:
+    from services.common.demo_task import write_copy3_dataset
+
+    return write_copy3_dataset(run_dir / "data" / "copy3.jsonl", n)
+
+
+async def _wait_healthy(servers: list[str], stack: Stack, timeout_s: float, stop: asyncio.Event) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        for url in servers:
+            while True:
+                failed = stack.failed()
+                if failed is not None:
+                    raise RuntimeError(f"{failed.name} exited with {failed.poll()} while starting:\n{failed.log_tail()}")
+                if stop.is_set():
+                    raise RuntimeError("interrupted while starting")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{url}/health")).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"inference server {url} not healthy within {timeout_s}s")
+                await asyncio.sleep(0.2)

@@ -1,0 +1,40 @@
+"""Settings of `jetrl up`: the local stack. Each service's own settings come from the same YAML file
+(`--config`), one section per service (`inference:`, `rollout:`, `reward:`, `trainer:`, `weights:`),
+and reach the service processes as environment variables only."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from services.common.settings import ServiceSettings
+
+
+class UpSettings(ServiceSettings):
+    service: ClassVar[str] = "up"
+
+    run: str = "demo"
+    """Run name (part of every subject); the run directory is `<run_dir>/<run>`."""
+    run_dir: str = "runs"
+    """Where each run keeps its NATS store, logs, checkpoints, metrics and plots."""
+    model_path: str = ".jetrl/models/tiny"
+    """Model served and trained; the default tiny model is built here if missing."""
+    dataset_path: str = ""
+    """Prompt dataset (JSONL/Parquet); empty = generate the copy3 demo prompts in the run directory."""
+    dataset_size: int = Field(4096, ge=1)
+    """Number of demo prompts generated when dataset_path is empty."""
+    rollout_workers: int = Field(2, ge=1)
+    """Rollout worker processes."""
+    inference_servers: int = Field(1, ge=1)
+    """CPU inference servers (each with its own weights agent)."""
+    total_steps: int = Field(200, ge=1)
+    """Trainer steps; the run ends when the trainer finishes them."""
+    stop_at_reward: float = Field(0.0, ge=0)
+    """Stop early once the 10-step mean reward reaches this (0 = run all steps)."""
+    display: str = "auto"
+    """auto (live table on a terminal, a line per step otherwise) | live | lines | none."""
+    stop_timeout_s: float = Field(20.0, gt=0)
+    """On exit, how long services get to drain after SIGTERM before they are killed."""
+    ready_timeout_s: float = Field(180.0, gt=0)
+    """How long the inference servers may take to become healthy."""

@@ -1,0 +1,131 @@
+"""The local stack as OS processes: each service is `python -m services.<name>` configured only by
+environment variables (as a container would be), in its own process group, logging to
+`<run>/logs/<name>.log`. If one dies the stack stops with its error; `stop()` ends every process group
+within a deadline and leaves nothing behind."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.common.logging import get_logger
+
+log = get_logger("up")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: new process group, and SIGTERM if `jetrl up` itself dies."""
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def to_env(service: str, values: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"ppo": {"lr": 1}} -> {"JETRL_TRAINER__PPO__LR": "1"}; lists and dicts of scalars as JSON."""
+    env: dict[str, str] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key.upper()}"
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value) and not prefix.endswith("KWARGS__"):
+            env.update(to_env(service, value, f"{name}__"))
+        elif isinstance(value, (list, dict, bool)) or value is None:
+            env[f"JETRL_{service.upper()}__{name}"] = json.dumps(value)
+        else:
+            env[f"JETRL_{service.upper()}__{name}"] = str(value)
+    return env
+
+
+@dataclass
+class Proc:
+    name: str
+    module: str
+    env: dict[str, str]
+    log_path: Path
+    required: bool = True
+    """A required process ending (even cleanly) before the run is done is a failure."""
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def poll(self) -> int | None:
+        return self.popen.poll() if self.popen else None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class Stack:
+    def __init__(self, run_dir: Path, base_env: dict[str, str]) -> None:
+        self.run_dir = run_dir
+        self.logs = run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.base_env = base_env
+        self.procs: list[Proc] = []
+
+    def start(self, name: str, module: str, env: dict[str, str], required: bool = True) -> Proc:
+        proc = Proc(name, module, env, self.logs / f"{name}.log", required)
+        # Only the machine's basics plus this service's settings: exactly what a container gets.
+        full_env = {**self.base_env, **env}
+        with open(proc.log_path, "ab") as out:
+            proc.popen = subprocess.Popen(
+                [sys.executable, "-m", module],
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
+        log.info("started", service=name, pid=proc.pid, log=str(proc.log_path))
+        self.procs.append(proc)
+        return proc
+
+    def failed(self) -> Proc | None:
+        """The first required process that has ended, if any."""
+        for proc in self.procs:
+            if proc.required and proc.poll() is not None:
+                return proc
+        return None
+
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM every process group, wait up to the deadline, SIGKILL what is left."""
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            if proc.popen is None:
+                continue
+            try:
+                proc.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("did not stop in time; killing", service=proc.name)
+        for proc in self.procs:
+            # the group too: a launcher's ranks or a pool's workers may outlive their parent
+            _signal_group(proc, signal.SIGKILL)
+            if proc.popen is not None and proc.popen.poll() is None:
+                proc.popen.wait()
+
+
+def _signal_group(proc: Proc, sig: signal.Signals) -> None:
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
