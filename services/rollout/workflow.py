@@ -132,8 +132,15 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
         self.group_size = group_size
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(self.workflow.arun_episode(engine, data)) for _ in range(self.group_size)]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self.workflow.arun_episode(engine, data)) for _ in range(self.group_size)]
+        except ExceptionGroup as group:
+            # the first episode's own error, so the worker sees (and classifies) what went wrong
+            first: BaseException = group
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first
         results = [as_tensor_dict(t.result()) for t in tasks]
         kept = [r for r in results if r is not None]
         return concat_padded(kept) if kept else None
