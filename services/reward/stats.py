@@ -3,6 +3,7 @@ percentiles, and counts by outcome. Totals are monotonic; rates and percentiles 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ def percentile(samples: list[float], q: float) -> float:
     if not samples:
         return 0.0
     ordered = sorted(samples)
-    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
+    rank = max(1, min(len(ordered), math.ceil(q / 100.0 * len(ordered))))
     return ordered[rank - 1]
 
 

@@ -1,0 +1,137 @@
+"""The reward service in the test's event loop against a real nats-server, with a real process pool:
+correct scores, a timeout that hits one item only, refusals with clear messages, malformed bytes,
+metrics on the METRICS stream, and the client's error when nobody answers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from schemas.messages import MetricsEvent, RewardItem, RewardReply, decode
+from schemas.subjects import REWARD_SUBJECT, Subjects
+from services.common.bus import connect
+from services.reward.client import RewardClient, RewardRequestError, RewardUnavailableError
+from services.reward.service import RewardService
+from services.reward.settings import RewardSettings
+
+RUN = "rwd"
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NATS]:
+    conn = await connect(nats_url, "reward-test")
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def service(nats_url: str, nc: NATS) -> AsyncIterator[RewardService]:
+    settings = RewardSettings(
+        run=RUN, nats_url=nats_url, processes=2, allow=["tests.reward_fns:*"], item_timeout_s=2.0, metrics_interval_s=0.2
+    )
+    svc = RewardService(settings, nc)
+    await svc.start()
+    try:
+        yield svc
+    finally:
+        await svc.stop(timeout_s=2.0)
+
+
+def item(completion: str, **row: object) -> RewardItem:
+    return RewardItem(prompt="q", completion=completion, data=dict(row))
+
+
+async def test_builtin_rewards_score_correctly(service: RewardService, nc: NATS) -> None:
+    client = RewardClient(nc, timeout_s=20)
+    copy3 = await client.score("services.reward.builtin:copy3", [item("123", answer="123"), item("193", answer="123"), item("", answer="123")])
+    assert [(r.status, r.value) for r in copy3] == [("ok", 1.0), ("ok", pytest.approx(2 / 3)), ("ok", 0.0)]
+    numeric = await client.score("services.reward.builtin:numeric_match", [item("so 42", answer="42"), item("41", answer="42")])
+    assert [r.value for r in numeric] == [1.0, 0.0]
+    math = await client.score("services.reward.builtin:math_verify", [item(r"$\boxed{\frac{3}{4}}$", answer="0.75"), item("1", answer="0.75")])
+    assert [r.value for r in math] == [1.0, 0.0]
+    # a row the function cannot score is an error with the reason, not a 0
+    bad = await client.score("services.reward.builtin:numeric_match", [item("42", answer="forty-two"), item("42", answer="42")])
+    assert bad[0].status == "error" and "not a number" in bad[0].message and bad[0].value is None
+    assert (bad[1].status, bad[1].value) == ("ok", 1.0)
+
+
+async def test_item_past_its_timeout_is_timeout_and_the_others_are_ok(service: RewardService, nc: NATS) -> None:
+    client = RewardClient(nc, timeout_s=20)
+    items = [item("a", sleep_s=0), item("bb", sleep_s=60), item("ccc", sleep_s=0.05), item("dddd", sleep_s=0)]
+    results = await client.score("tests.reward_fns:sleepy", items, item_timeout_s=0.5)
+    assert [r.status for r in results] == ["ok", "timeout", "ok", "ok"]
+    assert [r.value for r in results] == [1.0, None, 3.0, 4.0]
+    assert "0.5 s" in results[1].message
+    # the killed process was replaced: the pool still runs two items at once
+    again = await client.score("tests.reward_fns:sleepy", [item("xy", sleep_s=0.3), item("z", sleep_s=0.3)], item_timeout_s=5)
+    assert [(r.status, r.value) for r in again] == [("ok", 2.0), ("ok", 1.0)]
+    assert service.pool.restarts == 1
+
+
+async def test_function_errors_are_reported_per_item(service: RewardService, nc: NATS) -> None:
+    client = RewardClient(nc, timeout_s=20)
+    raised = await client.score("tests.reward_fns:raises", [item("a")])
+    assert raised[0].status == "error" and "KeyError" in raised[0].message
+    text = await client.score("tests.reward_fns:returns_text", [item("a")])
+    assert text[0].status == "error" and "expected a float" in text[0].message
+
+
+async def test_functions_off_the_allow_list_are_refused(service: RewardService, nc: NATS) -> None:
+    client = RewardClient(nc, timeout_s=20)
+    with pytest.raises(RewardRequestError, match="'os:system' is not on this reward service's allow-list"):
+        await client.score("os:system", [item("rm -rf /")])
+    with pytest.raises(RewardRequestError, match="has no attribute 'missing'"):
+        await client.score("tests.reward_fns:missing", [item("a")])
+    with pytest.raises(RewardRequestError, match="module:function"):
+        await client.score("not a reference", [item("a")])
+    assert (await client.score("tests.reward_fns:length", [item("abc")]))[0].value == 3.0
+
+
+async def test_malformed_request_bytes_get_an_error_reply(service: RewardService, nc: NATS) -> None:
+    for payload in (b"\xc1 not msgpack", b"\x93\x01\x02\x03", b"\x81\xa2fn\xa1x"):
+        msg = await nc.request(REWARD_SUBJECT, payload, timeout=10)
+        reply = decode(RewardReply, msg.data)
+        assert reply.error.startswith("malformed reward request") and not reply.results
+        assert msg.headers and msg.headers.get("Nats-Service-Error-Code") == "400"
+    client = RewardClient(nc, timeout_s=20)
+    assert (await client.score("tests.reward_fns:length", [item("ab")]))[0].value == 2.0
+    assert service.metrics.counters["malformed_messages"] == 3
+
+
+async def test_metrics_are_published(service: RewardService, nc: NATS) -> None:
+    events: asyncio.Queue[MetricsEvent] = asyncio.Queue()
+
+    async def on_metrics(msg) -> None:  # type: ignore[no-untyped-def]
+        await events.put(decode(MetricsEvent, msg.data))
+
+    await nc.subscribe(Subjects(RUN).metrics("reward"), cb=on_metrics)
+    stop = asyncio.Event()
+    loop = asyncio.create_task(service.metrics_loop(stop))
+    client = RewardClient(nc, timeout_s=20)
+    try:
+        await client.score("tests.reward_fns:sleepy", [item("a", sleep_s=0), item("b", sleep_s=30)], item_timeout_s=0.3)
+        await client.score("tests.reward_fns:exit_now", [item("a")])
+        while True:
+            event = await asyncio.wait_for(events.get(), timeout=10)
+            if event.values.get("items", 0) >= 3:
+                break
+    finally:
+        stop.set()
+        await loop
+    values = event.values
+    assert event.service == "reward" and event.worker == service.instance
+    assert values["timeouts"] == 1 and values["errors"] == 1 and values["items_ok"] == 1
+    assert values["pool_restarts"] == 2
+    for key in ("items_per_s", "latency_p50_s", "latency_p99_s"):
+        assert key in values
+
+
+async def test_client_without_a_service_says_so(nc: NATS) -> None:
+    client = RewardClient(nc, timeout_s=5)
+    with pytest.raises(RewardUnavailableError, match="no reward service is listening"):
+        await client.score("services.reward.builtin:copy3", [item("1", answer="1")])
