@@ -1,0 +1,3 @@
+from services.trainer import main
+
+raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Rank 0 drives; the other ranks follow. Rank 0 pulls from the bus and scatters one command per
+rank (its share of the step); every rank then runs the same collective work (`execute`). Ranks other
+than 0 never touch NATS: they loop on `follow` until told to stop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from services.trainer.actor import PPOActor
+from services.trainer.engine import TrainEngine
+
+
+@dataclass
+class Command:
+    op: str
+    """train | save | load | stop"""
+    pieces: list[dict[str, Any]] = field(default_factory=list)
+    """train: this rank's piece of each mini-batch."""
+    weights_dir: str | None = None
+    """train: after the update, gather the weights and write a HF dir here (rank 0)."""
+    directory: str = ""
+    tag: str | None = None
+    client_state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    stats: dict[str, float] = field(default_factory=dict)
+    weights_dir: Path | None = None
+    client_state: dict[str, Any] = field(default_factory=dict)
+
+
+def scatter(commands: list[Command]) -> Command:
+    """On rank 0: send commands[r] to rank r and return commands[0]. Elsewhere use `receive`."""
+    if len(commands) == 1:
+        return commands[0]
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, commands, src=0)
+    return out[0]
+
+
+def receive() -> Command:
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, None, src=0)
+    return out[0]
+
+
+def execute(engine: TrainEngine, actor: PPOActor, cmd: Command) -> Result:
+    """The collective work of one command; identical on every rank."""
+    if cmd.op == "train":
+        stats = actor.ppo_update(cmd.pieces)
+        weights = engine.upload_weights(cmd.weights_dir) if cmd.weights_dir else None
+        return Result(stats=stats, weights_dir=weights)
+    if cmd.op == "save":
+        engine.save(cmd.directory, cmd.tag or "latest", cmd.client_state)
+        return Result()
+    if cmd.op == "load":
+        return Result(client_state=engine.load(cmd.directory, cmd.tag))
+    if cmd.op == "stop":
+        return Result()
+    raise ValueError(f"unknown trainer command {cmd.op!r}")
+
+
+def follow(engine: TrainEngine, actor: PPOActor) -> None:
+    """The loop of every rank but 0: receive a command, run it, until `stop`."""
+    while True:
+        cmd = receive()
+        execute(engine, actor, cmd)
+        if cmd.op == "stop":
+            return

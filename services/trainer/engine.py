@@ -1,0 +1,192 @@
+"""`TrainEngine`: a DeepSpeed ZeRO (stage 1/2/3) engine around a HF causal LM, on CUDA where there is
+a GPU and on CPU (gloo) here, at any world size.
+
+Every method that touches parameters is collective: all ranks call it in the same order (ZeRO-3
+gathers parameters during forward and when consolidating weights).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.logging import get_logger
+from services.trainer.settings import TrainerSettings
+
+log = get_logger("trainer.engine")
+
+# Tokenizer and generation files copied next to published weights so a server can load the dir alone.
+_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def import_deepspeed() -> Any:
+    """Import DeepSpeed without the shm comm op build (~60 s, 1.5 GB on CPU; losses are identical
+    without it: shared/reference/deepspeed-cpu.md)."""
+    import deepspeed
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    return deepspeed
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world_size). Single-process runs need RANK/WORLD_SIZE/MASTER_* set too, else DeepSpeed
+    looks for MPI; default them for world size 1."""
+    deepspeed = import_deepspeed()
+    if "WORLD_SIZE" not in os.environ:
+        from services.common.nats_server import free_port
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def ds_config(settings: TrainerSettings) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        # Mini-batches are formed by the trainer, one optimizer step each: DeepSpeed's own batch
+        # bookkeeping is nominal here.
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": settings.grad_clip,
+        "zero_optimization": {"stage": settings.zero_stage, "stage3_gather_16bit_weights_on_model_save": True},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if settings.dtype == "bfloat16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+class TrainEngine:
+    """The model, its optimizer and their distribution. `train_batch` runs one optimizer step per
+    mini-batch with a caller-given loss; `forward` gives logits without gradients."""
+
+    def __init__(self, settings: TrainerSettings) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.settings = settings
+        self.rank, self.world_size = init_distributed()
+        self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
+        deepspeed = import_deepspeed()
+        torch.manual_seed(settings.seed)
+        # Built in full on every rank, then partitioned by deepspeed.initialize: a bare zero.Init would
+        # skip HF's weight init (shared/reference/deepspeed-cpu.md); loading a checkpoint is exact anyway.
+        model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(settings))
+        self.ref_model: torch.nn.Module | None = None
+        if settings.ppo.kl_coef > 0:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32).to(self.device)
+            self.ref_model.eval().requires_grad_(False)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": batch["input_ids"].to(self.device).long(),
+            "attention_mask": batch["attention_mask"].to(self.device).long(),
+        }
+
+    @torch.no_grad()
+    def forward(self, batch: dict[str, torch.Tensor], *, reference: bool = False) -> torch.Tensor:
+        """Logits (float32) for a padded batch, without gradients; `reference` uses the frozen reference model."""
+        if reference:
+            if self.ref_model is None:
+                raise RuntimeError("forward(reference=True) needs ppo.kl_coef > 0 (no reference model loaded)")
+            return self.ref_model(**self._inputs(batch)).logits.float()
+        was_training = self.engine.module.training
+        self.engine.module.eval()
+        try:
+            return self.engine(**self._inputs(batch)).logits.float()
+        finally:
+            self.engine.module.train(was_training)
+
+    def train_batch(
+        self,
+        minibatches: list[dict[str, Any]],
+        loss_fn: Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]],
+    ) -> tuple[list[dict[str, float]], list[float]]:
+        """One optimizer step per mini-batch: forward, `loss_fn(logits, mb) -> (loss, stats)`, backward,
+        step. Returns the per-mini-batch stats and the global grad norms (before clipping)."""
+        self.engine.train()
+        stats, norms = [], []
+        for mb in minibatches:
+            logits = self.engine(**self._inputs(mb)).logits
+            loss, mb_stats = loss_fn(logits, mb)
+            self.engine.backward(loss)
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            norms.append(float(norm) if norm is not None else float("nan"))
+            stats.append(mb_stats)
+        return stats, norms
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def save(self, directory: str | Path, tag: str, client_state: dict[str, Any]) -> None:
+        """DeepSpeed checkpoint (model, optimizer, per-rank partitions) plus `client_state`; collective."""
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state)
+
+    def load(self, directory: str | Path, tag: str | None = None) -> dict[str, Any]:
+        """Restore model and optimizer; returns the client_state saved with them. Collective."""
+        path, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag or '(latest)'} in {directory}")
+        return client_state or {}
+
+    # ------------------------------------------------------------------------------ weights out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full float32 weights on rank 0 (None elsewhere), from the fp32 master copy of whichever
+        ZeRO stage. Collective: every rank must call it."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.engine.module.named_parameters():
+            full = safe_get_full_fp32_param(param)
+            if full is None:  # before the first step the optimizer may hold no hp mapping: use the module
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([param]):
+                    full = param.detach().float().clone()
+            if self.is_main:
+                out[name] = full.detach().cpu().clone()
+        return out if self.is_main else None
+
+    def upload_weights(self, out_dir: str | Path) -> Path | None:
+        """Gather the weights and write a HF checkpoint dir (float32 safetensors + config + tokenizer)
+        on rank 0; returns its path on rank 0, None elsewhere. Collective."""
+        sd = self.full_state_dict()
+        if not self.is_main:
+            return None
+        assert sd is not None
+        out = Path(out_dir)
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        module = self.engine.module
+        module.config.dtype = "float32"
+        # transformers pops tensors out of the dict it is given: pass a copy.
+        module.save_pretrained(out, state_dict=dict(sd), safe_serialization=True)
+        src = Path(self.settings.model_path)
+        for name in _SIDE_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, out / name)
+        return out

@@ -1,0 +1,90 @@
+"""What the trainer does with each trajectory message: decode, then accept it into the next step, or
+count it as rejected (marker, stale, zero-variance) so the feeder re-issues, or skip a duplicate, or
+terminate a malformed one. Pure bookkeeping: the bus loop lives in `loop.py`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from schemas.headers import is_rejection
+from schemas.messages import MessageError, RejectionMarker, decode
+from schemas.subjects import HDR_PROMPT_ID
+from schemas.trajectory import TrajectoryError, decode_group
+from services.trainer.feeder import Feeder
+
+
+@dataclass
+class Group:
+    prompt_id: str
+    tensors: dict[str, np.ndarray]
+    head_version: int
+    seq: int
+
+
+@dataclass
+class Verdict:
+    outcome: str
+    """accepted | rejected | stale | filtered | duplicate | malformed"""
+    prompt_id: str | None = None
+    group: Group | None = None
+    error: str = ""
+
+
+@dataclass
+class Intake:
+    eta: int
+    dynamic_filtering: bool = False
+    feeder: Feeder | None = None
+    trained: set[str] = field(default_factory=set)
+    """Every prompt_id accepted for training (checkpointed): a redelivered or replayed one is skipped."""
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def judge(self, data: bytes, headers: dict[str, str] | None, seq: int, version: int) -> Verdict:
+        verdict = self._judge(data, headers, seq, version)
+        self.counts[verdict.outcome] += 1
+        pid = verdict.prompt_id
+        if verdict.outcome == "accepted" and pid is not None:
+            self.trained.add(pid)
+            if self.feeder is not None:
+                self.feeder.on_accepted(pid)
+        elif verdict.outcome in ("rejected", "stale", "filtered", "malformed") and pid is not None:
+            # Each of these yields nothing trainable for the prompt: the feeder issues it again.
+            if self.feeder is not None:
+                self.feeder.on_rejected(pid)
+        return verdict
+
+    def _judge(self, data: bytes, headers: dict[str, str] | None, seq: int, version: int) -> Verdict:
+        header_pid = (headers or {}).get(HDR_PROMPT_ID)
+        if is_rejection(headers):
+            try:
+                marker = decode(RejectionMarker, data)
+            except MessageError as exc:
+                return Verdict("malformed", header_pid, error=str(exc))
+            if marker.prompt_id in self.trained:
+                return Verdict("duplicate", marker.prompt_id)
+            return Verdict("rejected", marker.prompt_id)
+        try:
+            decoded = decode_group(data)
+        except (TrajectoryError, ValueError, KeyError) as exc:
+            return Verdict("malformed", header_pid, error=str(exc))
+        pid = decoded.meta.prompt_id
+        if pid in self.trained:
+            return Verdict("duplicate", pid)
+        head = decoded.meta.head_version
+        if version - head > self.eta:
+            return Verdict("stale", pid)
+        rewards = decoded.tensors["rewards"]
+        if self.dynamic_filtering and rewards.size > 0 and np.all(rewards == rewards.flat[0]):
+            return Verdict("filtered", pid)
+        return Verdict("accepted", pid, Group(pid, decoded.tensors, head, seq))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"trained": sorted(self.trained), "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trained = set(state["trained"])
+        self.counts = Counter(state["counts"])

@@ -1,0 +1,303 @@
+"""`Trainer`: rank 0's training loop, drivable in-process (tests) or as the service.
+
+One step: gather B accepted groups from TRAJECTORIES (rejections, stale, zero-variance, duplicate and
+malformed messages are counted and handled on the way), collate and compute advantages, scatter each
+rank's share, run the decoupled PPO update on every rank, version += 1, gather and publish the
+weights, emit metrics, checkpoint every K steps. The feeder publishes prompts concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from schemas.messages import MessageError, PromptTask, decode, encode
+from schemas.subjects import HDR_MSG_ID, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
+from services.common.bus import declare_streams
+from services.common.logging import get_logger
+from services.common.metrics import MetricsPublisher
+from services.common.poison import terminate_poison
+from services.trainer import checkpoint as ckpt
+from services.trainer.actor import PPOActor
+from services.trainer.batch import collate, shard
+from services.trainer.collective import Command, execute, scatter
+from services.trainer.engine import TrainEngine
+from services.trainer.feeder import Feeder, load_rows
+from services.trainer.intake import Group, Intake
+from services.trainer.settings import TrainerSettings
+
+log = get_logger("trainer")
+
+Publish = Callable[[int, int, Path], Awaitable[Any]]
+"""`publish(version, step, hf_dir)`: e.g. `WeightPublisher.publish_dir`."""
+
+
+class Trainer:
+    def __init__(self, settings: TrainerSettings, engine: TrainEngine, *, publish: Publish | None = None) -> None:
+        self.s = settings
+        self.engine = engine
+        self.actor = PPOActor(engine, settings.ppo)
+        self.subjects = Subjects(settings.run)
+        self.publish = publish
+        self.version = 0
+        self.last_seq = 0
+        self.feeder: Feeder | None = None
+        if settings.feeder.enabled:
+            f = settings.feeder
+            self.feeder = Feeder(
+                run=settings.run, rows=load_rows(f.dataset_path), batch_groups=settings.batch_groups, eta=settings.eta,
+                max_in_flight=f.max_in_flight, seed=settings.seed, epochs=f.epochs, shuffle=f.shuffle,
+                eval_rows=load_rows(f.eval_dataset_path) if f.eval_dataset_path else [],
+            )
+        self.intake = Intake(settings.eta, settings.ppo.dynamic_filtering, self.feeder)
+        self.out = Path(settings.output_dir)
+        self.nc: NATS | None = None
+        self.metrics: MetricsPublisher | None = None
+        self._wake_feeder = asyncio.Event()
+        self._sub: Any = None
+
+    # ------------------------------------------------------------------------------ start
+
+    async def start(self, nc: NATS) -> None:
+        """Declare streams, restore the latest checkpoint if asked, position the consumer after its sequence."""
+        self.nc = nc
+        self.metrics = MetricsPublisher(nc, self.s.run, "trainer")
+        js = nc.jetstream()
+        await declare_streams(js)
+        self.out.mkdir(parents=True, exist_ok=True)
+        found = ckpt.resolve_resume(self.s.resume, self.s.output_dir)
+        if found is not None:
+            root, tag = found
+            res = await asyncio.to_thread(execute, self.engine, self.actor, scatter(self._all(Command("load", directory=str(root), tag=tag))))
+            self._restore(res.client_state)
+            log.info("resumed", checkpoint=str(root / tag), version=self.version, last_seq=self.last_seq)
+        self._record({"event": "start", "version": self.version, "last_seq": self.last_seq, "resumed": found is not None})
+        await self._open_consumer(js)
+
+    async def _open_consumer(self, js: Any) -> None:
+        # The checkpoint, not the server, is the truth about what was trained: recreate the durable so
+        # it delivers right after the checkpoint's sequence (messages acked after it are trained again).
+        name = self.subjects.trainer_consumer
+        try:
+            await js.delete_consumer(TRAJECTORIES_STREAM, name)
+        except NotFoundError:
+            pass
+        cfg = ConsumerConfig(
+            durable_name=name, ack_policy=AckPolicy.EXPLICIT, filter_subject=self.subjects.trajectories,
+            ack_wait=300.0, max_ack_pending=-1,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if self.last_seq else DeliverPolicy.ALL,
+            opt_start_seq=self.last_seq + 1 if self.last_seq else None,
+        )
+        await js.add_consumer(TRAJECTORIES_STREAM, cfg)
+        self._sub = await js.pull_subscribe_bind(name, stream=TRAJECTORIES_STREAM)
+
+    def _all(self, cmd: Command) -> list[Command]:
+        return [cmd] * self.engine.world_size
+
+    # ------------------------------------------------------------------------------ the feeder
+
+    async def feed_once(self) -> int:
+        """Publish every prompt the admission rule allows now; returns how many."""
+        if self.feeder is None or self.nc is None:
+            return 0
+        js, n = self.nc.jetstream(), 0
+        while (task := self.feeder.next_task(self.version)) is not None:
+            await self._publish_prompt(js, self.subjects.prompts_train, task)
+            n += 1
+        return n
+
+    async def _publish_prompt(self, js: Any, subject: str, task: PromptTask) -> None:
+        headers = {HDR_MSG_ID: f"{self.s.run}/prompt/{task.prompt_id}"}
+        await js.publish(subject, encode(task), headers=headers, stream=PROMPTS_STREAM)
+
+    async def feed_forever(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            await self.feed_once()
+            self._wake_feeder.clear()
+            waiters = [asyncio.ensure_future(self._wake_feeder.wait()), asyncio.ensure_future(stopping.wait())]
+            await asyncio.wait(waiters, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            for w in waiters:
+                w.cancel()
+
+    async def watch_dead_letters(self) -> None:
+        """A prompt that exhausted the rollout consumer's max_deliver is a dead letter: count it as
+        rejected (so it is re-issued) and delete it, or it would sit in the work queue forever."""
+        assert self.nc is not None
+        js = self.nc.jetstream()
+        subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{PROMPTS_STREAM}.{self.subjects.rollout_consumer}"
+
+        async def on_advisory(msg: Any) -> None:
+            try:
+                seq = int(json.loads(msg.data)["stream_seq"])
+                stored = await js.get_msg(PROMPTS_STREAM, seq)
+                task = decode(PromptTask, stored.data)
+            except (MessageError, KeyError, ValueError, NotFoundError) as exc:
+                log.warning("dead-letter advisory not usable", error=repr(exc))
+                return
+            self.metrics and self.metrics.count("dead_letters")
+            if not task.is_eval and self.feeder is not None and self.feeder.on_rejected(task.prompt_id):
+                self._wake_feeder.set()
+            log.warning("prompt dead-lettered; re-issuing", prompt_id=task.prompt_id, stream_seq=seq)
+            try:
+                await js.delete_msg(PROMPTS_STREAM, seq)
+            except NotFoundError:
+                pass
+
+        self._sub_dead = await self.nc.subscribe(subject, cb=on_advisory)
+
+    # ------------------------------------------------------------------------------ consuming
+
+    async def collect(self, stopping: asyncio.Event | None = None) -> list[Group] | None:
+        """Pull until B groups are accepted; None if stopping first."""
+        groups: list[Group] = []
+        while len(groups) < self.s.batch_groups:
+            if stopping is not None and stopping.is_set():
+                return None
+            try:
+                # Never pull more than the step needs: later groups must be judged at a later version.
+                msgs = await self._sub.fetch(min(self.s.fetch_batch, self.s.batch_groups - len(groups)), timeout=self.s.fetch_timeout_s)
+            except asyncio.TimeoutError:
+                continue
+            for msg in msgs:
+                seq = msg.metadata.sequence.stream
+                verdict = self.intake.judge(msg.data, msg.headers, seq, self.version)
+                if verdict.outcome == "malformed":
+                    await terminate_poison(msg, ValueError(verdict.error), self.metrics)
+                else:
+                    await msg.ack()
+                self.last_seq = max(self.last_seq, seq)
+                if verdict.group is not None:
+                    groups.append(verdict.group)
+                elif verdict.outcome != "duplicate":
+                    self._wake_feeder.set()
+        return groups
+
+    # ------------------------------------------------------------------------------ one step
+
+    async def step(self, stopping: asyncio.Event | None = None) -> dict[str, float] | None:
+        """Collect, train, publish, report, maybe checkpoint. None if stopping before a full batch."""
+        t0 = time.monotonic()
+        before = Counter(self.intake.counts)
+        groups = await self.collect(stopping)
+        if groups is None:
+            return None
+        t_data = time.monotonic()
+        batch = self.actor.compute_advantages(collate([g.tensors for g in groups]))
+        pieces = shard(batch, self.engine.world_size, self.s.ppo.n_minibatches)
+        weights_dir = str(self.out / "weights" / f"v{self.version + 1}") if self.publish and self.s.publish_weights else None
+        cmds = [Command("train", pieces=p, weights_dir=weights_dir) for p in pieces]
+        res = await asyncio.to_thread(lambda: execute(self.engine, self.actor, scatter(cmds)))
+        self.version += 1
+        self._wake_feeder.set()
+        t_train = time.monotonic()
+        if res.weights_dir is not None and self.publish is not None:
+            await self.publish(self.version, self.version, res.weights_dir)
+            _remove(res.weights_dir)
+        t_end = time.monotonic()
+        values = self._step_values(batch, groups, res.stats, before, t0, t_data, t_train, t_end)
+        self._record({"version": self.version, "prompt_ids": [g.prompt_id for g in groups],
+                      "seqs": [g.seq for g in groups], "last_seq": self.last_seq})
+        if self.metrics is not None:
+            await self.metrics.emit(values, step=self.version, version=self.version)
+        log.info("step", version=self.version, loss=round(values["loss"], 4), reward=round(values["reward_mean"], 4))
+        if self.s.checkpoint_every and self.version % self.s.checkpoint_every == 0:
+            await self.checkpoint()
+        if self.feeder is not None and self.s.feeder.eval_every and self.version % self.s.feeder.eval_every == 0:
+            await self._issue_eval()
+        return values
+
+    def _step_values(self, batch: dict[str, Any], groups: list[Group], stats: dict[str, float], before: Counter[str],
+                     t0: float, t_data: float, t_train: float, t_end: float) -> dict[str, float]:
+        counts = self.intake.counts - before
+        rewards = batch["rewards"]
+        values = dict(stats)
+        stale_hist = Counter(self.version - 1 - g.head_version for g in groups)
+        values.update({f"staleness_{k}": float(v) for k, v in sorted(stale_hist.items())})
+        tokens = float(batch["attention_mask"].sum())
+        values.update({
+            "reward_mean": float(rewards.mean()),
+            "accuracy": float((rewards >= 1.0).mean()),
+            "staleness_max": float(max(stale_hist)),
+            "groups": float(len(groups)),
+            "samples": float(rewards.size),
+            "stale_groups": float(counts["stale"]),
+            "duplicate_groups": float(counts["duplicate"]),
+            "rejected_groups": float(counts["rejected"]),
+            "filtered_groups": float(counts["filtered"]),
+            "malformed_groups": float(counts["malformed"]),
+            "step_time_s": t_end - t0,
+            "train_time_s": t_train - t_data,
+            "publish_time_s": t_end - t_train,
+            "data_wait_fraction": (t_data - t0) / max(t_end - t0, 1e-9),
+            "tokens_per_s": tokens / max(t_train - t_data, 1e-9),
+            "last_seq": float(self.last_seq),
+        })
+        for key, total in self.intake.counts.items():
+            values[f"total_{key}"] = float(total)
+        if self.feeder is not None:
+            c = self.feeder.counters
+            values.update({"feeder_issued": float(c.issued), "feeder_accepted": float(c.accepted),
+                           "feeder_rejected": float(c.rejected), "feeder_in_flight": float(c.in_flight),
+                           "feeder_bound": float(self.feeder.bound(self.version)), "epoch": float(self.feeder.epoch)})
+        return values
+
+    async def _issue_eval(self) -> None:
+        assert self.feeder is not None and self.nc is not None
+        js = self.nc.jetstream()
+        for task in self.feeder.eval_tasks(self.version, self.s.feeder.eval_size, self.version):
+            await self._publish_prompt(js, self.subjects.prompts_eval, task)
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    async def checkpoint(self) -> Path:
+        root = ckpt.checkpoint_root(self.s.output_dir)
+        tag = ckpt.tag_for(self.version)
+        state = {
+            "jetrl_version": self.version, "jetrl_last_seq": self.last_seq,
+            "jetrl_feeder": self.feeder.state_dict() if self.feeder else None,
+            "jetrl_intake": self.intake.state_dict(), "jetrl_rng": ckpt.rng_state(),
+        }
+        await asyncio.to_thread(lambda: execute(self.engine, self.actor, scatter(self._all(Command("save", directory=str(root), tag=tag, client_state=state)))))
+        ckpt.prune(root, self.s.keep_checkpoints)
+        self._record({"event": "checkpoint", "version": self.version, "last_seq": self.last_seq, "tag": tag})
+        log.info("checkpoint saved", tag=tag, version=self.version, last_seq=self.last_seq)
+        return root / tag
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.version = int(state["jetrl_version"])
+        self.last_seq = int(state["jetrl_last_seq"])
+        if self.feeder is not None and state.get("jetrl_feeder"):
+            self.feeder.load_state_dict(state["jetrl_feeder"])
+        self.intake.load_state_dict(state["jetrl_intake"])
+        ckpt.set_rng_state(state["jetrl_rng"])
+
+    def _record(self, row: dict[str, Any]) -> None:
+        if self.s.record_steps:
+            with (self.out / "steps.jsonl").open("a") as f:
+                f.write(json.dumps({"time": time.time(), **row}) + "\n")
+
+    async def stop_followers(self) -> None:
+        """Release the other ranks (they exit after this)."""
+        if self.engine.world_size > 1:
+            await asyncio.to_thread(lambda: scatter(self._all(Command("stop"))))
+
+    @property
+    def done(self) -> bool:
+        if self.s.total_steps and self.version >= self.s.total_steps:
+            return True
+        return self.feeder is not None and self.feeder.exhausted
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

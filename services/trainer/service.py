@@ -1,0 +1,91 @@
+"""`jetrl trainer` as a service: every rank builds the engine; rank 0 connects to NATS and runs the
+`Trainer` under the supervisor (feeder, dead-letter watch, training loop), the other ranks follow its
+commands. SIGTERM: finish the current step, checkpoint, release the other ranks, exit.
+
+Launch: `jetrl trainer ...` (1 rank) or `torchrun --nproc_per_node N -m services.trainer ...`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import torch.distributed as dist
+
+from services.common.bus import connect
+from services.common.logging import bind_context, get_logger
+from services.common.runner import Supervisor, supervise
+from services.trainer.actor import PPOActor
+from services.trainer.collective import follow
+from services.trainer.engine import TrainEngine
+from services.trainer.loop import Trainer
+from services.trainer.settings import TrainerSettings
+
+log = get_logger("trainer")
+
+
+async def run_service(settings: TrainerSettings) -> None:
+    engine = await asyncio.to_thread(TrainEngine, settings)
+    bind_context(rank=engine.rank)
+    if engine.rank != 0:
+        await asyncio.to_thread(follow, engine, PPOActor(engine, settings.ppo))
+        dist.barrier()
+        _exit(0)
+    failed = True
+    try:
+        await _run_rank0(settings, engine)
+        failed = False
+    finally:
+        if engine.world_size > 1:
+            # Ending with barrier + os._exit avoids the ZeRO-3 abort at interpreter exit
+            # (shared/reference/deepspeed-cpu.md). On failure the other ranks lose rank 0 and die.
+            if not failed:
+                dist.barrier()
+            _exit(1 if failed else 0)
+
+
+async def _run_rank0(settings: TrainerSettings, engine: TrainEngine) -> None:
+    from services.weights.publisher import WeightPublisher
+
+    nc = await connect(settings.nats_url, f"jetrl-trainer-{settings.run}")
+    try:
+        publisher = WeightPublisher(nc, settings.run, shared_dir=settings.weights_shared_dir, keep_last=settings.weights_keep_last)
+        trainer = Trainer(settings, engine, publish=publisher.publish_dir if settings.publish_weights else None)
+
+        async def main(sup: Supervisor) -> None:
+            await trainer.start(nc)
+            await trainer.watch_dead_letters()
+            if trainer.feeder is not None:
+                sup.spawn("feeder", trainer.feed_forever(sup.stopping))
+            sup.spawn("train", _train(trainer, sup))
+
+        await supervise("trainer", main, settings.shutdown_timeout_s)
+    finally:
+        try:
+            await asyncio.wait_for(nc.drain(), timeout=5.0)
+        except Exception as exc:  # the bus may be gone; exiting matters more
+            log.warning("nats drain failed", error=repr(exc))
+
+
+async def _train(trainer: Trainer, sup: Supervisor) -> None:
+    saved_at = trainer.version
+    try:
+        while not sup.stopping.is_set() and not trainer.done:
+            if await trainer.step(sup.stopping) is not None and trainer.s.checkpoint_every:
+                if trainer.version % trainer.s.checkpoint_every == 0:
+                    saved_at = trainer.version
+        if trainer.version != saved_at or trainer.done:
+            await trainer.checkpoint()
+        log.info("training finished" if trainer.done else "stopped; checkpoint saved", version=trainer.version)
+        # Only on success: after a failure inside a collective the other ranks cannot take a command;
+        # rank 0 exits and they die with the broken process group.
+        await trainer.stop_followers()
+    finally:
+        sup.stop()
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,114 @@
+"""Settings of `jetrl trainer` (`jetrl trainer --help` lists them with these docs)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.common.settings import Section, ServiceSettings
+
+
+class PPOSettings(Section):
+    """The algorithm: GRPO-style advantages and AReaL's decoupled PPO objective."""
+
+    n_minibatches: int = Field(1, ge=1)
+    """Optimizer steps per trained batch (the batch is split into this many mini-batches)."""
+    eps_clip: float = Field(0.2, gt=0)
+    """PPO ratio clip: the ratio to the proximal policy is clipped to [1 - eps, 1 + eps]."""
+    temperature: float = Field(1.0, gt=0)
+    """Logits are divided by this before log-probs (must match the sampling temperature)."""
+    entropy_coef: float = Field(0.03, ge=0)
+    """Entropy bonus coefficient (the copy3 demo needs ~0.03 to avoid locking onto wrong digits)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty to the reference model (the initial weights); 0 loads no reference model."""
+    adv_norm: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """grpo: (r - group mean) / (group std + eps); drgrpo: r - group mean (no std division);
+    rloo: r - mean of the other samples of the group (leave-one-out)."""
+    adv_eps: float = Field(1e-6, gt=0)
+    """Added to the group std before dividing (grpo)."""
+    decoupled: bool = True
+    """Decoupled objective (AReaL): recompute the proximal policy's log-probs before the update and weight
+    each token by proximal/behaviour; False is plain PPO against the behaviour log-probs."""
+    behav_imp_weight_cap: float | None = Field(5.0, gt=0)
+    """Tokens whose importance weight proximal/behaviour exceeds this are masked (weight 0); None: no cap."""
+    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
+    """token-mean: mean over all loss tokens of the mini-batch; seq-mean: mean per sequence, then over sequences."""
+    dynamic_filtering: bool = False
+    """Drop groups whose rewards are all equal (zero advantage); they count as rejected and are re-issued."""
+
+
+class FeederSettings(Section):
+    """The prompt feeder: dataset, epochs, admission under the staleness budget, eval prompts."""
+
+    dataset_path: str = ".jetrl/data/copy3.jsonl"
+    """Training prompts: a JSONL or Parquet file of rows ({"id", "prompt", "answer", ...})."""
+    eval_dataset_path: str | None = None
+    """Eval prompts (JSONL/Parquet); None: no eval prompts are issued."""
+    eval_every: int = Field(0, ge=0)
+    """Issue the eval set every this many steps (0: never)."""
+    eval_size: int = Field(64, ge=1)
+    """How many eval rows to issue each time (the first N of the eval set)."""
+    epochs: int = Field(0, ge=0)
+    """Passes over the dataset; 0 means forever (reshuffled each epoch)."""
+    shuffle: bool = True
+    """Shuffle each epoch with `seed + epoch`."""
+    max_in_flight: int = Field(64, ge=1)
+    """Most training prompts issued and not yet answered (accepted or rejected)."""
+    enabled: bool = True
+    """Run the feeder; False when prompts come from elsewhere (`jetrl prompts`, replay)."""
+
+
+class TrainerSettings(ServiceSettings):
+    service = "trainer"
+
+    model_path: str = ".jetrl/models/tiny"
+    """HF model directory (config, safetensors, tokenizer): version 0 of the weights."""
+    output_dir: str = ".jetrl/trainer"
+    """Checkpoints (`checkpoints/`), staged weight dirs (`weights/`) and the step record live here."""
+    zero_stage: Literal[1, 2, 3] = 2
+    """DeepSpeed ZeRO stage."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training precision (fp16 does not work on CPU); published weights are always float32."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    batch_groups: int = Field(16, ge=1)
+    """B: groups (prompts) per training step."""
+    eta: int = Field(2, ge=0)
+    """Staleness budget: groups with `version - head_version > eta` are dropped; 0 is on-policy."""
+    seed: int = 0
+    """Seeds the dataset shuffle and torch."""
+    total_steps: int = Field(0, ge=0)
+    """Stop after this many steps (0: until the dataset's epochs are exhausted, or forever)."""
+    checkpoint_every: int = Field(50, ge=0)
+    """Checkpoint every this many steps (0: only on SIGTERM)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk; older ones are deleted."""
+    resume: str = "never"
+    """auto: restart from the latest checkpoint in output_dir if there is one; never; or a checkpoint dir."""
+    publish_weights: bool = True
+    """Publish the weights after every step (WEIGHTS object store, or weights_shared_dir)."""
+    weights_shared_dir: str | None = None
+    """Publish into this shared directory instead of the WEIGHTS object store."""
+    weights_keep_last: int = Field(3, ge=1)
+    """Published versions kept; older ones are deleted."""
+    record_steps: bool = True
+    """Append each step's prompt ids, version and last stream sequence to output_dir/steps.jsonl (an audit log)."""
+    fetch_batch: int = Field(16, ge=1)
+    """Trajectory messages per pull request."""
+    fetch_timeout_s: float = Field(1.0, gt=0)
+    """How long one pull waits for trajectories before the loop checks for shutdown."""
+    ppo: PPOSettings = PPOSettings()
+    feeder: FeederSettings = FeederSettings()
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerSettings":
+        if self.resume not in ("auto", "never") and not self.resume.strip():
+            raise ValueError("resume: expected auto, never or a checkpoint directory")
+        if self.feeder.enabled and self.feeder.eval_every and not self.feeder.eval_dataset_path:
+            raise ValueError("feeder.eval_every is set but feeder.eval_dataset_path is not")
+        return self
