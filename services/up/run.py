@@ -16,6 +16,7 @@ import httpx
 from services.common.bus import connect, declare_streams
 from services.common.logging import configure_logging, get_logger
 from services.common.nats_server import NatsServer, free_port
+from services.runs import URL_FILE
 from services.up.display import Display
 from services.up.monitor import REWARD_KEYS, RunView, watch
 from services.up.report import plot_curves, summary_lines, write_metrics
@@ -79,6 +80,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
     outcome = "failed"
     try:
         nats.start()
+        (run_dir / URL_FILE).write_text(nats.url)  # lets `jetrl status` / `plot` find the live run
         log.info("nats-server ready", url=nats.url, store=str(nats.store_dir))
         await asyncio.to_thread(_make_model, s.model_path)
         dataset = s.dataset_path or await asyncio.to_thread(_make_dataset, run_dir, s.dataset_size)
@@ -134,6 +136,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
         log.info("stopping the stack", outcome=outcome)
         await asyncio.to_thread(stack.stop, s.stop_timeout_s)
         nats.stop()
+        (run_dir / URL_FILE).unlink(missing_ok=True)
     wall = time.time() - started
     write_metrics(run_dir, view.steps, {"outcome": outcome, "wall_s": wall, "servers": view.servers})
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})")
