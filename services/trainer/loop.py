@@ -42,8 +42,12 @@ Publish = Callable[[int, int, Path], Awaitable[Any]]
 
 
 class Trainer:
-    def __init__(self, settings: TrainerSettings, engine: TrainEngine, *, publish: Publish | None = None) -> None:
+    def __init__(self, settings: TrainerSettings, engine: TrainEngine, *, publish: Publish | None = None,
+                 source: Any = None) -> None:
         self.s = settings
+        # A group source (`jetrl replay`: `collect(trainer, stopping) -> list[Group] | None`) replaces
+        # the durable consumer: same steps, different origin of the groups.
+        self.source = source
         self.engine = engine
         self.actor = PPOActor(engine, settings.ppo)
         self.subjects = Subjects(settings.run)
@@ -81,7 +85,8 @@ class Trainer:
             self._restore(res.client_state)
             log.info("resumed", checkpoint=str(root / tag), version=self.version, last_seq=self.last_seq)
         self._record({"event": "start", "version": self.version, "last_seq": self.last_seq, "resumed": found is not None})
-        await self._open_consumer(js)
+        if self.source is None:
+            await self._open_consumer(js)
 
     async def _open_consumer(self, js: Any) -> None:
         # The checkpoint, not the server, is the truth about what was trained: recreate the durable so
@@ -187,7 +192,7 @@ class Trainer:
         """Collect, train, publish, report, maybe checkpoint. None if stopping before a full batch."""
         t0 = time.monotonic()
         before = Counter(self.intake.counts)
-        groups = await self.collect(stopping)
+        groups = await (self.source.collect(self, stopping) if self.source is not None else self.collect(stopping))
         if groups is None:
             return None
         t_data = time.monotonic()
