@@ -73,6 +73,15 @@ class TransformersBackend:
     def batch_size(self) -> int:
         return len(self._rows)
 
+    def step(self, remove: set[int], joining: list[Joining]) -> tuple[list[tuple[int, int, float]], str]:
+        """One iteration in one call (one thread hand-off): drop `remove`, decode one token for every
+        row already in the batch, then prefill `joining` (their first token). Returns (sid, token, logprob)."""
+        self.remove(remove)
+        out, _ = self.decode()
+        if joining:
+            out += self.prefill(joining)[0]
+        return out, self.version
+
     def _generator(self, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
             return self._server_gen

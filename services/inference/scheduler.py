@@ -56,6 +56,7 @@ class Scheduler:
         self._abort: set[str] = set()  # rids to abort
         self._abort_all = False
         self._abort_done: list[asyncio.Future[None]] = []
+        self._leaving: set[int] = set()  # sids whose rows leave the batch at the next step
         self.tokens_generated = 0
         self.requests_finished = 0
 
@@ -115,6 +116,7 @@ class Scheduler:
             self.executor.shutdown(wait=False, cancel_futures=True)
 
     async def _do_aborts(self) -> None:
+        """Between steps: finish aborted sequences now; their rows leave the batch at the next step."""
         if not self._abort_done:
             return
         everything, rids = self._abort_all, self._abort
@@ -124,11 +126,9 @@ class Scheduler:
         for seq in [s for s in self.waiting if hit(s)]:
             self.waiting.remove(seq)
             self._finish(seq, {"type": "abort", "message": BEFORE_PREFILL, "status_code": 200, "err_type": None})
-        gone = {sid for sid, s in self.running.items() if hit(s)}
-        for sid in gone:
+        for sid in [sid for sid, s in self.running.items() if hit(s)]:
             self._finish(self.running.pop(sid), {"type": "abort", "message": "Aborted by request", "status_code": 200, "err_type": None})
-        if gone:
-            await self.in_model_thread(self.backend.remove, gone)
+            self._leaving.add(sid)
         for w in waiters:
             if not w.done():
                 w.set_result(None)
@@ -139,23 +139,24 @@ class Scheduler:
         while self.waiting and room > 0:
             joining.append(self.waiting.popleft())
             room -= 1
-        if joining:
-            for seq in joining:
-                seq.prefilled = True
-                self.running[seq.sid] = seq
-            out, version = await self.in_model_thread(
-                self.backend.prefill, [Joining(s.sid, s.prompt, s.params) for s in joining]
-            )
-            await self._apply(out, version)
-        if self.running:
-            out, version = await self.in_model_thread(self.backend.decode)
-            await self._apply(out, version)
+        if not joining and not self.running:
+            if self._leaving:  # free the rows of aborted sequences even when nothing else runs
+                leaving, self._leaving = self._leaving, set()
+                await self.in_model_thread(self.backend.remove, leaving)
+            return
+        for seq in joining:
+            seq.prefilled = True
+            self.running[seq.sid] = seq
+        leaving, self._leaving = self._leaving, set()
+        out, version = await self.in_model_thread(
+            self.backend.step, leaving, [Joining(s.sid, s.prompt, s.params) for s in joining]
+        )
+        self._apply(out, version)
 
-    async def _apply(self, out: list[tuple[int, int, float]], version: str) -> None:
-        done: set[int] = set()
+    def _apply(self, out: list[tuple[int, int, float]], version: str) -> None:
         for sid, tok, lp in out:
             seq = self.running.get(sid)
-            if seq is None:  # aborted while the step ran
+            if seq is None:  # aborted while the step ran; its row leaves next step
                 continue
             seq.output_ids.append(tok)
             seq.logprobs.append(lp)
@@ -164,12 +165,9 @@ class Scheduler:
             finish = self._stop_check(seq, tok)
             if finish is not None:
                 self._finish(seq, finish)
-                done.add(sid)
+                del self.running[sid]
+                self._leaving.add(sid)
         self.tokens_generated += len(out)
-        for sid in done:
-            del self.running[sid]
-        if done:
-            await self.in_model_thread(self.backend.remove, done)
 
     def _stop_check(self, seq: Seq, tok: int) -> dict[str, Any] | None:
         p, n = seq.params, len(seq.output_ids)

@@ -49,15 +49,27 @@ class SimulatedBackend:
         tok = self.sim.eos_token_id if row.made >= row.target else row.rng.randrange(3, self.vocab_size)
         return row.sid, tok, -row.rng.random() * 3.0
 
-    def prefill(self, joining: list[Joining]) -> tuple[list[tuple[int, int, float]], str]:
-        time.sleep(self.sim.token_latency_s + self.sim.prefill_latency_s)
+    def step(self, remove: set[int], joining: list[Joining]) -> tuple[list[tuple[int, int, float]], str]:
+        """Drop `remove`, then one step: a token for every row, the first token of every joiner."""
+        self.remove(remove)
+        if not self._rows and not joining:
+            return [], self.version
+        time.sleep(self.sim.token_latency_s + (self.sim.prefill_latency_s if joining else 0.0))
+        out = [self._token(r) for r in self._rows]
+        return out + self._join(joining), self.version
+
+    def _join(self, joining: list[Joining]) -> list[tuple[int, int, float]]:
         out = []
         for j in joining:
             rng = random.Random(j.params.seed) if j.params.seed is not None else self._rng
             row = _SimRow(j.sid, self._draw_length(rng), rng)
             self._rows.append(row)
             out.append(self._token(row))
-        return out, self.version
+        return out
+
+    def prefill(self, joining: list[Joining]) -> tuple[list[tuple[int, int, float]], str]:
+        time.sleep(self.sim.token_latency_s + self.sim.prefill_latency_s)
+        return self._join(joining), self.version
 
     def decode(self) -> tuple[list[tuple[int, int, float]], str]:
         if not self._rows:
