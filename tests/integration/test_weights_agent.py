@@ -1,0 +1,226 @@
+"""Weight sync end to end: a real nats-server, real CPU inference servers (`python -m
+services.inference`) and real agents (`python -m services.weights`), as separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+from safetensors.torch import load_file, save_file
+
+from schemas.messages import WeightFile, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode, encode
+from schemas.subjects import WEIGHTS_BUCKET, Subjects
+from services.common.nats_server import free_port
+from services.rollout.engine import InferenceClientSettings, InferenceEngine, ModelRequest
+from services.status.weights import weights_status
+from services.weights import objstore
+from services.weights.files import object_uri
+from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 60.0
+
+
+def make_version(tiny_model: Path, out: Path, version: int) -> Path:
+    """A checkpoint of the tiny model with every weight shifted by `version` (distinct bytes)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v + 0.001 * version for k, v in load_file(str(tiny_model / "model.safetensors")).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(tiny_model / "config.json", out / "config.json")
+    return out
+
+
+@contextmanager
+def process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "JETRL_LOG_FORMAT": "json"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    async with httpx.AsyncClient() as http:
+        deadline = asyncio.get_running_loop().time() + TIMEOUT_S
+        while asyncio.get_running_loop().time() < deadline:
+            assert proc.poll() is None, f"inference server exited:\n{log.read_text()[-3000:]}"
+            try:
+                if (await http.get(f"{url}/health", timeout=2)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy:\n{log.read_text()[-3000:]}")
+
+
+class Stack:
+    """Inference servers + one agent each, and a NATS connection to watch the reports."""
+
+    def __init__(self, nats_url: str, run: str, tmp: Path, tiny_model: Path) -> None:
+        self.nats_url, self.run, self.tmp, self.tiny_model = nats_url, run, tmp, tiny_model
+        self.servers: list[str] = []
+        self.reports: asyncio.Queue[WeightsLoaded | WeightsLoadFailed] = asyncio.Queue()
+
+    def server_args(self, port: int) -> list[str]:
+        return ["-m", "services.inference", f"model_path={self.tiny_model}", f"port={port}", f"run={self.run}"]
+
+    def agent_args(self, url: str, i: int) -> list[str]:
+        return ["-m", "services.weights", f"server={url}", f"nats_url={self.nats_url}", f"run={self.run}",
+                f"cache_dir={self.tmp / f'cache{i}'}", "keep_local=1"]
+
+    async def watch(self, nc: nats.aio.client.Client) -> None:
+        subjects = Subjects(self.run)
+
+        async def on_loaded(msg: nats.aio.msg.Msg) -> None:
+            await self.reports.put(decode(WeightsLoaded, msg.data))
+
+        async def on_failed(msg: nats.aio.msg.Msg) -> None:
+            await self.reports.put(decode(WeightsLoadFailed, msg.data))
+
+        await nc.subscribe(subjects.weights_loaded_all, cb=on_loaded)
+        await nc.subscribe(f"jetrl.{self.run}.weights.failed.>", cb=on_failed)
+
+    async def expect(self, kind: type, version: int, n: int) -> list:
+        """The next `n` reports, each of `kind` for `version` (reports of older versions are skipped)."""
+        got = []
+        while len(got) < n:
+            report = await asyncio.wait_for(self.reports.get(), TIMEOUT_S)
+            if report.version < version:
+                continue
+            assert isinstance(report, kind), f"expected {kind.__name__} v{version}, got {report!r}"
+            assert report.version == version
+            got.append(report)
+        return got
+
+
+async def server_version(url: str) -> str:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"{url}/get_weight_version")).json()["weight_version"]
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[nats.aio.client.Client]:
+    conn = await nats.connect(nats_url)
+    await ensure_weight_sync_stream(conn)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def test_servers_follow_versions_keep_generating_refuse_corruption_and_late_agent_catches_up(
+    nats_url: str, nc: nats.aio.client.Client, tmp_path: Path, tiny_model: Path
+) -> None:
+    # One scenario, so the two inference servers (torch start-up) are paid for once.
+    stack = Stack(nats_url, "wsync", tmp_path, tiny_model)
+    await stack.watch(nc)
+    ports = [free_port(), free_port()]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    pub = WeightPublisher(nc, "wsync", keep_last=2)
+    with (
+        process(stack.server_args(ports[0]), tmp_path / "s0.log") as s0,
+        process(stack.server_args(ports[1]), tmp_path / "s1.log") as s1,
+        process(stack.agent_args(urls[0], 0), tmp_path / "a0.log"),
+    ):
+        await asyncio.gather(wait_healthy(urls[0], s0, tmp_path / "s0.log"), wait_healthy(urls[1], s1, tmp_path / "s1.log"))
+
+        # v1, v2, v3 reach server 0 in turn; server 1 has no agent yet and stays on its initial weights.
+        for v in (1, 2, 3):
+            await pub.publish_dir(v, v, make_version(tiny_model, tmp_path / f"c{v}", v))
+            [loaded] = await stack.expect(WeightsLoaded, v, 1)
+            assert loaded.server == urls[0]
+        assert [await server_version(u) for u in urls] == ["3", "0"]
+        assert sorted(p.name for p in (tmp_path / "cache0").iterdir()) == ["v3"]  # keep_local=1
+
+        # An agent started after v3 was published loads v3 at once (and no older version).
+        with process(stack.agent_args(urls[1], 1), tmp_path / "a1.log"):
+            [late] = await stack.expect(WeightsLoaded, 3, 1)
+            assert late.server == urls[1]
+            assert [await server_version(u) for u in urls] == ["3", "3"]
+            status = await weights_status(nc, "wsync")
+            assert status.published_version == 3
+            assert {(s.server, s.loaded_version, s.lag) for s in status.servers} == {(u, 3, 0) for u in urls}
+
+            # A generation in flight across the v4 update finishes as one completion with both versions.
+            engine = InferenceEngine(InferenceClientSettings(servers=[urls[0]]))
+            try:
+                gen = asyncio.create_task(
+                    engine.agenerate(ModelRequest(input_ids=[1, 5, 6, 7], max_new_tokens=480, ignore_eos=True, seed=1))
+                )
+                await wait_generating(urls[0])
+                await pub.publish_dir(4, 4, make_version(tiny_model, tmp_path / "c4", 4))
+                await stack.expect(WeightsLoaded, 4, 2)
+                resp = await asyncio.wait_for(gen, TIMEOUT_S)
+                assert resp.stop_reason == "length" and len(resp.output_ids) == 480
+                assert resp.output_versions[0] == 3 and resp.output_versions[-1] == 4
+                assert resp.output_versions == sorted(resp.output_versions)
+
+                # v5 whose stored bytes do not match the announced sha256: refused by both agents; the
+                # servers keep serving v4 and keep generating.
+                await publish_corrupted(nc, "wsync", 5, make_version(tiny_model, tmp_path / "c5", 5))
+                failed = await stack.expect(WeightsLoadFailed, 5, 2)
+                assert all("sha256" in r.reason for r in failed), [r.reason for r in failed]
+                assert [await server_version(u) for u in urls] == ["4", "4"]
+                after = await asyncio.wait_for(
+                    engine.agenerate(ModelRequest(input_ids=[1, 5], max_new_tokens=8, ignore_eos=True)), TIMEOUT_S
+                )
+                assert after.output_versions == [4] * 8
+                status = await weights_status(nc, "wsync")
+                assert all(s.loaded_version == 4 and s.failed_version == 5 and s.lag == 1 for s in status.servers)
+
+                # The next announcement is tried afresh; this one through a shared directory.
+                shared = WeightPublisher(nc, "wsync", shared_dir=tmp_path / "shared", keep_last=2)
+                await shared.publish_dir(6, 6, make_version(tiny_model, tmp_path / "c6", 6))
+                await stack.expect(WeightsLoaded, 6, 2)
+                assert [await server_version(u) for u in urls] == ["6", "6"]
+            finally:
+                await engine.aclose()
+
+
+async def wait_generating(url: str) -> None:
+    """Until the server reports a running request (its /get_load), so the update lands mid-generation."""
+    async with httpx.AsyncClient() as http:
+        for _ in range(400):
+            load = (await http.get(f"{url}/get_load")).json()
+            if _running(load) > 0:
+                return
+            await asyncio.sleep(0.01)
+    raise TimeoutError(f"{url} never reported a running request")
+
+
+def _running(load: object) -> int:
+    items = load if isinstance(load, list) else [load]
+    return sum(int(i.get("num_running_reqs", i.get("running", 0)) or 0) for i in items if isinstance(i, dict))
+
+
+async def publish_corrupted(nc: nats.aio.client.Client, run: str, version: int, ckpt: Path) -> None:
+    """Upload `ckpt` as `version`, then overwrite its weights object with flipped bytes, and announce
+    the checksums of the good files: what a corrupted store or transfer looks like to an agent."""
+    js = nc.jetstream()
+    prefix = f"{run}/v{version}"
+    files = []
+    for name in ("config.json", "model.safetensors"):
+        info = await objstore.put_file(js, WEIGHTS_BUCKET, f"{prefix}/{name}", ckpt / name)
+        files.append(WeightFile(name=name, sha256=objstore.digest_hex(info), size=int(info.size or 0)))
+    bad = bytearray((ckpt / "model.safetensors").read_bytes())
+    bad[-10] ^= 0xFF
+    (ckpt / "bad.bin").write_bytes(bytes(bad))
+    await objstore.put_file(js, WEIGHTS_BUCKET, f"{prefix}/model.safetensors", ckpt / "bad.bin")
+    msg = WeightsPublished(run=run, version=version, uri=object_uri(WEIGHTS_BUCKET, prefix), files=files, step=version)
+    await js.publish(Subjects(run).weights_published, encode(msg))
