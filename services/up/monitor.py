@@ -17,7 +17,7 @@ from schemas.subjects import Subjects
 REWARD_KEYS = ("reward_mean", "reward/mean", "reward")
 ACCURACY_KEYS = ("accuracy", "reward/accuracy")
 STALENESS_KEYS = ("staleness_mean", "staleness/mean", "staleness")
-WAIT_KEYS = ("wait_fraction", "time/wait_fraction")
+WAIT_KEYS = ("data_wait_fraction", "wait_fraction")
 
 
 def pick(values: dict[str, float], keys: tuple[str, ...]) -> float | None:
@@ -25,6 +25,15 @@ def pick(values: dict[str, float], keys: tuple[str, ...]) -> float | None:
         if key in values:
             return values[key]
     return None
+
+
+def staleness_mean(values: dict[str, float]) -> float | None:
+    """Mean staleness from the trainer's histogram keys `staleness_<k>` (groups k versions old)."""
+    hist = {int(k.rsplit("_", 1)[1]): v for k, v in values.items() if k.startswith("staleness_") and k.rsplit("_", 1)[1].isdigit()}
+    total = sum(hist.values())
+    if "groups" in values and values["groups"] > 0:
+        return sum(k * n for k, n in hist.items()) / values["groups"]
+    return sum(k * n for k, n in hist.items()) / total if total else None
 
 
 @dataclass
@@ -42,7 +51,9 @@ class RunView:
         self.latest[f"{event.service}/{event.worker}"] = event
         if event.service == "trainer" and event.step is not None:
             if not self.steps or self.steps[-1]["step"] != event.step:
-                self.steps.append({"step": event.step, "version": event.version, "time": event.time - self.started, **event.values})
+                values = dict(event.values)
+                values.setdefault("staleness_mean", staleness_mean(values))
+                self.steps.append({"step": event.step, "version": event.version, "time": event.time - self.started, **values})
 
     @property
     def step(self) -> int:

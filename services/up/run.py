@@ -49,6 +49,14 @@ def _validate_sections(sections: dict[str, dict[str, Any]]) -> None:
             raise SystemExit(f"jetrl up: --config section {name!r}: {exc}") from exc
 
 
+# The demo's defaults (copy3 on the tiny model; shared/reference/tiny-model-rl.md); a --config
+# section overrides any of them.
+DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
+    "rollout": {"max_new_tokens": 4, "group_size": 8, "temperature": 1.0, "max_concurrent": 32},
+    "trainer": {"batch_groups": 16, "eta": 4, "lr": 1e-3, "checkpoint_every": 50, "feeder": {"max_in_flight": 64}},
+}
+
+
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in over.items():
@@ -89,7 +97,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
         await watch(nc, s.run, view)
 
         common = {"run": s.run, "nats_url": nats.url, "log_format": "json"}
-        sec = lambda name: sections.get(name, {})  # noqa: E731
+        sec = lambda name: deep_merge(DEMO_DEFAULTS.get(name, {}), sections.get(name, {}))  # noqa: E731
         stack.start("reward", "services.reward", to_env("reward", deep_merge(common, sec("reward"))))
         servers = []
         for i in range(s.inference_servers):
@@ -102,7 +110,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
         await _wait_healthy(servers, stack, s.ready_timeout_s, stop)
         for i in range(s.rollout_workers):
             rollout = {**common, "model_path": s.model_path, "worker": f"rollout-{i}", "inference": {"servers": servers}}
-            stack.start(f"rollout-{i}", "services.rollout", to_env("rollout", deep_merge(rollout, sec("rollout"))))
+            # replicas: one dying is survivable (its prompts are redelivered); all of them is not
+            stack.start(f"rollout-{i}", "services.rollout", to_env("rollout", deep_merge(rollout, sec("rollout"))), required=False)
         trainer = {
             **common,
             "model_path": s.model_path,
@@ -118,7 +127,9 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
                 if trainer_proc.poll() == 0:
                     outcome = "finished"
                     break
-                failed = stack.failed()
+                failed = stack.failed() or stack.all_ended("rollout-")
+                for lost in stack.newly_ended("rollout-"):
+                    log.warning("rollout worker ended; the others go on and its prompts are redelivered", service=lost.name, code=lost.poll(), log_tail=lost.log_tail(5))
                 if failed is not None:
                     display.stop()
                     print(f"\njetrl up: service {failed.name} exited with code {failed.poll()}; last lines of {failed.log_path}:\n{failed.log_tail()}", file=sys.stderr)

@@ -77,6 +77,7 @@ class Stack:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.base_env = base_env
         self.procs: list[Proc] = []
+        self._reported: set[str] = set()
 
     def start(self, name: str, module: str, env: dict[str, str], required: bool = True) -> Proc:
         proc = Proc(name, module, env, self.logs / f"{name}.log", required)
@@ -93,6 +94,8 @@ class Stack:
             )
         log.info("started", service=name, pid=proc.pid, log=str(proc.log_path))
         self.procs.append(proc)
+        # which process is which, for `jetrl status` and for tests that kill one on purpose
+        (self.run_dir / "procs.json").write_text(json.dumps({p.name: p.pid for p in self.procs}))
         return proc
 
     def failed(self) -> Proc | None:
@@ -101,6 +104,19 @@ class Stack:
             if proc.required and proc.poll() is not None:
                 return proc
         return None
+
+    def all_ended(self, prefix: str) -> Proc | None:
+        """The last of a group of replicas, if every one of them has ended."""
+        group = [p for p in self.procs if p.name.startswith(prefix)]
+        if group and all(p.poll() is not None for p in group):
+            return group[-1]
+        return None
+
+    def newly_ended(self, prefix: str) -> list[Proc]:
+        """Replicas that ended since the last call."""
+        ended = [p for p in self.procs if p.name.startswith(prefix) and p.poll() is not None and p.name not in self._reported]
+        self._reported.update(p.name for p in ended)
+        return ended
 
     def stop(self, timeout_s: float) -> None:
         """SIGTERM every process group, wait up to the deadline, SIGKILL what is left."""
