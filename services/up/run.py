@@ -82,6 +82,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
     nats = NatsServer(run_dir / "nats", log_file=run_dir / "nats-server.log")
     base_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
     base_env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    base_env["JETRL_RUN_DIR"] = str(run_dir)  # marks every process of the run, children included
     stack = Stack(run_dir, base_env)
     view = RunView(started=started)
     display = Display(s, view, stack)

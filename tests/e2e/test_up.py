@@ -40,14 +40,14 @@ def start_up(tmp_path: Path, run: str, steps: int, config: dict[str, Any]) -> su
 
 
 def processes_of(run_dir: Path) -> list[psutil.Process]:
-    """Every live process started for this run (their environment names the run's NATS URL file dir)."""
+    """Every live process of runs under `run_dir` (jetrl up marks them, children included, with JETRL_RUN_DIR)."""
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
             env = proc.environ()
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
-        if any(k.startswith("JETRL_") and str(run_dir) in v for k, v in env.items()):
+        if env.get("JETRL_RUN_DIR", "").startswith(str(run_dir)):
             found.append(proc)
     return found
 
