@@ -61,8 +61,11 @@ def service_main(
     configure_logging(settings.log_level, settings.log_format, run=settings.run, service=cls.service, **log_context)
     module_name, _, func_name = target.partition(":")
     func: Callable[[Any], Awaitable[None]] = getattr(importlib.import_module(module_name), func_name)
+    from services.common.health import run_with_health  # after settings: keeps --help instant
+
     try:
-        asyncio.run(func(settings))
+        # The side port (/healthz, /readyz, /metrics) lives as long as the service, when health_port is set.
+        asyncio.run(run_with_health(settings.health_port, func(settings)))
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
