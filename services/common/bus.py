@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 
 import nats
 import nats.errors
@@ -13,6 +14,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import NotFoundError
 
 from schemas.subjects import StreamSpec, stream_specs
+from services.common.health import register_check, unregister_check
 from services.common.logging import get_logger
 
 log = get_logger("bus")
@@ -34,9 +36,13 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0) -> NA
     async def reconnected_cb() -> None:
         log.info("nats reconnected")
 
+    # Readiness (the side port's /readyz) fails from the first attempt until connected, and again
+    # while disconnected; the check drops itself once the client is gone.
+    pending = asyncio.get_running_loop().create_future()
+    register_check(f"nats:{name}", _nats_check(pending))
     # With unlimited reconnects nats-py also retries the first connect forever: bound it here.
     try:
-        return await asyncio.wait_for(
+        nc = await asyncio.wait_for(
             nats.connect(
                 servers=[u.strip() for u in url.split(",")],
                 name=name,
@@ -51,8 +57,25 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0) -> NA
             ),
             timeout=connect_timeout_s,
         )
+        pending.set_result(weakref.ref(nc))
     except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
         raise ConnectionError(f"cannot connect to NATS at {url} within {connect_timeout_s:.0f}s: {exc!r}") from exc
+    finally:
+        if not pending.done():  # failed or cancelled: nothing left to report on
+            unregister_check(f"nats:{name}")
+    return nc
+
+
+def _nats_check(pending: asyncio.Future[weakref.ref[NATS]]) -> Callable[[], bool | None]:
+    def check() -> bool | None:
+        if not pending.done():
+            return False  # still making the first connection
+        nc = pending.result()()
+        if nc is None or nc.is_closed:
+            return None  # the client was closed or collected: the check no longer applies
+        return nc.is_connected
+
+    return check
 
 
 def _config(spec: StreamSpec) -> StreamConfig:
