@@ -13,6 +13,7 @@ from nats.aio.client import Client as NATS
 
 from schemas.messages import MetricsEvent, encode
 from schemas.subjects import Subjects
+from services.common.health import mirror_metrics
 from services.common.logging import get_logger
 
 log = get_logger("metrics")
@@ -36,6 +37,7 @@ class MetricsPublisher:
         event = MetricsEvent(
             run=self.run, service=self.service, worker=self.worker, step=step, version=version, time=time.time(), values=merged
         )
+        mirror_metrics(self.service, self.worker, merged)  # Prometheus gauges on the side port's /metrics
         try:
             await self.nc.publish(self.subject, encode(event))
         except Exception as exc:  # metrics must never take a service down
