@@ -18,6 +18,7 @@ from nats.micro.service import EndpointStats, Service, ServiceConfig
 
 from schemas.messages import MessageError, RewardItem, RewardReply, RewardRequest, RewardResult, decode, encode
 from schemas.subjects import REWARD_QUEUE_GROUP, REWARD_SUBJECT
+from services.common.health import register_check
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.reward.allowlist import NotAllowedError
@@ -72,9 +73,16 @@ class RewardService:
         self._slots = asyncio.Semaphore(settings.max_concurrent_requests)
         self._tasks: set[asyncio.Task[None]] = set()
         self._loadable: set[str] = set()
+        self._stopped = False
+
+    def _ready(self) -> bool | None:
+        """Readiness for the side port's /readyz: not until the pool is warm and the endpoint is up;
+        None (check removed) once stopped."""
+        return None if self._stopped else self._micro is not None
 
     async def start(self) -> None:
         t0 = time.monotonic()
+        register_check(f"reward:{self.instance}", self._ready)
         await self.pool.start()
         micro = Service(
             self.nc,
@@ -103,6 +111,7 @@ class RewardService:
     async def stop(self, timeout_s: float | None = None) -> None:
         """Stop taking requests, let those in flight finish within the deadline, close the pool."""
         timeout_s = self.settings.shutdown_timeout_s / 3 if timeout_s is None else timeout_s
+        self._stopped = True
         if self._micro is not None:
             await self._micro.stop()
             self._micro = None

@@ -13,6 +13,7 @@ from nats.aio.client import Client as NATS
 from schemas.messages import MetricsEvent, RewardItem, RewardReply, decode
 from schemas.subjects import REWARD_SUBJECT, Subjects
 from services.common.bus import connect
+from services.common.health import evaluate_checks
 from services.reward.client import RewardClient, RewardRequestError, RewardUnavailableError
 from services.reward.service import RewardService
 from services.reward.settings import RewardSettings
@@ -135,3 +136,10 @@ async def test_client_without_a_service_says_so(nc: NATS) -> None:
     client = RewardClient(nc, timeout_s=5)
     with pytest.raises(RewardUnavailableError, match="no reward service is listening"):
         await client.score("services.reward.builtin:copy3", [item("1", answer="1")])
+
+
+async def test_ready_once_started_and_check_gone_after_stop(service: RewardService) -> None:
+    name = f"reward:{service.instance}"
+    assert (await evaluate_checks())[name]["ok"] is True
+    await service.stop(timeout_s=1.0)
+    assert name not in await evaluate_checks()
