@@ -1,0 +1,3 @@
+from services.replay import main
+
+raise SystemExit(main())

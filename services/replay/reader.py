@@ -1,0 +1,147 @@
+"""Reading a recorded range of a run's TRAJECTORIES stream, in stream order.
+
+An ordered pull consumer: ephemeral, no acks, filtered on the run's trajectory subject(s), started at
+a sequence or a time. The reader checks that consumer sequences are contiguous; on a gap (a lost
+pull reply, a reconnect) or a vanished consumer it recreates the consumer right after the last
+sequence it yielded, so the range is read exactly once, in order. It works while a live run is still
+writing: the range ends at the last message present at the start unless `follow` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from schemas.subjects import TRAJECTORIES_STREAM, Subjects
+from services.common.logging import get_logger
+from services.replay.settings import RangeSettings
+
+log = get_logger("replay.reader")
+
+# A training step can take long between two pulls; the server drops an ephemeral consumer idle longer.
+_INACTIVE_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Record:
+    """One recorded trajectory message (or a row group of a Parquet export, re-encoded)."""
+
+    seq: int
+    time: datetime
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None
+
+
+def range_subjects(run: str, kind: str) -> list[str]:
+    s = Subjects(run)
+    return {"train": [s.trajectories], "eval": [s.trajectories_eval], "all": [s.trajectories, s.trajectories_eval]}[kind]
+
+
+class StreamReader:
+    """`async for record in StreamReader(js, run, rng)`: the range's messages, in order, once."""
+
+    def __init__(self, js: JetStreamContext, run: str, rng: RangeSettings, *, start_after: int = 0,
+                 batch: int = 64, fetch_timeout_s: float = 1.0) -> None:
+        self.js = js
+        self.run = run
+        self.rng = rng
+        self.start_after = start_after
+        """Resume point: read only sequences after it (a checkpoint's last consumed sequence)."""
+        self.batch = batch
+        self.fetch_timeout_s = fetch_timeout_s
+        self.subjects = range_subjects(run, rng.kind)
+        self.last_seq = 0
+        self.end_seq: float = math.inf
+        self.resets = 0
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._consumer_seq = 0
+        self._pending = 0
+
+    def _config(self, after: int) -> ConsumerConfig:
+        cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, filter_subjects=self.subjects, inactive_threshold=_INACTIVE_S,
+                             mem_storage=True, num_replicas=1, max_deliver=1)
+        start = max(self.rng.from_seq, after + 1)
+        if after or self.rng.from_seq:
+            cfg.deliver_policy, cfg.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start
+        elif self.rng.since is not None:
+            cfg.deliver_policy, cfg.opt_start_time = DeliverPolicy.BY_START_TIME, self.rng.since
+        else:
+            cfg.deliver_policy = DeliverPolicy.ALL
+        return cfg
+
+    async def _open(self, after: int) -> None:
+        await self._close_consumer()
+        self._sub = await self.js.pull_subscribe(self.subjects[0], stream=TRAJECTORIES_STREAM, config=self._config(after))
+        info = await self._sub.consumer_info()
+        self._consumer_seq = info.delivered.consumer_seq if info.delivered else 0
+        self._pending = info.num_pending or 0
+
+    async def _close_consumer(self) -> None:
+        if self._sub is None:
+            return
+        sub, self._sub = self._sub, None
+        try:
+            await self.js.delete_consumer(TRAJECTORIES_STREAM, sub._consumer)
+        except (nats.js.errors.NotFoundError, nats.errors.Error, asyncio.TimeoutError):
+            pass  # ephemeral: the server deletes it after `inactive_threshold` anyway
+        try:
+            await sub.unsubscribe()
+        except nats.errors.Error:
+            pass
+
+    async def _snapshot_end(self) -> float:
+        """The range's last sequence: to_seq, and without follow the stream's last sequence now."""
+        end = float(self.rng.to_seq) if self.rng.to_seq else math.inf
+        if not self.rng.follow:
+            info = await self.js.stream_info(TRAJECTORIES_STREAM)
+            end = min(end, float(info.state.last_seq))
+        return end
+
+    async def __aiter__(self) -> AsyncIterator[Record]:
+        self.end_seq = await self._snapshot_end()
+        self.last_seq = self.start_after
+        await self._open(self.start_after)
+        try:
+            while True:
+                if not self.rng.follow and self._pending == 0:
+                    return
+                assert self._sub is not None
+                try:
+                    msgs = await self._sub.fetch(self.batch, timeout=self.fetch_timeout_s)
+                except asyncio.TimeoutError:
+                    if not self.rng.follow:  # nothing came though something was pending: ask again
+                        self._pending = (await self._sub.consumer_info()).num_pending or 0
+                    continue
+                except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as exc:
+                    await self._reset(f"consumer lost: {exc!r}")
+                    continue
+                for msg in msgs:
+                    meta = msg.metadata
+                    if meta.sequence.consumer != self._consumer_seq + 1:
+                        await self._reset(f"consumer sequence gap {self._consumer_seq} -> {meta.sequence.consumer}")
+                        break
+                    self._consumer_seq = meta.sequence.consumer
+                    self._pending = meta.num_pending
+                    seq = meta.sequence.stream
+                    if seq > self.end_seq or (self.rng.until is not None and meta.timestamp > self.rng.until):
+                        return
+                    self.last_seq = seq
+                    yield Record(seq, meta.timestamp, msg.subject, msg.data, msg.headers)
+                    if seq >= self.end_seq:
+                        return
+        finally:
+            await self._close_consumer()
+
+    async def _reset(self, why: str) -> None:
+        self.resets += 1
+        log.warning("reader consumer recreated", reason=why, after_seq=self.last_seq)
+        await self._open(self.last_seq)

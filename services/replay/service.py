@@ -1,0 +1,125 @@
+"""`jetrl replay` as a process: the trainer's engine and step, fed from a recorded range (the stream
+or Parquet exports) instead of the live consumer. No feeder, no inference, no weight agents.
+
+It ends when the range is exhausted (or after `total_steps`), with a checkpoint; SIGTERM finishes the
+current step, checkpoints and exits. `resume=auto` continues after the checkpoint's last sequence.
+Launch: `jetrl replay ...` (1 rank) or `torchrun --nproc_per_node N -m services.replay ...`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import AsyncIterator
+
+import torch.distributed as dist
+
+from services.common.bus import connect
+from services.common.logging import bind_context, get_logger
+from services.common.runner import Supervisor, supervise
+from services.replay.parquet import iter_records
+from services.replay.reader import Record, StreamReader
+from services.replay.settings import ReplaySettings
+from services.replay.source import RecordingSource, as_async
+from services.trainer.actor import PPOActor
+from services.trainer.collective import follow
+from services.trainer.engine import TrainEngine
+from services.trainer.loop import Trainer
+
+log = get_logger("replay")
+
+
+def open_records(settings: ReplaySettings, js: object, start_after: int) -> AsyncIterator[Record]:
+    """The recorded messages of the range, from Parquet files if given, else from the stream."""
+    if settings.parquet:
+        return as_async(iter_records(settings.parquet, settings.range, run=settings.source_run, start_after=start_after))
+    assert settings.source_run is not None
+    reader = StreamReader(js, settings.source_run, settings.range, start_after=start_after,  # type: ignore[arg-type]
+                          batch=settings.fetch_batch, fetch_timeout_s=settings.fetch_timeout_s)
+    return aiter(reader)
+
+
+async def start_replay(settings: ReplaySettings, engine: TrainEngine, nc: object, publish: object = None) -> Trainer:
+    """A started Trainer whose groups come from the recording (resumed from a checkpoint if asked)."""
+    source = RecordingSource(None, settings.range, staleness=settings.staleness, drop_last=settings.drop_last)
+    trainer = Trainer(settings, engine, publish=publish, source=source)  # type: ignore[arg-type]
+    source.bind(trainer.intake)
+    await trainer.start(nc)  # type: ignore[arg-type]
+    # Only now is the resume point known: read after the checkpoint's last consumed sequence.
+    source.records = open_records(settings, nc.jetstream(), trainer.last_seq)  # type: ignore[attr-defined]
+    log.info("replay started", source="parquet" if settings.parquet else f"stream:{settings.source_run}",
+             after_seq=trainer.last_seq, version=trainer.version, staleness=settings.staleness)
+    return trainer
+
+
+async def replay(trainer: Trainer, stopping: asyncio.Event) -> None:
+    """Train until the range is exhausted, total_steps, or a stop; then checkpoint."""
+    saved_at = trainer.version
+    while not stopping.is_set() and not trainer.done:
+        if await trainer.step(stopping) is None:
+            break
+        if trainer.s.checkpoint_every and trainer.version % trainer.s.checkpoint_every == 0:
+            saved_at = trainer.version
+    if trainer.version != saved_at:
+        await trainer.checkpoint()
+    src = trainer.source
+    log.info("replay finished" if src.exhausted or trainer.done else "replay stopped", version=trainer.version,
+             last_seq=trainer.last_seq, read=src.read, malformed=src.malformed, skipped=src.skipped)
+
+
+async def run_service(settings: ReplaySettings) -> None:
+    engine = await asyncio.to_thread(TrainEngine, settings)
+    bind_context(rank=engine.rank)
+    if engine.rank != 0:
+        await asyncio.to_thread(follow, engine, PPOActor(engine, settings.ppo))
+        dist.barrier()
+        _exit(0)
+    failed = True
+    try:
+        await _run_rank0(settings, engine)
+        failed = False
+    finally:
+        if engine.world_size > 1:
+            if not failed:
+                dist.barrier()
+            _exit(1 if failed else 0)
+
+
+async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
+    from services.weights.publisher import WeightPublisher
+
+    nc = await connect(settings.nats_url, f"jetrl-replay-{settings.run}", connect_timeout_s=settings.connect_timeout_s)
+    try:
+        publish = None
+        if settings.publish_weights:
+            publisher = WeightPublisher(nc, settings.run, shared_dir=settings.weights_shared_dir,
+                                        keep_last=settings.weights_keep_last)
+            publish = publisher.publish_dir
+
+        async def main(sup: Supervisor) -> None:
+            trainer = await start_replay(settings, engine, nc, publish)
+
+            async def run() -> None:
+                try:
+                    await replay(trainer, sup.stopping)
+                    await trainer.stop_followers()
+                finally:
+                    sup.stop()
+
+            sup.spawn("replay", run())
+
+        await supervise("replay", main, settings.shutdown_timeout_s)
+    finally:
+        try:
+            await asyncio.wait_for(nc.drain(), timeout=5.0)
+        except Exception as exc:  # the bus may be gone; exiting matters more
+            log.warning("nats drain failed", error=repr(exc))
+
+
+def _exit(code: int) -> None:
+    # With several ranks, barrier + os._exit avoids DeepSpeed's abort at interpreter exit
+    # (shared/reference/deepspeed-cpu.md).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,140 @@
+"""The replay's group source: recorded messages -> the trainer's batches.
+
+Every message goes through the trainer's own `Intake.judge` (same decoding, same duplicate rule, same
+counters, checkpointed with the trainer), so replay trains exactly what the live trainer would take
+from those messages. Before that, the range's filters run on the headers alone (no decoding):
+rejection markers and groups outside the version range are skipped and counted. A corrupted message
+is logged with its sequence, counted (`malformed_messages`) and skipped; the replay goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING
+
+from schemas.headers import is_rejection
+from schemas.subjects import HDR_HEAD_VERSION, HDR_TAIL_VERSION
+from schemas.trajectory import TrajectoryError, decode_group
+from services.common.logging import get_logger
+from services.replay.reader import Record
+from services.replay.settings import RangeSettings
+
+if TYPE_CHECKING:
+    from services.trainer.intake import Group, Intake
+    from services.trainer.loop import Trainer
+
+log = get_logger("replay")
+
+#: staleness "off": an eta no version gap reaches
+ETA_OFF = sys.maxsize // 2
+
+
+def _int_header(headers: dict[str, str] | None, name: str) -> int | None:
+    try:
+        return int((headers or {})[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def versions_of(record: Record) -> tuple[int, int] | None:
+    """(head, tail) from the headers, or from the body when they are missing; None if neither says."""
+    head, tail = _int_header(record.headers, HDR_HEAD_VERSION), _int_header(record.headers, HDR_TAIL_VERSION)
+    if head is not None and tail is not None:
+        return head, tail
+    try:
+        meta = decode_group(record.data).meta
+    except TrajectoryError:
+        return None
+    return meta.head_version, meta.tail_version
+
+
+def skip_reason(record: Record, rng: RangeSettings) -> str | None:
+    """Why a record is not offered to the trainer, or None. Decides on headers only (cheap)."""
+    if is_rejection(record.headers):
+        return "rejection"
+    if rng.min_version is None and rng.max_version is None:
+        return None
+    versions = versions_of(record)
+    if versions is None:
+        return None  # no readable versions: the intake will call it malformed
+    head, tail = versions
+    if rng.min_version is not None and head < rng.min_version:
+        return "version"
+    if rng.max_version is not None and tail > rng.max_version:
+        return "version"
+    return None
+
+
+async def as_async(records: Iterable[Record]) -> AsyncIterator[Record]:
+    for record in records:
+        yield record
+        await asyncio.sleep(0)  # a long Parquet read must not starve the event loop
+
+
+class RecordingSource:
+    """`Trainer(..., source=RecordingSource(...))`: batches from recorded messages instead of the
+    trainer's durable consumer. `collect` returns None once the range is exhausted."""
+
+    def __init__(self, records: AsyncIterator[Record] | None, rng: RangeSettings, *, staleness: str = "off",
+                 drop_last: bool = False) -> None:
+        self.records = records
+        """Set before the first step (`jetrl replay` opens it once the resume point is known)."""
+        self.rng = rng
+        self.staleness = staleness
+        self.drop_last = drop_last
+        self.recorded_version = 0
+        """Newest weight version seen in the recording so far (the live trainer was at least there)."""
+        self.exhausted = False
+        self.skipped: dict[str, int] = {"rejection": 0, "version": 0}
+        self.malformed = 0
+        self.read = 0
+
+    def bind(self, intake: "Intake") -> None:
+        """Staleness off: nothing in the recording is too old to train on."""
+        if self.staleness == "off":
+            intake.eta = ETA_OFF
+
+    def judge(self, record: Record, intake: "Intake", version: int) -> "Group | None":
+        """One record through the range filters and the intake: its group, or None (counted)."""
+        self.read += 1
+        reason = skip_reason(record, self.rng)
+        if reason is not None:
+            self.skipped[reason] += 1
+            return None
+        tail = _int_header(record.headers, HDR_TAIL_VERSION)
+        if tail is not None:
+            self.recorded_version = max(self.recorded_version, tail)
+        reference = self.recorded_version if self.staleness == "recorded" else version
+        verdict = intake.judge(record.data, record.headers, record.seq, reference)
+        if verdict.outcome == "malformed":
+            self.malformed += 1
+            log.error("corrupted message in the recording skipped", subject=record.subject, stream_seq=record.seq,
+                      prompt_id=verdict.prompt_id, error=verdict.error)
+        return verdict.group
+
+    async def collect(self, trainer: "Trainer", stopping: asyncio.Event | None = None) -> "list[Group] | None":
+        """The next batch of `batch_groups` accepted groups; a shorter last one unless drop_last; None at the end."""
+        groups: list[Group] = []
+        last_seq = trainer.last_seq
+        before = self.malformed
+        while len(groups) < trainer.s.batch_groups and not self.exhausted:
+            if stopping is not None and stopping.is_set():
+                return None  # last_seq stays at the last trained batch: a resume re-reads these
+            if self.records is None:
+                raise RuntimeError("replay source: no recording opened before the first step")
+            record = await anext(self.records, None)
+            if record is None:
+                self.exhausted = True
+                break
+            group = self.judge(record, trainer.intake, trainer.version)
+            last_seq = max(last_seq, record.seq)
+            if group is not None:
+                groups.append(group)
+        if trainer.metrics is not None:
+            trainer.metrics.count("malformed_messages", self.malformed - before)
+        if not groups or (self.drop_last and len(groups) < trainer.s.batch_groups):
+            return None
+        trainer.last_seq = last_seq
+        return groups
