@@ -1,0 +1,157 @@
+"""The proxy's core, without HTTP: sessions, one recorded completion per request, rewards, export.
+
+A session is one agent episode. Each completion is generated from token ids (`InferenceEngine.agenerate`)
+and cached with the exact prompt ids, output ids, logprobs and per-token weight versions the engine
+reported; the text answered to the agent is decoded from those ids, and nothing is ever tokenized back
+from it. The requests of a session stick to one inference server (`episode=session id`), so a
+conversation's growing prefix stays in that server's cache.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.logging import get_logger
+from services.rollout.agent.cache import Interaction, InteractionCache
+from services.rollout.agent.chat import ChatTokenizer
+from services.rollout.agent.errors import ProxyError, bad_request, not_found
+from services.rollout.agent.export import STYLES, AgentSample, ExportError, export_session
+from services.rollout.agent.requests import CanonicalRequest
+from services.rollout.agent.toolcalls import parse_tool_calls
+from services.rollout.engine import BadRequestError, InferenceError, ModelRequest
+
+log = get_logger("rollout.agent")
+
+ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
+
+
+@dataclass
+class SamplingDefaults:
+    """What a request that does not say gets."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class Session:
+    id: str
+    task_id: str | None = None
+    cache: InteractionCache = field(default_factory=InteractionCache)
+    ended: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class ProxyStats:
+    sessions_started: int = 0
+    completions: int = 0
+    completion_tokens: int = 0
+    errors: int = 0
+
+
+class AgentProxy:
+    def __init__(self, engine: Any, tokenizer: Any, defaults: SamplingDefaults | None = None) -> None:
+        self.engine = engine
+        self.chat = ChatTokenizer(tokenizer)
+        self.defaults = defaults or SamplingDefaults()
+        self.sessions: dict[str, Session] = {}
+        self.stats = ProxyStats()
+
+    # ---- sessions ------------------------------------------------------------------------------
+    def start_session(self, task_id: str | None = None) -> Session:
+        session = Session(id=uuid.uuid4().hex, task_id=task_id)
+        self.sessions[session.id] = session
+        self.stats.sessions_started += 1
+        return session
+
+    def session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise not_found(f"unknown session {session_id!r}: start one with POST /rl/start_session", "session_not_found")
+        return session
+
+    def end_session(self, session_id: str) -> Session:
+        session = self.session(session_id)
+        session.ended = True
+        return session
+
+    def drop_session(self, session_id: str) -> None:
+        if self.sessions.pop(session_id, None) is not None and hasattr(self.engine, "release_episode"):
+            self.engine.release_episode(session_id)
+
+    # ---- completions ---------------------------------------------------------------------------
+    async def complete(self, session_id: str, request: CanonicalRequest, api: str) -> Interaction:
+        session = self.session(session_id)
+        if session.ended:
+            raise ProxyError(409, f"session {session_id} has ended; start a new one", code="session_ended")
+        messages = request.messages
+        if request.previous_id is not None:
+            previous = session.cache.get(request.previous_id)
+            if previous is None:
+                raise not_found(f"previous_response_id {request.previous_id!r} is not a response of this session", "previous_response_not_found")
+            messages = previous.conversation + messages
+        parent = session.cache.find_parent(messages)
+        prompt_ids, incremental = self.chat.prompt_ids(messages, request.tools, parent)
+        model_request = ModelRequest(
+            input_ids=prompt_ids,
+            max_new_tokens=request.max_new_tokens or self.defaults.max_new_tokens,
+            temperature=self.defaults.temperature if request.temperature is None else request.temperature,
+            top_p=self.defaults.top_p if request.top_p is None else request.top_p,
+            top_k=request.top_k or -1,
+            stop=list(request.stop),
+            seed=request.seed,
+        )
+        try:
+            resp = await self.engine.agenerate(model_request, episode=session_id)
+        except BadRequestError as exc:
+            self.stats.errors += 1
+            raise bad_request(f"the inference server refused the request: {exc}") from exc
+        except InferenceError as exc:
+            self.stats.errors += 1
+            raise ProxyError(503, f"inference failed: {exc}", code="inference_unavailable") from exc
+        interaction_id = ID_PREFIX[api] + uuid.uuid4().hex[:24]
+        content, calls = parse_tool_calls(self.chat.decode(resp.output_ids), id_prefix=f"call_{interaction_id[-12:]}")
+        reply: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            reply["tool_calls"] = [c.openai() for c in calls]
+        interaction = Interaction(
+            id=interaction_id, api=api, messages=messages, reply=reply,
+            prompt_ids=list(resp.input_ids), output_ids=list(resp.output_ids),
+            output_logprobs=list(resp.output_logprobs), output_versions=list(resp.output_versions),
+            stop_reason=resp.stop_reason, incremental=incremental, parent=parent,
+        )
+        session.cache.add(interaction)
+        self.stats.completions += 1
+        self.stats.completion_tokens += len(resp.output_ids)
+        return interaction
+
+    # ---- rewards and export --------------------------------------------------------------------
+    def set_reward(self, session_id: str, reward: Any, interaction_id: str | None = None) -> Interaction:
+        session = self.session(session_id)
+        try:
+            return session.cache.set_reward(reward, interaction_id)
+        except ValueError as exc:
+            raise bad_request(str(exc), "reward") from exc
+        except KeyError as exc:
+            raise not_found(str(exc.args[0]), "interaction_not_found") from exc
+        except LookupError as exc:
+            raise bad_request(str(exc)) from exc
+
+    def export(self, session_id: str, discount: float = 1.0, style: str = "individual") -> dict[str, AgentSample]:
+        """The session's samples (completion id -> sample); the session is closed and forgotten."""
+        session = self.session(session_id)
+        if style not in STYLES:
+            raise bad_request(f"style must be one of {', '.join(STYLES)}, got {style!r}", "style")
+        if not 0.0 <= discount <= 1.0:
+            raise bad_request(f"discount must be in [0, 1], got {discount}", "discount")
+        try:
+            samples = export_session(session.cache, discount, style)
+        except ExportError as exc:
+            raise bad_request(str(exc), "style") from exc
+        self.drop_session(session_id)
+        return samples

@@ -1,0 +1,291 @@
+"""The three request dialects (OpenAI Chat Completions, OpenAI Responses, Anthropic Messages) turned
+into one canonical form: chat-template messages plus sampling parameters.
+
+A canonical message is `{"role", "content": str}` plus, for an assistant that called tools,
+`"tool_calls": [{"id", "type": "function", "function": {"name", "arguments": <JSON text>}}]`, and,
+for a tool result, `"tool_call_id"`. It is both what the chat template renders and what parent
+resolution compares (`message_key`), so the three dialects share one interaction tree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.rollout.agent.errors import bad_request
+
+Message = dict[str, Any]
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+@dataclass
+class CanonicalRequest:
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+    """Tool schemas in OpenAI function format (passed to the chat template)."""
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    model: str = "jetrl"
+    previous_id: str | None = None
+    """Responses API `previous_response_id`: the conversation continues that response."""
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _text(content: Any, where: str) -> str:
+    """Message content as text: a string, null, or a list of text parts (`text`/`input_text`/`output_text`)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise bad_request(f"{where}[{i}]: only text content parts are supported, got {_short(part)}", where)
+        return "".join(parts)
+    raise bad_request(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}", where)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _args_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _number(body: dict[str, Any], name: str, kind: type, low: float | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise bad_request(f"{name} must be {'an integer' if kind is int else 'a number'}, got {_short(value)}", name)
+    if low is not None and value < low:
+        raise bad_request(f"{name} must be >= {low}, got {value}", name)
+    return kind(value)
+
+
+def _stop(value: Any, name: str) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request(f"{name} must be a string or a list of non-empty strings", name)
+    return list(stops)
+
+
+def _no_stream(body: dict[str, Any]) -> None:
+    if body.get("stream"):
+        raise bad_request("stream=true is not supported by the jetrl proxy: call without streaming", "stream")
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def message_key(message: Message) -> tuple[Any, ...]:
+    """What makes two messages the same turn: role, text, and the tool calls' names and arguments
+    (ids are left out: frameworks re-number them)."""
+    calls = tuple(
+        (c["function"]["name"], _canonical_json(c["function"]["arguments"])) for c in message.get("tool_calls") or ()
+    )
+    return (message["role"], message["content"], calls)
+
+
+def _canonical_json(text: str) -> str:
+    try:
+        return json.dumps(json.loads(text), sort_keys=True)
+    except ValueError:
+        return text
+
+
+# ------------------------------------------------------------------------------------ chat completions
+
+
+def _chat_message(raw: Any, i: int) -> Message:
+    where = f"messages[{i}]"
+    if not isinstance(raw, dict):
+        raise bad_request(f"{where} must be an object, got {_short(raw)}", where)
+    role = raw.get("role")
+    if role not in ROLES:
+        raise bad_request(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", f"{where}.role")
+    msg: Message = {"role": role, "content": _text(raw.get("content"), f"{where}.content")}
+    calls = raw.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list):
+            raise bad_request(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+        msg["tool_calls"] = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad_request(f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls")
+            msg["tool_calls"].append(
+                {"id": str(call.get("id") or f"call_{j}"), "type": "function",
+                 "function": {"name": fn["name"], "arguments": _args_text(fn.get("arguments", "{}"))}}
+            )
+    if role == "tool" and raw.get("tool_call_id") is not None:
+        msg["tool_call_id"] = str(raw["tool_call_id"])
+    return msg
+
+
+def parse_chat(body: Any) -> CanonicalRequest:
+    body = _object(body)
+    _no_stream(body)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages must be a non-empty list", "messages")
+    if body.get("n") not in (None, 1):
+        raise bad_request("n must be 1: the proxy records one completion per request", "n")
+    max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)
+    return CanonicalRequest(
+        messages=[_chat_message(m, i) for i, m in enumerate(raw)],
+        tools=_tools(body.get("tools")),
+        max_new_tokens=max_tokens,
+        temperature=_number(body, "temperature", float, 0),
+        top_p=_number(body, "top_p", float, 0),
+        stop=_stop(body.get("stop"), "stop"),
+        seed=_number(body, "seed", int),
+        model=str(body.get("model") or "jetrl"),
+    )
+
+
+def _tools(raw: Any) -> list[dict[str, Any]] | None:
+    """OpenAI chat tools as they are; Responses (`{"type": "function", "name", ...}`) and Anthropic
+    (`{"name", "input_schema"}`) tools converted to it."""
+    if not raw:
+        return None
+    if not isinstance(raw, list):
+        raise bad_request("tools must be a list", "tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict):
+            raise bad_request(f"tools[{i}] must be an object", "tools")
+        if isinstance(tool.get("function"), dict):
+            tools.append({"type": "function", "function": tool["function"]})
+        elif isinstance(tool.get("name"), str):
+            params = tool.get("parameters", tool.get("input_schema", {"type": "object", "properties": {}}))
+            tools.append({"type": "function", "function": {"name": tool["name"], "description": tool.get("description", ""), "parameters": params}})
+        else:
+            raise bad_request(f"tools[{i}] has no function name", "tools")
+    return tools
+
+
+# ------------------------------------------------------------------------------------------ responses
+
+
+def parse_responses(body: Any) -> CanonicalRequest:
+    body = _object(body)
+    _no_stream(body)
+    messages: list[Message] = []
+    if body.get("instructions"):
+        messages.append({"role": "system", "content": _text(body["instructions"], "instructions")})
+    raw = body.get("input")
+    if isinstance(raw, str):
+        messages.append({"role": "user", "content": raw})
+    elif isinstance(raw, list) and raw:
+        for i, item in enumerate(raw):
+            messages.extend(_response_item(item, i, messages))
+    else:
+        raise bad_request("input must be a string or a non-empty list of input items", "input")
+    prev = body.get("previous_response_id")
+    return CanonicalRequest(
+        messages=messages,
+        tools=_tools(body.get("tools")),
+        max_new_tokens=_number(body, "max_output_tokens", int, 1),
+        temperature=_number(body, "temperature", float, 0),
+        top_p=_number(body, "top_p", float, 0),
+        model=str(body.get("model") or "jetrl"),
+        previous_id=str(prev) if prev else None,
+    )
+
+
+def _response_item(item: Any, i: int, so_far: list[Message]) -> list[Message]:
+    where = f"input[{i}]"
+    if not isinstance(item, dict):
+        raise bad_request(f"{where} must be an object", where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        return [_chat_message({"role": item.get("role"), "content": item.get("content")}, i)]
+    if kind == "function_call":
+        call = {"id": str(item.get("call_id") or item.get("id") or f"call_{i}"), "type": "function",
+                "function": {"name": str(item.get("name")), "arguments": _args_text(item.get("arguments", "{}"))}}
+        last = so_far[-1] if so_far else None
+        if last is not None and last["role"] == "assistant":  # several calls of one turn: one message
+            last.setdefault("tool_calls", []).append(call)
+            return []
+        return [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    if kind == "function_call_output":
+        return [{"role": "tool", "content": _text(item.get("output"), f"{where}.output"), "tool_call_id": str(item.get("call_id"))}]
+    raise bad_request(f"{where}: input items of type {kind!r} are not supported", where)
+
+
+# ----------------------------------------------------------------------------------------- anthropic
+
+
+def parse_anthropic(body: Any) -> CanonicalRequest:
+    body = _object(body)
+    _no_stream(body)
+    messages: list[Message] = []
+    if body.get("system"):
+        messages.append({"role": "system", "content": _text(body["system"], "system")})
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages must be a non-empty list", "messages")
+    for i, msg in enumerate(raw):
+        messages.extend(_anthropic_message(msg, i))
+    return CanonicalRequest(
+        messages=messages,
+        tools=_tools(body.get("tools")),
+        max_new_tokens=_number(body, "max_tokens", int, 1),
+        temperature=_number(body, "temperature", float, 0),
+        top_p=_number(body, "top_p", float, 0),
+        top_k=_number(body, "top_k", int, 1),
+        stop=_stop(body.get("stop_sequences"), "stop_sequences"),
+        model=str(body.get("model") or "jetrl"),
+    )
+
+
+def _anthropic_message(raw: Any, i: int) -> list[Message]:
+    where = f"messages[{i}]"
+    if not isinstance(raw, dict) or raw.get("role") not in ("user", "assistant"):
+        raise bad_request(f"{where} must be an object with role 'user' or 'assistant'", where)
+    role, content = raw["role"], raw.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of blocks", f"{where}.content")
+    out: list[Message] = []
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            text.append(str(block.get("text", "")))
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": str(block.get("id")), "type": "function",
+                          "function": {"name": str(block.get("name")), "arguments": _args_text(block.get("input", {}))}})
+        elif kind == "tool_result" and role == "user":
+            out.append({"role": "tool", "content": _text(block.get("content"), f"{where}.content[{j}].content"),
+                        "tool_call_id": str(block.get("tool_use_id"))})
+        else:
+            raise bad_request(f"{where}.content[{j}]: blocks of type {kind!r} are not supported here", f"{where}.content")
+    if text or calls or not out:
+        msg: Message = {"role": role, "content": "".join(text)}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out

@@ -1,0 +1,224 @@
+"""`AgentWorkflow`: any agent with `async def run(data, **extra_kwargs)` as a rollout workflow.
+
+Each episode opens a proxy session, runs the agent against it, applies what `run` returned as
+rewards, and exports the session's completions as training samples (a dict of interactions, which
+the worker turns into a tensor dict). The proxy server starts with the first episode, inside the
+worker's event loop, and serves every episode of this worker.
+
+- `mode="inline"`: `await agent.run(data, base_url=<session>/v1, http_client=<httpx.AsyncClient>)` in
+  the worker's loop; the agent builds `AsyncOpenAI(base_url=base_url, http_client=http_client)`.
+- `mode="subprocess"`: the agent runs in a process pool with `OPENAI_BASE_URL`/`OPENAI_API_KEY` (and
+  `ANTHROPIC_BASE_URL`/`ANTHROPIC_API_KEY`) set to its session, so blocking code (`OpenAI()`) works;
+  `run` may then be synchronous. The agent must be importable ("module:Class") or picklable.
+
+`run` returns a float (the reward of the session's last completion), a dict of completion id ->
+reward, or None when it set its rewards itself through `POST /{session}/rl/set_reward`. An episode
+with no reward at all is an error, never a silent 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from services.common.logging import get_logger
+from services.rollout.agent.errors import ProxyError
+from services.rollout.agent.export import STYLES, AgentSample
+from services.rollout.agent.proxy import AgentProxy, SamplingDefaults, Session
+from services.rollout.agent.server import ProxyServer
+from services.rollout.workflow import RolloutWorkflow, WorkflowError, import_ref, workflow_context
+
+log = get_logger("rollout.agent")
+
+MODES = ("inline", "subprocess")
+
+
+class AgentWorkflow(RolloutWorkflow):
+    def __init__(
+        self,
+        agent: Any,
+        tokenizer: Any = None,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        mode: str = "inline",
+        discount: float = 1.0,
+        export_style: str = "individual",
+        agent_kwargs: Mapping[str, Any] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_workers: int = 4,
+        timeout_s: float = 600.0,
+    ) -> None:
+        """`agent`: an object, a class (built with `agent_kwargs`) or a "module:Name" reference;
+        `tokenizer`: a tokenizer or model directory (default: the inference server's, from
+        /get_model_info); `discount`: reward discount per turn back through the conversation tree;
+        `export_style`: "individual" or "concat"; `host`/`port`: where the proxy listens (0: a free
+        port); `max_workers`: subprocess-mode pool size; `timeout_s`: longest episode."""
+        if mode not in MODES:
+            raise WorkflowError(f"agent mode must be one of {MODES}, got {mode!r}")
+        if export_style not in STYLES:
+            raise WorkflowError(f"export_style must be one of {STYLES}, got {export_style!r}")
+        if not 0.0 <= discount <= 1.0:
+            raise WorkflowError(f"discount must be in [0, 1], got {discount}")
+        if max_workers < 1 or timeout_s <= 0 or max_new_tokens < 1:
+            raise WorkflowError("max_workers and max_new_tokens must be >= 1 and timeout_s > 0")
+        self.mode = mode
+        self.agent_kwargs = dict(agent_kwargs or {})
+        self.agent_spec = agent  # what a subprocess imports or unpickles
+        self.agent = self._build_agent(agent)
+        self.tokenizer = tokenizer
+        self.defaults = SamplingDefaults(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        self.discount = discount
+        self.export_style = export_style
+        self.host, self.port = host, port
+        self.max_workers = max_workers
+        self.timeout_s = timeout_s
+        self.proxy: AgentProxy | None = None
+        self.server: ProxyServer | None = None
+        self._http: Any = None
+        self._pool: Any = None
+        self._lock = asyncio.Lock()
+
+    def _build_agent(self, spec: Any) -> Any:
+        obj = import_ref(spec) if isinstance(spec, str) else spec
+        run = getattr(obj, "run", None)
+        if run is None:
+            raise WorkflowError(f"agent {spec!r} has no run(data, **extra_kwargs) method")
+        if self.mode == "inline" and not inspect.iscoroutinefunction(run):
+            raise WorkflowError(f"agent {spec!r}: inline mode needs `async def run`; use mode='subprocess' for synchronous agents")
+        if self.mode == "subprocess":
+            return None  # built in the pool processes
+        if isinstance(obj, type):
+            try:
+                return obj(**self.agent_kwargs)
+            except TypeError as exc:
+                raise WorkflowError(f"agent {spec!r}: bad agent_kwargs {sorted(self.agent_kwargs)}: {exc}") from exc
+        if self.agent_kwargs:
+            raise WorkflowError(f"agent {spec!r} is already an object; agent_kwargs {sorted(self.agent_kwargs)} cannot apply")
+        return obj
+
+    # ---- the proxy -----------------------------------------------------------------------------
+    async def start(self, engine: Any) -> ProxyServer:
+        """Start the proxy (once) for `engine`; later episodes reuse it."""
+        async with self._lock:
+            if self.server is not None and self.proxy is not None:
+                self.proxy.engine = engine
+                return self.server
+            tokenizer = await _load_tokenizer(self.tokenizer, engine)
+            self.proxy = AgentProxy(engine, tokenizer, self.defaults)
+            server = ProxyServer(self.proxy, self.host, self.port)
+            await server.start()
+            self.server = server
+            if self.mode == "inline":
+                import httpx
+
+                self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=10.0))
+            return server
+
+    async def aclose(self) -> None:
+        if self.server is not None:
+            await self.server.aclose()
+            self.server = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool = None
+
+    # ---- one episode ---------------------------------------------------------------------------
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, AgentSample] | None:
+        server = await self.start(engine)
+        proxy = self.proxy
+        assert proxy is not None
+        session = proxy.start_session(workflow_context.task_id)
+        try:
+            result = await self._run(server, session, data)
+            self._apply(proxy, session, result)
+            if not len(session.cache):
+                log.warning("agent made no completion; episode rejected", task_id=session.task_id)
+                return None
+            if not session.cache.has_rewards():
+                raise WorkflowError("the agent returned no reward and set none (return a float or a dict of completion id -> reward)")
+            try:
+                return proxy.export(session.id, self.discount, self.export_style)
+            except ProxyError as exc:
+                raise WorkflowError(f"agent episode cannot be exported: {exc.message}") from exc
+        finally:
+            proxy.drop_session(session.id)
+
+    async def _run(self, server: ProxyServer, session: Session, data: dict[str, Any]) -> Any:
+        base_url = server.base_url(session.id)
+        if self.mode == "inline":
+            return await asyncio.wait_for(self.agent.run(data, base_url=base_url, http_client=self._http), self.timeout_s)
+        from services.rollout.agent.child import run_agent
+
+        future = self._process_pool().schedule(
+            run_agent, args=(self.agent_spec, self.agent_kwargs, data, base_url, f"{server.url}/{session.id}"), timeout=self.timeout_s
+        )
+        return await asyncio.wrap_future(future)
+
+    def _process_pool(self) -> Any:
+        if self._pool is None:
+            import multiprocessing
+
+            from pebble import ProcessPool
+
+            # spawn: the worker holds threads and sockets that a forked child must not inherit
+            self._pool = ProcessPool(max_workers=self.max_workers, context=multiprocessing.get_context("spawn"))
+        return self._pool
+
+    @staticmethod
+    def _apply(proxy: AgentProxy, session: Session, result: Any) -> None:
+        if result is None:
+            return
+        if isinstance(result, (int, float)) and not isinstance(result, bool):
+            if not len(session.cache):
+                raise WorkflowError(f"the agent returned reward {result} but made no completion")
+            proxy.set_reward(session.id, float(result))
+            return
+        if isinstance(result, Mapping):
+            for interaction_id, reward in result.items():
+                if str(interaction_id) not in session.cache:
+                    raise WorkflowError(f"the agent rewarded completion {interaction_id!r}, which is not one of this episode's")
+                try:
+                    proxy.set_reward(session.id, reward, str(interaction_id))
+                except ProxyError as exc:
+                    raise WorkflowError(f"the agent's reward for {interaction_id!r}: {exc.message}") from exc
+            return
+        raise WorkflowError(f"the agent's run returned {type(result).__name__}; expected a float, a dict of completion id -> reward, or None")
+
+
+async def _load_tokenizer(tokenizer: Any, engine: Any) -> Any:
+    """A tokenizer object, a directory to load, or (None) the inference server's own tokenizer."""
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        return tokenizer
+    path = tokenizer
+    if path is None:
+        path = await _server_tokenizer_path(engine)
+    from transformers import AutoTokenizer
+
+    return await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+
+
+async def _server_tokenizer_path(engine: Any) -> str:
+    import httpx
+
+    servers = list(getattr(engine, "servers", []))
+    errors = []
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        for server in servers:
+            try:
+                info = (await client.get(f"{server}/get_model_info")).json()
+            except (httpx.HTTPError, ValueError) as exc:
+                errors.append(f"{server}: {exc!r}")
+                continue
+            path = info.get("tokenizer_path") or info.get("model_path")
+            if path:
+                return str(path)
+            errors.append(f"{server}: no tokenizer_path in /get_model_info")
+    raise WorkflowError("the agent workflow needs a tokenizer: set workflow_kwargs.tokenizer (a model directory); "
+                        f"asking the inference servers failed: {'; '.join(errors) or 'no servers'}")
