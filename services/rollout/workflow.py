@@ -100,11 +100,9 @@ def is_interactions(result: Mapping[str, Any]) -> bool:
 def interactions_to_tensors(interactions: Mapping[str, Any]) -> TensorDict:
     """Extension point for agent workflows (issue #11): turn the interactions recorded by the
     OpenAI-compatible proxy into a padded tensor dict."""
-    raise NotImplementedError(
-        "a workflow returned a dict of interactions; turning interactions into trajectories arrives with "
-        "the agent proxy (issue #11). Return a padded tensor dict (input_ids, attention_mask, loss_mask, "
-        "logprobs, rewards, versions) or None for now"
-    )
+    from services.rollout.agent.export import interactions_to_tensors as agent_samples_to_tensors
+
+    return agent_samples_to_tensors(interactions)
 
 
 def as_tensor_dict(result: TensorDict | None | dict[str, Any]) -> TensorDict | None:
@@ -174,10 +172,12 @@ def _is_agent(obj: Any) -> bool:
 def wrap_agent(agent: Any, kwargs: Mapping[str, Any]) -> RolloutWorkflow:
     """Extension point for agents (any object or class with `async def run()`, issue #11): wrap it in
     a workflow that runs it against the OpenAI-compatible proxy and records its interactions."""
-    raise NotImplementedError(
-        f"{agent!r} is an agent (it has `async def run()`); agent workflows through the OpenAI-compatible "
-        "proxy arrive with issue #11. Subclass services.rollout.workflow.RolloutWorkflow for now"
-    )
+    from services.rollout.agent.workflow import AgentWorkflow
+
+    try:
+        return AgentWorkflow(agent, **kwargs)
+    except TypeError as exc:
+        raise WorkflowError(f"agent {agent!r}: bad workflow_kwargs {sorted(kwargs)}: {exc}") from exc
 
 
 def resolve_workflow(spec: Any, kwargs: Mapping[str, Any] | None = None) -> RolloutWorkflow:

@@ -71,10 +71,12 @@ def test_resolve_errors_name_the_problem(spec: Any, kwargs: dict[str, Any], mess
     assert message in str(err.value)
 
 
-def test_agents_and_interactions_point_at_the_extension() -> None:
-    with pytest.raises(NotImplementedError, match="issue #11"):
-        resolve_workflow(Agent())
-    with pytest.raises(NotImplementedError, match="issue #11"):
+def test_agents_and_interactions_go_through_the_agent_extension() -> None:
+    from services.rollout.agent.workflow import AgentWorkflow
+
+    wrapped = resolve_workflow(Agent(), {"tokenizer": object()})
+    assert isinstance(wrapped, AgentWorkflow) and isinstance(wrapped.agent, Agent)
+    with pytest.raises(WorkflowError, match="exported samples"):
         as_tensor_dict({"call-1": object()})
     with pytest.raises(WorkflowError, match="returned list"):
         as_tensor_dict([1, 2])  # type: ignore[arg-type]
