@@ -19,20 +19,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from services.common.logging import get_logger
-from services.inference.requests import SamplingParams
+from services.inference.requests import Joining, SamplingParams
 from services.inference.sampling import sample
 from services.inference.weights import load_safetensors_into
 
 log = get_logger("inference.model")
-
-
-@dataclass
-class Joining:
-    """What the scheduler hands the backend when a sequence joins the batch."""
-
-    sid: int
-    prompt: list[int]
-    params: SamplingParams
 
 
 @dataclass

@@ -44,6 +44,15 @@ class SamplingParams:
 
 
 @dataclass
+class Joining:
+    """What the scheduler hands a backend when a sequence joins the batch."""
+
+    sid: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
 class GenerateInput:
     prompts: list[list[int]]
     """One prompt per output (a batch input and `n` > 1 expand here)."""

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from services.common.logging import get_logger
-from services.inference.model_backend import Joining
-from services.inference.requests import SamplingParams
+from services.inference.requests import Joining, SamplingParams
 
 log = get_logger("inference.scheduler")
 T = TypeVar("T")

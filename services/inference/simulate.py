@@ -12,7 +12,7 @@ import math
 import random
 import time
 
-from services.inference.model_backend import Joining
+from services.inference.requests import Joining
 from services.inference.settings import SimulateSettings
 
 

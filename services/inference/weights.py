@@ -7,9 +7,10 @@ a missing tensor or a shape mismatch leaves the old weights serving and the erro
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load_file
+if TYPE_CHECKING:  # torch is imported only where weights are loaded, so a simulated server never pays for it
+    import torch
 
 
 class WeightLoadError(ValueError):
@@ -23,6 +24,8 @@ def read_checkpoint(model_path: str | Path) -> dict[str, torch.Tensor]:
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"model_path {str(model_path)!r} has no *.safetensors files")
+    from safetensors.torch import load_file
+
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         try:
@@ -50,6 +53,8 @@ def load_safetensors_into(model: torch.nn.Module, model_path: str | Path) -> int
     missing = [n for n, t in state.items() if n not in tensors and not _shares(t, state, tensors)]
     if missing:
         raise WeightLoadError(f"{model_path}: checkpoint lacks tensors: {', '.join(missing[:5])}")
+    import torch
+
     with torch.no_grad():
         for name, value in tensors.items():
             state[name].copy_(value.to(state[name].dtype))
