@@ -117,3 +117,15 @@ async def test_trainer_steps_with_admission_staleness_and_duplicates(nats_url: s
     for key in ("loss", "reward_mean", "grad_norm", "entropy", "clip_fraction", "tokens_per_s", "data_wait_fraction"):
         assert key in events[-1].values
     await nc.close()
+
+
+async def test_prompts_cli_pushes_a_dataset_onto_the_work_queue(nats_url: str, tmp_path: Path) -> None:
+    from services.trainer.prompts_cli import push
+
+    dataset = write_dataset(tmp_path / "d.jsonl", 3)
+    assert await push(nats_url, RUN, str(dataset)) == 3
+    assert await push(nats_url, RUN, str(dataset)) == 3  # same ids: de-duplicated, not queued twice
+    nc = await connect(nats_url, "test")
+    tasks = await _take_prompts(nc.jetstream(), 10)
+    assert [t.prompt_id for t in tasks] == ["push-0", "push-1", "push-2"] and tasks[0].data["prompt"].endswith("=")
+    await nc.close()
