@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from services.status.settings import StatusSettings
 
-DESCRIPTION = "Show a run's state: the latest published weight version and each inference server's loaded version and lag."
+DESCRIPTION = (
+    "Show a run's state: the latest published weight version and each inference server's loaded version and lag; "
+    "streams, consumer lag, prompts in flight, and which workers are alive."
+)
 
 
 def main(argv: list[str] | None = None) -> int:

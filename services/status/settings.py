@@ -14,3 +14,8 @@ class StatusSettings(ServiceSettings):
     """table: readable text; json: one JSON object (for scripts)."""
     timeout_s: float = 5.0
     """How long to wait for NATS and for the stream reads."""
+    run_dir: str = "runs"
+    """Where `jetrl up` keeps runs: a live run's NATS address is read from <run_dir>/<run>/nats.url
+    unless nats_url is set."""
+    alive_within_s: float = 30.0
+    """A worker whose last metrics event is older than this is shown as silent."""

@@ -71,6 +71,15 @@ async def read_recording(run_dir: Path, run: str) -> list[tuple[dict[str, str], 
         return out
 
 
+def jetrl_status(run: str, run_dir: Path) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.status", f"run={run}", f"run_dir={run_dir}", "format=json", "log_format=json"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
 def finish(proc: subprocess.Popen[str], timeout: float) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -87,9 +96,24 @@ DEMO = {"trainer": {"eta": ETA, "checkpoint_every": 0}, "rollout": {"ack_wait_s"
 def test_up_learns_copy3_publishes_versions_and_leaves_nothing_behind(tmp_path: Path) -> None:
     steps = 60
     proc = start_up(tmp_path, "e2e", steps, DEMO)
-    out = finish(proc, timeout=900)
     run_dir = tmp_path / "e2e"
+    status = None
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if status is None and line.startswith("step 8/"):
+            status = jetrl_status("e2e", tmp_path)
+    out = "".join(lines) + finish(proc, timeout=900)
     assert proc.returncode == 0, out[-4000:]
+
+    # `jetrl status` on the live run: both rollout workers and the trainer alive, the server loaded
+    assert status is not None, out[-3000:]
+    alive = {(w["service"], w["worker"]) for w in status["bus"]["workers"] if w["alive"]}
+    assert {("rollout", "rollout-0"), ("rollout", "rollout-1")} <= alive
+    assert "trainer" in {svc for svc, _ in alive}
+    assert status["weights"]["published_version"] >= 1
+    assert status["weights"]["servers"][0]["loaded_version"] >= 1
     assert processes_of(tmp_path) == [], "processes left behind after jetrl up exited"
 
     metrics = json.loads((run_dir / "metrics.json").read_text())

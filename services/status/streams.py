@@ -1,0 +1,121 @@
+"""The bus part of `jetrl status`: each stream's size, the run's consumers and their lag, prompts in
+flight, and which workers are alive (their last METRICS event is recent)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from schemas.messages import MessageError, MetricsEvent, decode
+from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects, stream_specs
+
+
+@dataclass
+class ConsumerLag:
+    stream: str
+    name: str
+    pending: int
+    """Messages not yet delivered (the lag)."""
+    ack_pending: int
+    """Delivered and not yet acknowledged (in flight)."""
+    redelivered: int
+
+
+@dataclass
+class Worker:
+    service: str
+    worker: str
+    seconds_ago: float
+    alive: bool
+
+
+@dataclass
+class BusStatus:
+    streams: dict[str, dict[str, int]] = field(default_factory=dict)
+    consumers: list[ConsumerLag] = field(default_factory=list)
+    workers: list[Worker] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+async def bus_status(nc: NATS, run: str, timeout_s: float, alive_within_s: float) -> BusStatus:
+    js = nc.jetstream()
+    subjects = Subjects(run)
+    status = BusStatus()
+    for spec in stream_specs():
+        try:
+            info = await js.stream_info(spec.name)
+        except NotFoundError:
+            continue
+        status.streams[spec.name] = {"messages": info.state.messages, "bytes": info.state.bytes, "consumers": info.state.consumer_count}
+    for stream, name in ((PROMPTS_STREAM, subjects.rollout_consumer), (TRAJECTORIES_STREAM, subjects.trainer_consumer)):
+        try:
+            c = await js.consumer_info(stream, name)
+        except NotFoundError:
+            continue
+        status.consumers.append(ConsumerLag(stream, name, c.num_pending, c.num_ack_pending, c.num_redelivered))
+    status.workers = await _workers(nc, subjects, timeout_s, alive_within_s)
+    return status
+
+
+async def _workers(nc: NATS, subjects: Subjects, timeout_s: float, alive_within_s: float) -> list[Worker]:
+    """Last metrics event per service subject, then per worker among them."""
+    js = nc.jetstream()
+    try:
+        sub = await js.pull_subscribe(
+            subjects.metrics_all,
+            stream=METRICS_STREAM,
+            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_TIME,
+                                  opt_start_time=_iso(time.time() - max(alive_within_s * 4, 60)), mem_storage=True),
+        )
+    except NotFoundError:
+        return []
+    last: dict[tuple[str, str], float] = {}
+    try:
+        pending = (await sub.consumer_info()).num_pending
+        seen = 0
+        while seen < pending:
+            try:
+                msgs = await sub.fetch(min(512, pending - seen), timeout=timeout_s)
+            except (asyncio.TimeoutError, TimeoutError):
+                break
+            seen += len(msgs)
+            for msg in msgs:
+                try:
+                    ev = decode(MetricsEvent, msg.data)
+                except MessageError:
+                    continue
+                key = (ev.service, ev.worker)
+                last[key] = max(last.get(key, 0.0), ev.time)
+    finally:
+        await sub.unsubscribe()
+    now = time.time()
+    return [Worker(s, w, now - t, now - t <= alive_within_s) for (s, w), t in sorted(last.items())]
+
+
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int((ts % 1) * 1e6):06d}Z"
+
+
+def render_bus(status: BusStatus) -> str:
+    lines = ["streams"]
+    for name, s in status.streams.items():
+        lines.append(f"  {name:<13} {s['messages']:>9} msgs {s['bytes'] / 1e6:>10.1f} MB  {s['consumers']} consumers")
+    lines.append("consumers (pending = lag, ack pending = in flight)")
+    if not status.consumers:
+        lines.append("  none for this run yet")
+    for c in status.consumers:
+        lines.append(f"  {c.stream}/{c.name:<24} pending {c.pending:>6}  ack pending {c.ack_pending:>5}  redelivered {c.redelivered}")
+    lines.append("workers (from their last metrics event)")
+    if not status.workers:
+        lines.append("  none has reported")
+    for w in status.workers:
+        state = "alive" if w.alive else "SILENT"
+        lines.append(f"  {w.service:<10} {w.worker or '-':<28} {state:<7} last seen {w.seconds_ago:.0f}s ago")
+    return "\n".join(lines)
