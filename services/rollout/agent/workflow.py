@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,7 +57,17 @@ class AgentWorkflow(RolloutWorkflow):
         `tokenizer`: a tokenizer or model directory (default: the inference server's, from
         /get_model_info); `discount`: reward discount per turn back through the conversation tree;
         `export_style`: "individual" or "concat"; `host`/`port`: where the proxy listens (0: a free
-        port); `max_workers`: subprocess-mode pool size; `timeout_s`: longest episode."""
+        port); `max_workers`: subprocess-mode pool size; `timeout_s`: longest episode.
+
+        Numbers may arrive as strings and `agent_kwargs` as JSON text: `jetrl up` hands
+        workflow_kwargs to the worker through environment variables."""
+        try:
+            max_new_tokens, max_workers, port = int(max_new_tokens), int(max_workers), int(port)
+            temperature, top_p, discount, timeout_s = float(temperature), float(top_p), float(discount), float(timeout_s)
+        except (TypeError, ValueError) as exc:
+            raise WorkflowError(f"agent workflow: a numeric setting is not a number: {exc}") from exc
+        if isinstance(agent_kwargs, str):
+            agent_kwargs = json.loads(agent_kwargs)
         if mode not in MODES:
             raise WorkflowError(f"agent mode must be one of {MODES}, got {mode!r}")
         if export_style not in STYLES:
