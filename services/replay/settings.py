@@ -102,7 +102,8 @@ class ExportSettings(ServiceSettings):
 
     output: str = "trajectories.parquet"
     """Parquet file to write (one row per sample; replaced if it exists)."""
-    range: RangeSettings = RangeSettings()
+    range: RangeSettings = RangeSettings(kind="all")
+    """The range to export (by default training and eval groups alike)."""
     fetch_batch: int = Field(64, ge=1)
     """Messages per pull request."""
     row_group_rows: int = Field(8192, ge=1)
@@ -120,7 +121,8 @@ class ImportSettings(ServiceSettings):
     """Parquet files or directories to import, in order."""
     source_run: str | None = None
     """Import only rows recorded by this run (None: every row)."""
-    range: RangeSettings = RangeSettings()
+    range: RangeSettings = RangeSettings(kind="all")
+    """Rows to import, by their recorded sequence and time (by default training and eval groups alike)."""
 
     @model_validator(mode="after")
     def _check(self) -> "ImportSettings":

@@ -100,7 +100,7 @@ async def test_replays_are_bit_identical_from_stream_and_parquet(nats_url: str, 
 
     # the Parquet export of the same recording trains to the same weights
     export = await export_range(js, ExportSettings(run=LIVE, nats_url=nats_url, output=str(tmp_path / "rec.parquet")))
-    assert export.groups == 6 and export.malformed == 1 and export.rows == 6 * 4
+    assert export.groups == 7 and export.malformed == 1 and export.rows == 7 * 4  # + the eval group
     from_parquet, _ = await run_replay(replay_settings(tmp_path, tiny_model, nats_url, "offline-c",
                                                        parquet=[str(export.path)]), nc)
     assert same_weights(first, from_parquet)
