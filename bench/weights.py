@@ -1,0 +1,189 @@
+"""Weight sync latency: publish a checkpoint -> every agent reports it loaded into its server.
+
+For models of about 100 MB and 1 GB, through the WEIGHTS object store and through a shared
+directory, with a real nats-server, a real CPU inference server and a real `jetrl weights` agent.
+Baseline: the time to copy the same bytes on local disk in this run (shutil.copyfile), so
+ratio = copy_s / publish_to_loaded_s (1.0 would be "as fast as cp"). score = the 1 GB object-store
+ratio. Everything is written under a temp dir that is removed at the end.
+
+    python bench/weights.py [--sizes 100,1000] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import httpx  # noqa: E402
+import nats  # noqa: E402
+
+from schemas.messages import WeightsLoaded, WeightsLoadFailed, decode  # noqa: E402
+from services.common.nats_server import NatsServer, free_port  # noqa: E402
+from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream  # noqa: E402
+
+# (hidden, ffn, layers) of a Llama with the tiny char vocabulary: fp32 bytes ~ 4 * layers * (4h^2 + 3h*ffn).
+SHAPES = {100: (896, 3584, 2), 1000: (2048, 8192, 4)}
+
+
+def build_model(out: Path, mb: int) -> int:
+    """A Llama checkpoint of about `mb` MB: random N(0, 0.02) tensors written directly (random init
+    through transformers takes far longer at 1 GB and is not what is measured)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from services.inference.make_model import CHARS, SPECIALS, build_tokenizer
+
+    hidden, ffn, layers = SHAPES[mb]
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out)
+    config = LlamaConfig(vocab_size=len(SPECIALS) + len(CHARS), hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128, intermediate_size=ffn,
+                         max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2)
+    config.dtype = "float32"
+    config.save_pretrained(out)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    shapes.pop("lm_head.weight", None)  # tied to the embeddings, saved once
+    gen = torch.Generator().manual_seed(0)
+    save_file({k: torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+
+
+def copy_seconds(src: Path, dst: Path) -> float:
+    t0 = time.perf_counter()
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        if p.is_file():
+            shutil.copyfile(p, dst / p.name)
+    return time.perf_counter() - t0
+
+
+async def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
+    async with httpx.AsyncClient() as http:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"inference server exited with {proc.returncode}")
+            try:
+                if (await http.get(f"{url}/health", timeout=2)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy in {timeout_s}s")
+
+
+async def bench_size(mb: int, work: Path, nats_url: str, repeats: int, rows: list[dict]) -> None:
+    model = work / f"model{mb}"
+    size = build_model(model, mb)
+    run = f"bench{mb}"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "JETRL_LOG_FORMAT": "json"}
+    logs = open(work / f"procs{mb}.log", "wb")
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "services.inference", f"model_path={model}", f"port={port}", f"run={run}"],
+                         cwd=ROOT, env=env, stdout=logs, stderr=subprocess.STDOUT),
+        subprocess.Popen([sys.executable, "-m", "services.weights", f"server={url}", f"nats_url={nats_url}", f"run={run}",
+                          f"cache_dir={work / f'cache{mb}'}", "keep_local=1", "request_timeout_s=600"],
+                         cwd=ROOT, env=env, stdout=logs, stderr=subprocess.STDOUT),
+    ]
+    nc = await nats.connect(nats_url)
+    try:
+        await ensure_weight_sync_stream(nc)
+        reports: asyncio.Queue = asyncio.Queue()
+
+        async def on_report(msg: nats.aio.msg.Msg) -> None:
+            cls = WeightsLoaded if ".loaded." in msg.subject else WeightsLoadFailed
+            await reports.put(decode(cls, msg.data))
+
+        await nc.subscribe(f"jetrl.{run}.weights.loaded.>", cb=on_report)
+        await nc.subscribe(f"jetrl.{run}.weights.failed.>", cb=on_report)
+        await wait_healthy(url, procs[0])
+        publishers = {
+            "object store": WeightPublisher(nc, run, keep_last=1),
+            "shared dir": WeightPublisher(nc, run, shared_dir=work / f"shared{mb}", keep_last=1),
+        }
+        version = 0
+        for rep in range(repeats):
+            copy_s = copy_seconds(model, work / f"copy{mb}-{rep}")
+            shutil.rmtree(work / f"copy{mb}-{rep}")
+            for transport, pub in publishers.items():
+                version += 1
+                t0 = time.perf_counter()
+                await pub.publish_dir(version, version, model)
+                publish_s = time.perf_counter() - t0
+                report = await asyncio.wait_for(reports.get(), 600)
+                total = time.perf_counter() - t0
+                if not isinstance(report, WeightsLoaded):
+                    raise RuntimeError(f"load failed: {report.reason}")
+                rows.append({"mb": round(size / 1e6), "transport": transport, "copy_s": copy_s, "publish_s": publish_s,
+                             "agent_s": report.seconds, "total_s": total, "ratio": copy_s / total})
+    finally:
+        await nc.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        logs.close()
+        shutil.rmtree(model, ignore_errors=True)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="100,1000", help="model sizes in MB (from: 100, 1000)")
+    parser.add_argument("--repeats", type=int, default=1, help="publishes per size and transport")
+    args = parser.parse_args()
+    rows: list[dict] = []
+    work = Path(tempfile.mkdtemp(prefix="jetrl-bench-weights-"))
+    server = NatsServer(work / "nats", max_file="20GB").start()
+    t_start = time.perf_counter()
+    try:
+        for mb in (int(s) for s in args.sizes.split(",")):
+            await bench_size(mb, work, server.url, args.repeats, rows)
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{'model':>8} {'transport':<13} {'copy s':>8} {'publish s':>10} {'agent s':>8} {'total s':>8} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['mb']:>6}MB {r['transport']:<13} {r['copy_s']:>8.2f} {r['publish_s']:>10.2f} {r['agent_s']:>8.2f} "
+              f"{r['total_s']:>8.2f} {r['ratio']:>6.2f}")
+    print("ratio = local-disk copy time of the same bytes / publish-to-loaded time (publish + fetch + verify + load)")
+    print(f"bench wall time {time.perf_counter() - t_start:.0f}s")
+
+    def best(mb: int, transport: str) -> float | None:
+        vals = [r["ratio"] for r in rows if r["transport"] == transport and abs(r["mb"] - mb) < mb * 0.5]
+        return max(vals) if vals else None
+
+    figures = {
+        "ratio_100mb_object_store": best(100, "object store"),
+        "ratio_100mb_shared_dir": best(100, "shared dir"),
+        "ratio_1gb_object_store": best(1000, "object store"),
+        "ratio_1gb_shared_dir": best(1000, "shared dir"),
+        "seconds_1gb_object_store": min((r["total_s"] for r in rows if r["mb"] > 500 and r["transport"] == "object store"), default=None),
+    }
+    print(json.dumps({"score": figures["ratio_1gb_object_store"], **figures}))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
