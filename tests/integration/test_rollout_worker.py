@@ -57,13 +57,17 @@ async def collect(js: Any, subject: str, n: int, timeout_s: float = 20.0) -> lis
     sub = await js.pull_subscribe(subject, durable=None, stream=TRAJECTORIES_STREAM, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
     got: list[Any] = []
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while len(got) < n and asyncio.get_running_loop().time() < deadline:
+
+
+    async def fetch(batch: int) -> None:
         with contextlib.suppress(asyncio.TimeoutError, nats.errors.TimeoutError):
-            got.extend(await sub.fetch(n - len(got), timeout=0.3))
-    with contextlib.suppress(asyncio.TimeoutError, nats.errors.TimeoutError):
-        got.extend(await sub.fetch(10, timeout=0.3))
-    for m in got:
-        await m.ack()
+            for m in await sub.fetch(batch, timeout=0.3):
+                await m.ack()  # at once: an unacked message would come back after ack_wait
+                got.append(m)
+
+    while len(got) < n and asyncio.get_running_loop().time() < deadline:
+        await fetch(n - len(got))
+    await fetch(10)
     await sub.unsubscribe()
     return got
 
