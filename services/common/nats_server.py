@@ -52,6 +52,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class _ExitedEarly(RuntimeError):
+    """nats-server ended while starting (typically: a port was taken)."""
+
+
 class NatsServer:
     """A nats-server process with JetStream and a file store in `store_dir`."""
 
@@ -68,6 +72,7 @@ class NatsServer:
     ) -> None:
         self.store_dir = Path(store_dir).resolve()
         self.host = host
+        self._picked_port, self._picked_monitor = not port, not monitor_port
         self.port = port or free_port(host)
         self.monitor_port = monitor_port or free_port(host)
         self.max_payload, self.max_mem, self.max_file = max_payload, max_mem, max_file
@@ -78,7 +83,22 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 15.0) -> "NatsServer":
+    def start(self, timeout_s: float = 15.0, attempts: int = 3) -> "NatsServer":
+        """Start and wait until ready. Ports picked by `free_port` can be taken by someone else before
+        the server binds them: if it exits while starting, try again on fresh ports."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout_s)
+            except _ExitedEarly:
+                if attempt == attempts - 1 or not (self._picked_port or self._picked_monitor):
+                    raise
+                if self._picked_port:
+                    self.port = free_port(self.host)
+                if self._picked_monitor:
+                    self.monitor_port = free_port(self.host)
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout_s: float) -> "NatsServer":
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
         conf.write_text(
@@ -103,7 +123,7 @@ class NatsServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.log_file}")
+                raise _ExitedEarly(f"nats-server exited with {self.proc.returncode}; see {self.log_file}")
             try:
                 with urllib.request.urlopen(url, timeout=1) as resp:
                     if resp.status == 200:
