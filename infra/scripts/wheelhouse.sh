@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Build (or reuse) a wheelhouse with every wheel the images need, resolved on this machine, so image
+# builds can run with no package index (`--no-index --find-links`). Versions are pinned to what the
+# current Python environment has installed, so the images run what the tests ran.
+# Usage: infra/scripts/wheelhouse.sh [DIR]   (default ~/.cache/jetrl/wheelhouse)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+DIR=${1:-${JETRL_CACHE:-$HOME/.cache/jetrl}/wheelhouse}
+PY=${PYTHON:-python}
+mkdir -p "$DIR"
+stamp="$DIR/.stamp"
+want=$(cat infra/requirements/*.txt pyproject.toml | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "$DIR"
+  exit 0
+fi
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+# The installed versions, without the project itself (it is built inside the image).
+"$PY" -m pip freeze --exclude-editable | grep -v -i '^jetrl' >"$constraints"
+reqs=()
+for f in infra/requirements/*.txt; do reqs+=(-r "$f"); done
+# setuptools/wheel: the project's own build backend, needed inside the offline build.
+"$PY" -m pip wheel -q --wheel-dir "$DIR" -c "$constraints" "${reqs[@]}" "setuptools>=68" wheel
+echo "$want" >"$stamp"
+echo "$DIR"

@@ -1,0 +1,217 @@
+"""Offline checks of infra/: the Dockerfile (hadolint; JSON ENTRYPOINT and non-root USER per image;
+DeepSpeed only in the trainer), the compose file (compose-spec schema; every env var a real setting),
+the Kubernetes manifests (kustomize -> kubernetes-validate --strict; KEDA aimed at the real consumer)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from schemas.subjects import Subjects
+from services.common.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+INFRA = ROOT / "infra"
+SERVICES = ("weights", "reward", "rollout", "inference", "trainer")
+IMAGES = (*SERVICES, "nats")
+
+
+def tool(name: str) -> str:
+    """A dev-extra tool: next to this Python first (the venv), else on PATH."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} not found: install the dev extra (pip install -e '.[dev]')")
+    return found
+
+
+def run(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+# ---- Dockerfile -----------------------------------------------------------------------------------
+
+
+def stages() -> dict[str, list[tuple[str, str]]]:
+    """{stage name: [(INSTRUCTION, args), ...]} with line continuations joined."""
+    text = re.sub(r"\\\n", " ", (INFRA / "Dockerfile").read_text())
+    out: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        instr, _, args = line.partition(" ")
+        instr = instr.upper()
+        if instr == "FROM":
+            current = [(instr, args)]
+            match = re.search(r"\bAS\s+(\S+)", args, re.IGNORECASE)
+            out[match.group(1) if match else f"stage{len(out)}"] = current
+        else:
+            current.append((instr, args))
+    return out
+
+
+def chain(name: str, all_stages: dict[str, list[tuple[str, str]]]) -> list[tuple[str, str]]:
+    """A stage's instructions after those of the stages it is built FROM."""
+    own = all_stages[name]
+    parent = own[0][1].split()[0]
+    return (chain(parent, all_stages) if parent in all_stages else []) + own
+
+
+def test_hadolint_passes() -> None:
+    result = run(tool("hadolint"), str(INFRA / "Dockerfile"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_each_image_has_a_json_entrypoint_and_a_non_root_user(image: str) -> None:
+    all_stages = stages()
+    assert image in all_stages, f"infra/Dockerfile has no target {image!r}"
+    instructions = chain(image, all_stages)
+    entrypoints = [args for instr, args in instructions if instr == "ENTRYPOINT"]
+    assert entrypoints, f"{image}: no ENTRYPOINT"
+    entry = json.loads(entrypoints[-1])  # JSON (exec) form, or this raises
+    assert isinstance(entry, list) and entry
+    if image in SERVICES:
+        assert entry == ["jetrl"], f"{image}: ENTRYPOINT {entry}"
+        cmd = json.loads([args for instr, args in instructions if instr == "CMD"][-1])
+        assert cmd[0] == image, f"{image}: CMD {cmd} does not run `jetrl {image}`"
+    users = [args for instr, args in instructions if instr == "USER"]
+    assert users, f"{image}: no USER (runs as root)"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0"), f"{image}: USER {users[-1]}"
+
+
+def requirement_names(name: str) -> set[str]:
+    """Package names in infra/requirements/<name>.txt, following `-r` includes."""
+    names: set[str] = set()
+    for line in (INFRA / "requirements" / f"{name}.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("-r "):
+            names |= requirement_names(line[3:].strip().removesuffix(".txt"))
+        elif line:
+            names.add(re.split(r"[<>=!~\[; ]", line, maxsplit=1)[0].lower())
+    return names
+
+
+def test_only_the_trainer_image_carries_deepspeed_and_every_service_builds_from_its_list() -> None:
+    all_stages = stages()
+    for image in IMAGES:
+        text = " ".join(args for _, args in chain(f"build-{image}", all_stages))
+        assert f"infra/requirements/{image}.txt" in text or image == "weights", f"build-{image} ignores its list"
+    for image in ("rollout", "reward", "weights", "inference"):
+        assert "deepspeed" not in requirement_names(image), image
+    assert "deepspeed" in requirement_names("trainer")
+
+
+def test_image_requirements_are_project_dependencies() -> None:
+    """The images install what pyproject.toml declares (no drift), and every declared runtime
+    dependency lands in some image except the local-only tools named here."""
+    import tomllib
+
+    declared = {
+        re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower()
+        for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    }
+    in_images = set().union(*(requirement_names(i) for i in IMAGES))
+    assert in_images <= declared, f"not in pyproject.toml: {sorted(in_images - declared)}"
+    local_only = {"matplotlib"}  # `jetrl plot` / `jetrl up` on a workstation
+    assert declared - in_images <= local_only, f"in no image: {sorted(declared - in_images - local_only)}"
+
+
+# ---- compose --------------------------------------------------------------------------------------
+
+
+def test_compose_file_matches_the_compose_spec() -> None:
+    result = run(tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(INFRA / "compose.yaml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _defaults(value: str) -> str:
+    """Compose interpolation with the defaults: `${X:-d}` -> `d`."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+
+
+def settings_class(service: str) -> type:
+    import importlib
+
+    module = importlib.import_module(f"services.{service}.settings")
+    return next(c for c in vars(module).values() if isinstance(c, type) and getattr(c, "service", None) == service)
+
+
+def check_env(service: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> object:
+    for key in [k for k in __import__("os").environ if k.startswith("JETRL_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return load_settings(settings_class(service))  # unknown keys and bad values raise here
+
+
+def test_compose_environment_is_valid_settings_for_each_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    compose = yaml.safe_load((INFRA / "compose.yaml").read_text())
+    seen = set()
+    for name, spec in compose["services"].items():
+        image = _defaults(spec.get("image", ""))
+        match = re.search(r"jetrl-(\w+):", image)
+        if not match or name == "init":
+            continue
+        service = match.group(1)
+        env = {k: _defaults(v) for k, v in (spec.get("environment") or {}).items() if k.startswith("JETRL_")}
+        settings = check_env(service, env, monkeypatch)
+        assert settings.nats_url == "nats://nats:4222" or service == "inference", name
+        seen.add(service)
+    assert seen == set(SERVICES)
+    assert compose["services"]["rollout"]["deploy"]["replicas"] == "${ROLLOUT_REPLICAS:-4}"
+
+
+# ---- Kubernetes -----------------------------------------------------------------------------------
+
+
+def kustomize(path: Path) -> list[dict]:
+    result = run(tool("kubectl"), "kustomize", str(path))
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/keda"])
+def test_kustomize_output_validates_strictly(overlay: str, tmp_path: Path) -> None:
+    docs = kustomize(INFRA / "k8s" / overlay)
+    out = tmp_path / "rendered.yaml"
+    out.write_text(yaml.safe_dump_all(docs))
+    result = run(tool("kubernetes-validate"), "--strict", "--quiet", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert {("Deployment", "rollout"), ("Deployment", "reward"), ("Deployment", "inference"), ("StatefulSet", "trainer")} <= kinds
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            for c in doc["spec"]["template"]["spec"]["containers"]:
+                assert "readinessProbe" in c and "livenessProbe" in c, f"{doc['metadata']['name']}/{c['name']}: no probes"
+                assert c["resources"]["requests"], f"{doc['metadata']['name']}/{c['name']}: no resource requests"
+
+
+def test_k8s_settings_are_valid_and_keda_scales_on_the_real_prompt_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = INFRA / "k8s" / "base"
+    assert (base / "nats-server.conf").read_text() == (INFRA / "nats-server.conf").read_text(), "copy of infra/nats-server.conf drifted"
+    env = dict(line.split("=", 1) for line in (base / "common.env").read_text().splitlines() if "=" in line)
+    runs = set()
+    for service in SERVICES:
+        mine = {k: v for k, v in env.items() if k.startswith(f"JETRL_{service.upper()}__")}
+        settings = check_env(service, mine, monkeypatch)
+        if service != "inference":  # the only one not on the bus
+            runs.add(settings.run)
+    assert len(runs) == 1, f"services disagree on the run: {runs}"
+    docs = kustomize(INFRA / "k8s" / "overlays" / "keda")
+    assert not [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"], "KEDA overlay must drop the CPU HPA"
+    scaled = next(d for d in docs if d["kind"] == "ScaledObject")
+    trigger = scaled["spec"]["triggers"][0]["metadata"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "rollout"
+    assert trigger["stream"] == "PROMPTS"
+    assert trigger["consumer"] == Subjects(runs.pop()).rollout_consumer
