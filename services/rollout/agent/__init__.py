@@ -10,6 +10,15 @@ every completion an agent asks for, so agents written with any framework train w
 
 from __future__ import annotations
 
-from services.rollout.agent.workflow import AgentWorkflow
+from typing import Any
 
 __all__ = ["AgentWorkflow"]
+
+
+def __getattr__(name: str) -> Any:
+    # lazy: a subprocess-mode pool process imports services.rollout.agent.child and must not pay for torch
+    if name == "AgentWorkflow":
+        from services.rollout.agent.workflow import AgentWorkflow
+
+        return AgentWorkflow
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
