@@ -10,13 +10,16 @@ writing: the range ends at the last message present at the start unless `follow`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import nats.errors
 import nats.js.errors
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -110,23 +113,30 @@ class StreamReader:
         self.end_seq = await self._snapshot_end()
         self.last_seq = self.start_after
         await self._open(self.start_after)
+        ahead: asyncio.Task[list[Msg]] | None = None
         try:
             while True:
                 if not self.rng.follow and self._pending == 0:
                     return
                 assert self._sub is not None
                 try:
-                    msgs = await self._sub.fetch(self.batch, timeout=self.fetch_timeout_s)
+                    msgs = await (ahead or self._fetch())
                 except asyncio.TimeoutError:
+                    ahead = None
                     if not self.rng.follow:  # nothing came though something was pending: ask again
                         self._pending = (await self._sub.consumer_info()).num_pending or 0
                     continue
                 except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as exc:
+                    ahead = None
                     await self._reset(f"consumer lost: {exc!r}")
                     continue
+                # Pull the next batch now: the server sends it while the caller decodes this one.
+                more = self.rng.follow or (msgs and msgs[-1].metadata.num_pending > 0)
+                ahead = asyncio.ensure_future(self._fetch()) if more else None
                 for msg in msgs:
                     meta = msg.metadata
                     if meta.sequence.consumer != self._consumer_seq + 1:
+                        ahead = await _cancel(ahead)
                         await self._reset(f"consumer sequence gap {self._consumer_seq} -> {meta.sequence.consumer}")
                         break
                     self._consumer_seq = meta.sequence.consumer
@@ -139,9 +149,21 @@ class StreamReader:
                     if seq >= self.end_seq:
                         return
         finally:
+            await _cancel(ahead)
             await self._close_consumer()
+
+    def _fetch(self) -> Coroutine[Any, Any, list[Msg]]:
+        assert self._sub is not None
+        return self._sub.fetch(self.batch, timeout=self.fetch_timeout_s)
 
     async def _reset(self, why: str) -> None:
         self.resets += 1
         log.warning("reader consumer recreated", reason=why, after_seq=self.last_seq)
         await self._open(self.last_seq)
+
+
+async def _cancel(task: asyncio.Task[Any] | None) -> None:
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
