@@ -148,7 +148,8 @@ class Trainer:
             except (MessageError, KeyError, ValueError, NotFoundError) as exc:
                 log.warning("dead-letter advisory not usable", error=repr(exc))
                 return
-            self.metrics and self.metrics.count("dead_letters")
+            if self.metrics is not None:
+                self.metrics.count("dead_letters")
             if not task.is_eval and self.feeder is not None and self.feeder.on_rejected(task.prompt_id):
                 self._wake_feeder.set()
             log.warning("prompt dead-lettered; re-issuing", prompt_id=task.prompt_id, stream_seq=seq)
