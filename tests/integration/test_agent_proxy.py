@@ -268,3 +268,44 @@ async def test_subprocess_mode_runs_a_synchronous_openai_agent(engine: Recording
         assert workflow.proxy is not None and not workflow.proxy.sessions  # the session is gone after export
     finally:
         await workflow.aclose()
+
+
+async def test_rollout_worker_process_trains_on_the_example_agent(nats_url: str, inference_url: str, tiny_model: Path, tmp_path: Path) -> None:
+    """`jetrl rollout` with examples/agent_tool_use.yaml's rollout section: one trajectory message per
+    prompt, holding every completion of every episode of the group, tokens and versions from the engine."""
+    import nats
+    import yaml
+
+    from schemas.headers import is_rejection
+    from schemas.trajectory import decode_group
+    from services.common.bus import declare_streams
+    from tests.integration.test_rollout_worker import RUN, S, collect, push_prompts
+
+    section = yaml.safe_load((ROOT / "examples" / "agent_tool_use.yaml").read_text())["rollout"]
+    section.update(run=RUN, nats_url=nats_url, model_path=str(tiny_model), group_size=2, worker="agent-w",
+                   inference={"servers": [inference_url]})
+    config = tmp_path / "rollout.yaml"
+    config.write_text(yaml.safe_dump(section))
+    nc = await nats.connect(nats_url)
+    log = tmp_path / "rollout.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "services.rollout", "--config", str(config)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        js = nc.jetstream()
+        await declare_streams(js)
+        await push_prompts(js, 2)
+        got = await collect(js, S.trajectories, 2, timeout_s=90)
+        assert len(got) == 2, log.read_text()[-3000:]
+        for msg in got:
+            assert not is_rejection(msg.headers), msg.headers
+            group = decode_group(msg.data)
+            t = group.tensors
+            assert t["input_ids"].shape[0] >= 2  # at least one completion per episode, two episodes
+            gen = t["loss_mask"] == 1
+            assert gen.any(axis=1).all() and (t["versions"][gen] == 0).all() and (t["logprobs"][gen] < 0).all()
+            context = (t["attention_mask"] == 1) & ~gen  # prompts, tool results, feedback: not trained on
+            assert (t["versions"][context] == -1).all() and group.meta.worker == "agent-w"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        await nc.close()
