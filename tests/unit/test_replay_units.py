@@ -111,3 +111,18 @@ def test_range_filters_use_headers_only() -> None:
     head = decode_group(body).meta.head_version
     assert skip_reason(rec(None, body), RangeSettings(min_version=head + 1)) == "version"
     assert skip_reason(rec(None), RangeSettings(min_version=1)) is None
+
+
+@pytest.mark.parametrize("command", ["replay", "export", "import"])
+def test_help_lists_the_range_settings_without_importing_torch(command: str) -> None:
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\nfrom services.cli import main\n"
+        f"try:\n    main([{command!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+        "print('HEAVY' if 'torch' in sys.modules else 'LIGHT')"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert "range.from_seq" in out.stdout and f"JETRL_{command.upper()}__" in out.stdout
+    assert out.stdout.strip().endswith("LIGHT"), out.stdout[-300:]
