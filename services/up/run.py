@@ -21,7 +21,7 @@ from services.up.display import Display
 from services.up.monitor import REWARD_KEYS, RunView, watch
 from services.up.report import plot_curves, summary_lines, write_metrics
 from services.up.settings import UpSettings
-from services.up.stack import Stack, to_env
+from services.up.stack import Stack, settings_class, to_env
 
 log = get_logger("up")
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,15 +36,11 @@ def run_stack(settings: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
 
 def _validate_sections(sections: dict[str, dict[str, Any]]) -> None:
     """Fail before starting anything if a service section has an unknown key or a bad value."""
-    import importlib
-
     from pydantic import ValidationError
 
     for name, values in sections.items():
-        module = importlib.import_module(f"services.{name}.settings")
-        cls = next(c for c in vars(module).values() if isinstance(c, type) and getattr(c, "service", None) == name)
         try:
-            cls.model_validate(values)
+            settings_class(name).model_validate(values)
         except ValidationError as exc:
             raise SystemExit(f"jetrl up: --config section {name!r}: {exc}") from exc
 

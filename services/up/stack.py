@@ -6,6 +6,7 @@ within a deadline and leaves nothing behind."""
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import os
 import signal
@@ -15,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel
 
 from services.common.logging import get_logger
 
@@ -32,14 +35,30 @@ def _die_with_parent() -> None:
         pass
 
 
-def to_env(service: str, values: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """{"ppo": {"lr": 1}} -> {"JETRL_TRAINER__PPO__LR": "1"}; lists and dicts of scalars as JSON."""
+def settings_class(service: str) -> type[BaseModel]:
+    """The settings class of `services.<service>` (its settings module is light to import)."""
+    module = importlib.import_module(f"services.{service}.settings")
+    for obj in vars(module).values():
+        if isinstance(obj, type) and issubclass(obj, BaseModel) and getattr(obj, "service", None) == service:
+            return obj
+    raise LookupError(f"services.{service}.settings has no settings class with service = {service!r}")
+
+
+def to_env(service: str, values: dict[str, Any], cls: type[BaseModel] | None = None, prefix: str = "") -> dict[str, str]:
+    """Settings as the environment variables a container would get: nested sections of the settings
+    class become `JETRL_<SERVICE>__A__B`; any other value (free-form dicts, lists, bools) is JSON,
+    which pydantic-settings parses back into the field's type."""
+    cls = cls or settings_class(service)
     env: dict[str, str] = {}
     for key, value in values.items():
         name = f"{prefix}{key.upper()}"
-        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value) and not prefix.endswith("KWARGS__"):
-            env.update(to_env(service, value, f"{name}__"))
-        elif isinstance(value, (list, dict, bool)) or value is None:
+        field = cls.model_fields.get(key)
+        sub = field.annotation if field is not None else None
+        if value is None:
+            continue  # an unset optional: the service's default (env has no null for `str | None`)
+        if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, BaseModel):
+            env.update(to_env(service, value, sub, f"{name}__"))
+        elif isinstance(value, (list, dict, bool)):
             env[f"JETRL_{service.upper()}__{name}"] = json.dumps(value)
         else:
             env[f"JETRL_{service.upper()}__{name}"] = str(value)

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
 import yaml
 
-from services.common.settings import ServiceSettings
 from services.up import SERVICE_SECTIONS
+from services.up.stack import settings_class
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "examples").glob("*.yaml"))
-
-
-def settings_class(name: str) -> type[ServiceSettings]:
-    module = importlib.import_module(f"services.{name}.settings")
-    return next(c for c in vars(module).values() if isinstance(c, type) and issubclass(c, ServiceSettings) and getattr(c, "service", None) == name)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -40,3 +34,23 @@ def test_example_reward() -> None:
 
     assert reward(completion="123", completion_ids=[5, 6, 7, 2], answer="123") == 1.0
     assert reward(completion="129", completion_ids=[5, 6, 13], answer="123") == 0.5
+
+
+def test_up_passes_sections_as_env_that_parse_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `jetrl up` hands a service as environment variables gives back the same settings."""
+    from services.common.settings import load_settings
+    from services.up.stack import to_env
+
+    values = {
+        "run": "envcheck",
+        "workflow_kwargs": {"max_new_tokens": 4, "style": {"a": [1, 2]}},
+        "inference": {"servers": ["http://127.0.0.1:1", "http://127.0.0.1:2"]},
+        "max_concurrent": 7,
+        "dump_dir": None,
+    }
+    for key, value in to_env("rollout", values).items():
+        monkeypatch.setenv(key, value)
+    s = load_settings(settings_class("rollout"))
+    assert s.workflow_kwargs == {"max_new_tokens": 4, "style": {"a": [1, 2]}}
+    assert s.inference.servers == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert (s.max_concurrent, s.dump_dir, s.run) == (7, None, "envcheck")
