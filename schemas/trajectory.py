@@ -228,15 +228,24 @@ def group_to_table(
 def decode_group(data: bytes | memoryview | pa.Buffer) -> DecodedGroup:
     """Decode one trajectory message into a padded numpy tensor dict and its metadata."""
     try:
-        table = pa.ipc.open_stream(pa.py_buffer(data) if not isinstance(data, pa.Buffer) else data).read_all()
+        reader = pa.ipc.open_stream(data if isinstance(data, pa.Buffer) else pa.py_buffer(data))
+        batches = list(reader)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise TrajectoryError(f"not a complete Arrow IPC stream (truncated or corrupt): {exc}") from exc
+    if len(batches) == 1:
+        table = pa.Table.from_batches(batches)
+    else:  # written by another tool in several batches (or none)
+        table = pa.Table.from_batches(batches, schema=reader.schema).combine_chunks()
     meta = table_meta(table)
     return DecodedGroup(tensors=table_to_padded(table), meta=meta, table=table)
 
 
+def _metadata(table: pa.Table) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+
+
 def table_meta(table: pa.Table) -> TrajectoryMeta:
-    md = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    md = _metadata(table)
     version = md.get("jetrl.schema")
     if version is None or not version.isdigit() or int(version) not in SUPPORTED_SCHEMA_VERSIONS:
         raise TrajectoryError(
@@ -256,31 +265,45 @@ def table_meta(table: pa.Table) -> TrajectoryMeta:
         raise TrajectoryError(f"schema metadata: missing or bad field {exc}") from exc
 
 
-def _list_parts(name: str, column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+_LIST_TYPES = {col: pa.list_(arrow_type) for col, arrow_type in TOKEN_COLUMNS.values()}
+
+
+def _list_parts(name: str, column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets (from 0) and values of a list column, as numpy views of the Arrow buffers."""
+    arr = column
+    if isinstance(column, pa.ChunkedArray):
+        arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     if not pa.types.is_list(arr.type):
         raise TrajectoryError(f"{name}: expected a list column, got {arr.type}")
     if arr.null_count:
         raise TrajectoryError(f"{name}: has null rows")
-    offsets = arr.offsets.to_numpy()
-    values = arr.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy(zero_copy_only=False)
-    return offsets - offsets[0], values
+    bufs = arr.buffers()  # [validity, offsets, child validity, child values]
+    offsets = np.frombuffer(bufs[1], dtype=np.int32, count=len(arr) + 1, offset=arr.offset * 4)
+    child = arr.values
+    if child.null_count or child.type.bit_width % 8:
+        values = child.to_numpy(zero_copy_only=False)
+    else:
+        item = child.type.bit_width // 8
+        values = np.frombuffer(bufs[3], dtype=child.type.to_pandas_dtype(), count=len(child), offset=child.offset * item)
+    start = int(offsets[0])
+    return offsets - start, values[start : int(offsets[-1])]
 
 
 def table_to_padded(table: pa.Table) -> dict[str, np.ndarray]:
     """Arrow table of one group (or of many samples) -> padded numpy dict with the original dtypes."""
-    md = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    md = _metadata(table)
     try:
         dtypes: dict[str, str] = json.loads(md.get("jetrl.dtypes", "{}"))
     except json.JSONDecodeError as exc:
         raise TrajectoryError(f"jetrl.dtypes: not JSON: {exc}") from exc
-    names = set(table.column_names)
-    for key, (col, arrow_type) in TOKEN_COLUMNS.items():
+    schema = table.schema
+    names = set(schema.names)
+    for col, list_type in _LIST_TYPES.items():
         if col not in names:
             raise TrajectoryError(f"{col}: required column missing")
-        if table.schema.field(col).type != pa.list_(arrow_type):
-            raise TrajectoryError(f"{col}: expected list<{arrow_type}>, got {table.schema.field(col).type}")
-    for key, (col, arrow_type) in SAMPLE_COLUMNS.items():
+        if schema.field(col).type != list_type:
+            raise TrajectoryError(f"{col}: expected {list_type}, got {schema.field(col).type}")
+    for col, _ in SAMPLE_COLUMNS.values():
         if col not in names:
             raise TrajectoryError(f"{col}: required column missing")
 
@@ -288,17 +311,17 @@ def table_to_padded(table: pa.Table) -> dict[str, np.ndarray]:
     ref_offsets, _ = _list_parts("input_ids", table.column("input_ids"))
     lengths = np.diff(ref_offsets)
     seqlen = max(int(md.get("jetrl.seqlen", 0)), int(lengths.max()) if batch else 0)
-
-    full_rows = batch > 0 and bool(np.all(lengths == seqlen))
+    full_rows = batch > 0 and bool((lengths == seqlen).all())
+    bounds = ref_offsets.tolist()
 
     def pad(name: str, offsets: np.ndarray, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
-        if not np.array_equal(offsets, ref_offsets):
+        if offsets is not ref_offsets and not np.array_equal(offsets, ref_offsets):
             raise TrajectoryError(f"{name}: row lengths differ from input_ids (ragged mismatch)")
         if full_rows:  # no padding: one cast of the whole buffer
             return values.reshape(batch, seqlen).astype(dtype)
         out = np.zeros((batch, seqlen), dtype=dtype)
         for i in range(batch):
-            out[i, : lengths[i]] = values[offsets[i] : offsets[i + 1]]
+            out[i, : bounds[i + 1] - bounds[i]] = values[bounds[i] : bounds[i + 1]]
         return out
 
     out: dict[str, np.ndarray] = {}
@@ -313,7 +336,7 @@ def table_to_padded(table: pa.Table) -> dict[str, np.ndarray]:
     out["rewards"] = table.column("reward").to_numpy().astype(dtypes.get("rewards", "float32"))
     if "prompt_len" in dtypes:
         out["prompt_len"] = table.column("prompt_len").to_numpy().astype(dtypes["prompt_len"])
-    for col in table.column_names:
+    for col in schema.names:
         if col in _RESERVED_ARROW_NAMES or col not in dtypes:
             continue  # columns added outside the codec (e.g. export metadata) are not tensors
         column = table.column(col)
