@@ -77,7 +77,7 @@ async def workers(url: str, workflow: RolloutWorkflow, count: int, **config: Any
     conns = [await nats.connect(url) for _ in range(count)]
     stopping = asyncio.Event()
     made = [
-        RolloutWorker(nc, RUN, workflow, None, WorkerConfig(worker=f"w{i}", **config), metrics=MetricsPublisher(nc, RUN, "rollout", f"w{i}"))
+        RolloutWorker(nc, RUN, workflow, None, WorkerConfig(**{"worker": f"w{i}", "fetch_timeout_s": 0.2, **config}), metrics=MetricsPublisher(nc, RUN, "rollout", f"w{i}"))
         for i, nc in enumerate(conns)
     ]
     for w in made:  # declare first, so prompts pushed next have a consumer
@@ -163,3 +163,19 @@ async def test_eval_prompts_run_as_eval_and_land_on_their_own_subject(nats_url: 
     assert all(decode_group(m.data).meta.is_eval for m in evals)
     assert [m.headers["Jetrl-Prompt-Id"] for m in train] == ["p0"]  # the trainer's subject has no eval result
     assert wf.scopes == {"e0": "eval-rollout", "e1": "eval-rollout", "p0": "rollout"}
+
+
+async def test_result_of_a_redelivered_prompt_is_not_recorded_twice(nats_url: str, js: Any) -> None:
+    # a worker that died between publishing p0's result and acking p0 left this behind
+    from schemas.headers import trajectory_headers
+    from schemas.trajectory import encode_group, TrajectoryMeta
+
+    group = await SyntheticWorkflow(group_size=1).arun_episode(None, {"prompt": "000="})
+    meta = TrajectoryMeta(run=RUN, prompt_id="p0", worker="dead", head_version=0, tail_version=0)
+    await js.publish(S.trajectories, encode_group(group, run=RUN, prompt_id="p0", worker="dead"), headers=trajectory_headers(meta))
+    async with workers(nats_url, CountingWorkflow(group_size=1), 1) as ws:
+        await push_prompts(js, 2)  # p0 comes round again, as a redelivery would bring it
+        msgs = await collect(js, S.trajectories, 3, timeout_s=1.5)  # a third would be the duplicate
+    assert sorted(m.headers["Jetrl-Prompt-Id"] for m in msgs) == ["p0", "p1"]
+    assert decode_group(msgs[0].data).meta.worker == "dead"  # the first record stands
+    assert ws[0].stats.accepted == 2 and (await js.stream_info(PROMPTS_STREAM)).state.messages == 0
