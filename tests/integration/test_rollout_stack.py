@@ -21,6 +21,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from schemas.headers import is_rejection
+from schemas.messages import RejectionMarker, decode
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from schemas.trajectory import decode_group
 from services.common.nats_server import free_port
@@ -87,13 +88,20 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.fixture
 async def nc(nats_url: str) -> AsyncIterator[NATS]:
     conn = await nats.connect(nats_url)
-    svc = RewardService(RewardSettings(run=RUN, nats_url=nats_url, processes=1), conn)
-    await svc.start()
     try:
         yield conn
     finally:
-        await svc.stop(timeout_s=2.0)
         await conn.close()
+
+
+@pytest.fixture
+async def reward(nc: NATS, nats_url: str) -> AsyncIterator[RewardService]:
+    svc = RewardService(RewardSettings(run=RUN, nats_url=nats_url, processes=1), nc)
+    await svc.start()
+    try:
+        yield svc
+    finally:
+        await svc.stop(timeout_s=2.0)
 
 
 @contextlib.asynccontextmanager
@@ -120,7 +128,7 @@ async def run_worker(nc: NATS, workflow: Any, server: str, n: int, dumper: Traje
         return await collect(nc.jetstream(), S.trajectories, n, timeout_s=60)
 
 
-async def test_rlvr_groups_carry_tokens_versions_logprobs_and_rewards(nc: NATS, server: str, tiny_model: Path, tmp_path: Path) -> None:
+async def test_rlvr_groups_carry_tokens_versions_logprobs_and_rewards(reward: RewardService, nc: NATS, server: str, tiny_model: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -151,7 +159,7 @@ async def test_rlvr_groups_carry_tokens_versions_logprobs_and_rewards(nc: NATS, 
     assert {r["prompt"] for r in rows} == {"<bos>000=", "<bos>001=", "<bos>002="}
 
 
-async def test_multi_turn_retries_with_feedback_and_discounts(nc: NATS, server: str, tiny_model: Path) -> None:
+async def test_multi_turn_retries_with_feedback_and_discounts(reward: RewardService, nc: NATS, server: str, tiny_model: Path) -> None:
     # the untrained model almost never copies the digits, so conversations run all their turns
     wf = MultiTurnWorkflow(str(tiny_model), RewardClient(nc), group_size=2, max_turns=3, turn_discount=0.5, max_new_tokens=3)
     [msg] = await run_worker(nc, wf, server, 1)
@@ -176,7 +184,7 @@ def rollout_proc(nats_url: str, server: str, model: Path, name: str, log: Path) 
         return subprocess.Popen([sys.executable, "-m", "services.rollout", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
 
-async def test_sigkilled_worker_loses_nothing_and_duplicates_nothing(nc: NATS, nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
+async def test_sigkilled_worker_loses_nothing_and_duplicates_nothing(reward: RewardService, nc: NATS, nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
     js = nc.jetstream()
     # simulate mode: the same protocol at 0.25 s per token, so an episode lasts ~2 s and can be interrupted
     sim = ("simulate=true", "sim.token_latency_s=0.25", "sim.median_new_tokens=100")
@@ -211,3 +219,24 @@ async def test_sigkilled_worker_loses_nothing_and_duplicates_nothing(nc: NATS, n
     workers = [decode_group(m.data).meta.worker for m in msgs if not is_rejection(m.headers)]
     assert len(workers) == 6 and workers.count("B") >= 3  # the three A held were redelivered to B
     assert (await js.stream_info(PROMPTS_STREAM)).state.messages == 0
+
+
+async def test_unreachable_inference_server_is_retried_then_rejected_with_the_error(nc: NATS, tiny_model: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    engine = InferenceEngine(InferenceClientSettings(servers=[dead], max_retries=0, connect_timeout_s=0.5))
+    wf = RLVRWorkflow(str(tiny_model), RewardClient(nc), group_size=2)
+    w = RolloutWorker(nc, RUN, wf, engine, WorkerConfig(worker="w", max_deliver=2, nak_delay_s=0.05, fetch_timeout_s=0.2))
+    await w.declare()
+    stopping = asyncio.Event()
+    task = asyncio.create_task(w.run(stopping))
+    try:
+        await push_prompts(nc.jetstream(), 2)
+        msgs = await collect(nc.jetstream(), S.trajectories, 2)
+    finally:
+        stopping.set()
+        await asyncio.wait_for(task, 15)
+        await engine.aclose()
+    assert len(msgs) == 2 and all(is_rejection(m.headers) for m in msgs)
+    reason = decode(RejectionMarker, msgs[0].data).reason
+    assert "ServersUnavailableError" in reason and "attempt 2 of 2" in reason
+    assert task.exception() is None  # the worker survived and stopped cleanly
