@@ -148,7 +148,9 @@ async def test_poison_prompt_is_terminated_counted_and_the_worker_goes_on(nats_u
         event = decode(MetricsEvent, (await metrics_sub.next_msg(timeout=5)).data)
     assert len(msgs) == 1 and not is_rejection(msgs[0].headers)
     assert event.values["malformed_messages"] == 1
-    assert event.values["accepted_total"] == 1
+    assert event.values["accepted_total"] == 1 and event.values["in_flight"] == 0
+    assert event.values["episodes_per_s"] > 0 and event.values["tokens_per_s"] > 0 and event.values["rejection_rate"] == 0
+    assert event.values["episode_latency_s_max"] >= event.values["episode_latency_s_mean"] > 0
     assert (await js.stream_info(PROMPTS_STREAM)).state.messages == 0  # the poison is gone, not retried
 
 
@@ -179,3 +181,27 @@ async def test_result_of_a_redelivered_prompt_is_not_recorded_twice(nats_url: st
     assert sorted(m.headers["Jetrl-Prompt-Id"] for m in msgs) == ["p0", "p1"]
     assert decode_group(msgs[0].data).meta.worker == "dead"  # the first record stands
     assert ws[0].stats.accepted == 2 and (await js.stream_info(PROMPTS_STREAM)).state.messages == 0
+
+
+async def test_stopping_mid_episode_hands_prompts_straight_back(nats_url: str, js: Any) -> None:
+    slow = CountingWorkflow(group_size=1, delay_s=60)
+    nc = await nats.connect(nats_url)
+    first = RolloutWorker(nc, RUN, slow, None, WorkerConfig(worker="slow", max_concurrent=2, ack_wait_s=30, drain_timeout_s=0.1, fetch_timeout_s=0.2))
+    await first.declare()
+    stopping = asyncio.Event()
+    task = asyncio.create_task(first.run(stopping))
+    try:
+        await push_prompts(js, 2)
+        deadline = asyncio.get_running_loop().time() + 10
+        while first.stats.in_flight < 2:
+            assert asyncio.get_running_loop().time() < deadline, "the worker never started both episodes"
+            await asyncio.sleep(0.02)
+        stopping.set()
+        await asyncio.wait_for(task, 5)  # drained within drain_timeout_s, not after the 60 s episodes
+    finally:
+        await nc.close()
+    # nak'ed at once: another worker gets them now, long before ack_wait (30 s) would expire
+    async with workers(nats_url, CountingWorkflow(group_size=1), 1, ack_wait_s=30):
+        msgs = await collect(js, S.trajectories, 2, timeout_s=10)
+    assert sorted(m.headers["Jetrl-Prompt-Id"] for m in msgs) == ["p0", "p1"]
+    assert {decode_group(m.data).meta.worker for m in msgs} == {"w0"}
