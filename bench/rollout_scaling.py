@@ -34,7 +34,7 @@ import nats.errors  # noqa: E402
 from nats.js.api import ConsumerConfig, DeliverPolicy  # noqa: E402
 
 from schemas.messages import MetricsEvent, PromptTask, decode, encode  # noqa: E402
-from schemas.subjects import METRICS_STREAM, TRAJECTORIES_STREAM, Subjects  # noqa: E402
+from schemas.subjects import TRAJECTORIES_STREAM, Subjects  # noqa: E402
 from services.common.bus import declare_streams  # noqa: E402
 from services.common.logging import configure_logging  # noqa: E402
 from services.common.nats_server import NatsServer, free_port  # noqa: E402

@@ -121,8 +121,8 @@ class RolloutWorker:
                     msgs = await sub.fetch(free, timeout=self.config.fetch_timeout_s)
                 except (asyncio.TimeoutError, nats.errors.TimeoutError):
                     continue
-                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError) as exc:
-                    log.warning("fetch failed; NATS reconnecting", error=repr(exc))
+                except nats.errors.Error as exc:  # reconnecting, server restarting: keep trying
+                    log.warning("fetch failed; retrying", error=repr(exc))
                     await asyncio.wait({stop_wait}, timeout=0.5)
                     continue
                 for msg in msgs:
