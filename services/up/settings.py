@@ -28,7 +28,7 @@ class UpSettings(ServiceSettings):
     """Rollout worker processes."""
     inference_servers: int = Field(1, ge=1)
     """CPU inference servers (each with its own weights agent)."""
-    total_steps: int = Field(200, ge=1)
+    total_steps: int = Field(300, ge=1)
     """Trainer steps; the run ends when the trainer finishes them."""
     stop_at_reward: float = Field(0.0, ge=0)
     """Stop early once the 10-step mean reward reaches this (0 = run all steps)."""
