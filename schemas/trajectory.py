@@ -121,7 +121,24 @@ def encode_group(
     is_eval: bool = False,
 ) -> bytes:
     """Encode a padded tensor dict (one group) as one Arrow IPC stream message."""
-    table, _ = group_to_table(tensors, run=run, prompt_id=prompt_id, worker=worker, is_eval=is_eval)
+    return encode_group_with_meta(tensors, run=run, prompt_id=prompt_id, worker=worker, is_eval=is_eval)[0]
+
+
+def encode_group_with_meta(
+    tensors: Mapping[str, Any],
+    *,
+    run: str,
+    prompt_id: str,
+    worker: str,
+    is_eval: bool = False,
+) -> tuple[bytes, TrajectoryMeta]:
+    """`encode_group`, also returning the metadata (for the message headers)."""
+    table, meta = group_to_table(tensors, run=run, prompt_id=prompt_id, worker=worker, is_eval=is_eval)
+    return encode_table(table), meta
+
+
+def encode_table(table: pa.Table) -> bytes:
+    """A group's Arrow table (as `group_to_table` builds it) -> the bytes of one trajectory message."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)

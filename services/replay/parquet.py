@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from schemas.headers import trajectory_headers
 from schemas.subjects import Subjects
-from schemas.trajectory import SAMPLE_COLUMNS, TOKEN_COLUMNS, TRAJECTORY_SCHEMA_VERSION, DecodedGroup, TrajectoryMeta
+from schemas.trajectory import SAMPLE_COLUMNS, TOKEN_COLUMNS, TRAJECTORY_SCHEMA_VERSION, DecodedGroup, TrajectoryMeta, encode_table
 from services.replay.reader import Record
 from services.replay.settings import RangeSettings
 
@@ -138,14 +138,6 @@ def rows_to_group(rows: pa.Table) -> tuple[pa.Table, TrajectoryMeta, int, dateti
     if time is not None and time.tzinfo is None:
         time = time.replace(tzinfo=timezone.utc)
     return table, meta, int(first["seq"]), time
-
-
-def encode_table(table: pa.Table) -> bytes:
-    """One group's table -> the bytes of a trajectory message (what `encode_group` would have sent)."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
 
 
 def expand(paths: list[str]) -> list[Path]:

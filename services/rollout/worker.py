@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
-import pyarrow as pa
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -28,7 +27,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from schemas.headers import rejection_headers, trajectory_headers
 from schemas.messages import MessageError, PromptTask, RejectionMarker, decode, encode
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
-from schemas.trajectory import TrajectoryError, group_to_table
+from schemas.trajectory import TrajectoryError, encode_group_with_meta
 from services.common.bus import declare_streams
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
@@ -199,8 +198,8 @@ class RolloutWorker:
         self.stats.episode_done(time.monotonic() - started, samples, tokens, rejected=False)
 
     def _encode(self, task: PromptTask, result: dict[str, Any], is_eval: bool) -> tuple[bytes, dict[str, str]]:
-        table, meta = group_to_table(result, run=self.run_name, prompt_id=task.prompt_id, worker=self.config.worker, is_eval=is_eval)
-        return _ipc_bytes(table), trajectory_headers(meta)
+        data, meta = encode_group_with_meta(result, run=self.run_name, prompt_id=task.prompt_id, worker=self.config.worker, is_eval=is_eval)
+        return data, trajectory_headers(meta)
 
     async def _failed(self, msg: Msg, task: PromptTask, is_eval: bool, exc: Exception, started: float) -> None:
         attempt = msg.metadata.num_delivered or 1
@@ -261,10 +260,3 @@ class RolloutWorker:
             except asyncio.TimeoutError:
                 pass
             await self.metrics.emit(self.stats.snapshot())
-
-
-def _ipc_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
