@@ -71,6 +71,13 @@ async def read_recording(run_dir: Path, run: str) -> list[tuple[dict[str, str], 
         return out
 
 
+def _step_of(line: str) -> int:
+    """The trainer step of a `jetrl up` progress line ("step 12/150 ..."), else -1."""
+    if not line.startswith("step "):
+        return -1
+    return int(line.split()[1].split("/")[0])
+
+
 def jetrl_status(run: str, run_dir: Path) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-m", "services.status", f"run={run}", f"run_dir={run_dir}", "format=json", "log_format=json"],
@@ -94,7 +101,7 @@ DEMO = {"trainer": {"eta": ETA, "checkpoint_every": 0}, "rollout": {"ack_wait_s"
 
 
 def test_up_learns_copy3_publishes_versions_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    steps = 60
+    steps = 150
     proc = start_up(tmp_path, "e2e", steps, DEMO)
     run_dir = tmp_path / "e2e"
     status = None
@@ -102,7 +109,7 @@ def test_up_learns_copy3_publishes_versions_and_leaves_nothing_behind(tmp_path: 
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
-        if status is None and line.startswith("step 8/"):
+        if status is None and _step_of(line) >= 8:
             status = jetrl_status("e2e", tmp_path)
     out = "".join(lines) + finish(proc, timeout=900)
     assert proc.returncode == 0, out[-4000:]
@@ -121,7 +128,7 @@ def test_up_learns_copy3_publishes_versions_and_leaves_nothing_behind(tmp_path: 
     assert [s["step"] for s in history][-1] == steps
     first = sum(s["reward_mean"] for s in history[:10]) / 10
     last = sum(s["reward_mean"] for s in history[-10:]) / 10
-    assert last > first + 0.1, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
+    assert last > first + 0.3, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
     assert all(s["staleness_max"] <= ETA for s in history if "staleness_max" in s)
     assert (run_dir / "reward_curve.png").stat().st_size > 0
 
@@ -150,7 +157,7 @@ def test_up_survives_a_rollout_worker_killed_mid_run(tmp_path: Path) -> None:
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if not killed and line.startswith("step 3/"):
+        if not killed and _step_of(line) >= 3:
             pids = json.loads((run_dir / "procs.json").read_text())
             os.kill(pids["rollout-0"], signal.SIGKILL)
             killed = True
