@@ -9,23 +9,19 @@ Launch: `jetrl replay ...` (1 rank) or `torchrun --nproc_per_node N -m services.
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from collections.abc import AsyncIterator
 
-import torch.distributed as dist
 
 from services.common.bus import connect
-from services.common.logging import bind_context, get_logger
+from services.common.logging import get_logger
 from services.common.runner import Supervisor, supervise
 from services.replay.parquet import iter_records
 from services.replay.reader import Record, StreamReader
 from services.replay.settings import ReplaySettings
 from services.replay.source import RecordingSource, as_async
-from services.trainer.actor import PPOActor
-from services.trainer.collective import follow
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.service import run_ranks
 
 log = get_logger("replay")
 
@@ -69,21 +65,7 @@ async def replay(trainer: Trainer, stopping: asyncio.Event) -> None:
 
 
 async def run_service(settings: ReplaySettings) -> None:
-    engine = await asyncio.to_thread(TrainEngine, settings)
-    bind_context(rank=engine.rank)
-    if engine.rank != 0:
-        await asyncio.to_thread(follow, engine, PPOActor(engine, settings.ppo))
-        dist.barrier()
-        _exit(0)
-    failed = True
-    try:
-        await _run_rank0(settings, engine)
-        failed = False
-    finally:
-        if engine.world_size > 1:
-            if not failed:
-                dist.barrier()
-            _exit(1 if failed else 0)
+    await run_ranks(settings, _run_rank0)
 
 
 async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
@@ -115,11 +97,3 @@ async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
             await asyncio.wait_for(nc.drain(), timeout=5.0)
         except Exception as exc:  # the bus may be gone; exiting matters more
             log.warning("nats drain failed", error=repr(exc))
-
-
-def _exit(code: int) -> None:
-    # With several ranks, barrier + os._exit avoids DeepSpeed's abort at interpreter exit
-    # (shared/reference/deepspeed-cpu.md).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -26,6 +28,12 @@ log = get_logger("trainer")
 
 
 async def run_service(settings: TrainerSettings) -> None:
+    await run_ranks(settings, _run_rank0)
+
+
+async def run_ranks(settings: TrainerSettings, rank0: Callable[[Any, TrainEngine], Awaitable[None]]) -> None:
+    """Every rank builds the engine; rank 0 runs `rank0(settings, engine)`, the others follow its
+    commands. Shared by `jetrl trainer` and `jetrl replay`."""
     engine = await asyncio.to_thread(TrainEngine, settings)
     bind_context(rank=engine.rank)
     if engine.rank != 0:
@@ -34,7 +42,7 @@ async def run_service(settings: TrainerSettings) -> None:
         _exit(0)
     failed = True
     try:
-        await _run_rank0(settings, engine)
+        await rank0(settings, engine)
         failed = False
     finally:
         if engine.world_size > 1:
