@@ -27,7 +27,7 @@ CTX=$(mktemp -d)
 trap 'rm -rf "$CTX"' EXIT
 mkdir -p "$CTX/infra"
 cp -r "$ROOT/infra/requirements" "$ROOT/infra/nats-server.conf" "$ROOT/infra/Dockerfile" "$CTX/infra/"
-cp -r "$ROOT/schemas" "$ROOT/services" "$ROOT/pyproject.toml" "$ROOT/README.md" "$CTX/"
+cp -r "$ROOT/schemas" "$ROOT/services" "$CTX/"
 find "$CTX" -name __pycache__ -prune -exec rm -rf {} +
 
 args=(-f "$CTX/infra/Dockerfile")

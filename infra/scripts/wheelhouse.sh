@@ -9,7 +9,7 @@ DIR=${1:-${JETRL_CACHE:-$HOME/.cache/jetrl}/wheelhouse}
 PY=${PYTHON:-python}
 mkdir -p "$DIR"
 stamp="$DIR/.stamp"
-want=$(cat infra/requirements/*.txt pyproject.toml | sha256sum | cut -c1-16)
+want=$(cat infra/requirements/*.txt | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "$DIR"
   exit 0
@@ -20,7 +20,6 @@ trap 'rm -f "$constraints"' EXIT
 "$PY" -m pip freeze --exclude-editable | grep -v -i '^jetrl' >"$constraints"
 reqs=()
 for f in infra/requirements/*.txt; do reqs+=(-r "$f"); done
-# setuptools/wheel: the project's own build backend, needed inside the offline build.
-"$PY" -m pip wheel -q --wheel-dir "$DIR" -c "$constraints" "${reqs[@]}" "setuptools>=68" wheel
+"$PY" -m pip wheel -q --wheel-dir "$DIR" -c "$constraints" "${reqs[@]}"
 echo "$want" >"$stamp"
 echo "$DIR"

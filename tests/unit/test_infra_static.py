@@ -106,7 +106,10 @@ def test_only_the_trainer_image_carries_deepspeed_and_every_service_builds_from_
     all_stages = stages()
     for image in IMAGES:
         text = " ".join(args for _, args in chain(f"build-{image}", all_stages))
-        assert f"infra/requirements/{image}.txt" in text or image == "weights", f"build-{image} ignores its list"
+        assert f"requirements/{image}.txt" in text or image == "weights", f"build-{image} ignores its list"
+        if image in SERVICES:
+            final = " ".join(f"{i} {a}" for i, a in all_stages[image])
+            assert "COPY --from=source /app /app" in final, f"{image}: no project source"
     for image in ("rollout", "reward", "weights", "inference"):
         assert "deepspeed" not in requirement_names(image), image
     assert "deepspeed" in requirement_names("trainer")
