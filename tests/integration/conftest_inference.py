@@ -9,12 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from tests.waiting import wait_http_ok
 
-import httpx
 
 
 def free_port() -> int:
@@ -51,16 +50,12 @@ def spawn_server(model: Path | None, log_dir: Path, *settings: str) -> ServerPro
 
 
 def wait_ready(server: ServerProcess, timeout: float = 90.0) -> ServerProcess:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"inference server exited {server.proc.returncode}:\n{server.log.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
-        time.sleep(0.05)
-    server.stop(signal.SIGKILL)
-    raise RuntimeError(f"inference server not ready in {timeout} s:\n{server.log.read_text()[-3000:]}")
+    try:
+        wait_http_ok(server.url + "/health", timeout_s=timeout, proc=server.proc, log=server.log)
+    except TimeoutError:
+        server.stop(signal.SIGKILL)
+        raise
+    return server
 
 
 @contextlib.contextmanager

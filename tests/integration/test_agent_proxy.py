@@ -5,10 +5,8 @@ rewards; `concat` on a linear conversation and its refusal on a branching one; A
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from services.rollout.agent.server import ProxyServer
 from services.rollout.agent.workflow import AgentWorkflow
 from services.rollout.engine import InferenceClientSettings, InferenceEngine, ModelRequest, ModelResponse
 from services.rollout.workflow import as_tensor_dict
+from tests.waiting import wait_http_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,16 +37,7 @@ def inference_url(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"inference server exited: {log.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"inference server not healthy: {log.read_text()[-2000:]}")
-            time.sleep(0.05)  # polling /health
+        wait_http_ok(f"{url}/health", timeout_s=120, proc=proc, log=log)
         yield url
     finally:
         proc.kill()

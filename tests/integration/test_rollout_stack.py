@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import nats
 import pytest
 from nats.aio.client import Client as NATS
@@ -34,6 +33,7 @@ from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflows.multi_turn import MultiTurnWorkflow
 from services.rollout.workflows.rlvr import RLVRWorkflow
 from tests.integration.test_rollout_worker import RUN, collect, push_prompts
+from tests.waiting import wait_http_ok
 
 S = Subjects(RUN)
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,17 +50,7 @@ def start_inference(model: Path, log: Path, *extra: str) -> tuple[subprocess.Pop
 
 
 def wait_health(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float = 90.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"inference server exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.05)  # polling the health endpoint
-    raise TimeoutError(f"inference server not healthy in {timeout_s}s: {log.read_text()[-2000:]}")
+    wait_http_ok(f"{url}/health", timeout_s=timeout_s, proc=proc, log=log)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
