@@ -31,6 +31,7 @@ from services.trainer.actor import PPOActor
 from services.trainer.batch import collate, shard
 from services.trainer.collective import Command, execute, scatter
 from services.trainer.engine import TrainEngine
+from services.trainer.evaluation import EvalRounds
 from services.trainer.feeder import Feeder, load_rows
 from services.trainer.intake import Group, Intake
 from services.trainer.settings import TrainerSettings
@@ -68,6 +69,7 @@ class Trainer:
         self.metrics: MetricsPublisher | None = None
         self._wake_feeder = asyncio.Event()
         self._sub: Any = None
+        self.evals: EvalRounds | None = None
 
     # ------------------------------------------------------------------------------ start
 
@@ -87,6 +89,9 @@ class Trainer:
         self._record({"event": "start", "version": self.version, "last_seq": self.last_seq, "resumed": found is not None})
         if self.source is None:
             await self._open_consumer(js)
+            if self.feeder is not None and self.s.feeder.eval_every:
+                self.evals = EvalRounds(nc, self.s.run, self.s.feeder.eval_timeout_s)
+                await self.evals.start()
 
     async def _open_consumer(self, js: Any) -> None:
         # The checkpoint, not the server, is the truth about what was trained: recreate the durable so
@@ -259,7 +264,10 @@ class Trainer:
     async def _issue_eval(self) -> None:
         assert self.feeder is not None and self.nc is not None
         js = self.nc.jetstream()
-        for task in self.feeder.eval_tasks(self.version, self.s.feeder.eval_size, self.version):
+        tasks = self.feeder.eval_tasks(self.version, self.s.feeder.eval_size, self.version)
+        if self.evals is not None:
+            self.evals.expect(self.version, [t.prompt_id for t in tasks])
+        for task in tasks:
             await self._publish_prompt(js, self.subjects.prompts_eval, task)
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -290,6 +298,11 @@ class Trainer:
         if self.s.record_steps:
             with (self.out / "steps.jsonl").open("a") as f:
                 f.write(json.dumps({"time": time.time(), **row}) + "\n")
+
+    async def close(self) -> None:
+        """Stop reading eval answers (before the connection is drained)."""
+        if self.evals is not None:
+            await self.evals.close()
 
     async def stop_followers(self) -> None:
         """Release the other ranks (they exit after this)."""

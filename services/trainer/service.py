@@ -63,6 +63,7 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine) -> None:
 
         async def main(sup: Supervisor) -> None:
             await trainer.start(nc)
+            sup.stack.push_async_callback(trainer.close)
             await trainer.watch_dead_letters()
             if trainer.feeder is not None:
                 sup.spawn("feeder", trainer.feed_forever(sup.stopping))

@@ -49,6 +49,8 @@ class FeederSettings(Section):
     """Issue the eval set every this many steps (0: never)."""
     eval_size: int = Field(64, ge=1)
     """How many eval rows to issue each time (the first N of the eval set)."""
+    eval_timeout_s: float = Field(300.0, gt=0)
+    """An eval round is reported when every prompt is answered or this long after it was issued."""
     epochs: int = Field(0, ge=0)
     """Passes over the dataset; 0 means forever (reshuffled each epoch)."""
     shuffle: bool = True

@@ -1,0 +1,113 @@
+"""Eval rounds against a real nats-server: the trainer issues the eval set after a step, the answers
+(groups, a rejection, a duplicate, garbage) come back on `.trajectories.eval`, and one `MetricsEvent`
+with service "eval" reports the round; a round nobody finishes is reported at its timeout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from schemas.headers import rejection_headers, trajectory_headers
+from schemas.messages import MetricsEvent, PromptTask, RejectionMarker, decode, encode
+from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
+from schemas.trajectory import encode_group_with_meta
+from services.common.bus import connect, declare_streams
+from services.trainer.engine import TrainEngine
+from services.trainer.evaluation import EvalRounds
+from services.trainer.loop import Trainer
+from services.trainer.settings import TrainerSettings
+from tests.integration.conftest_trainer import make_group, publish_group, write_dataset
+
+RUN = "ev"
+S = Subjects(RUN)
+
+
+async def _answer(js: Any, tiny_model: Path, prompt_id: str, rewards: list[float]) -> None:
+    """Act as a rollout worker answering an eval prompt with a group of these rewards."""
+    tensors = make_group(tiny_model, "123", group_size=len(rewards))
+    tensors["rewards"] = np.array(rewards, dtype=np.float32)
+    body, meta = encode_group_with_meta(tensors, run=RUN, prompt_id=prompt_id, worker="test", is_eval=True)
+    await js.publish(S.trajectories_eval, body, headers=trajectory_headers(meta), stream=TRAJECTORIES_STREAM)
+
+
+async def _reject(js: Any, prompt_id: str) -> None:
+    body = encode(RejectionMarker(run=RUN, prompt_id=prompt_id, worker="test", reason="all failed", is_eval=True))
+    await js.publish(S.trajectories_eval, body, headers=rejection_headers(RUN, prompt_id), stream=TRAJECTORIES_STREAM)
+
+
+async def _take(js: Any, subject: str, durable: str, n: int) -> list[PromptTask]:
+    sub = await js.pull_subscribe(subject, durable=durable, stream=PROMPTS_STREAM)
+    msgs = await sub.fetch(n, timeout=5)
+    for m in msgs:
+        await m.ack()
+    await sub.unsubscribe()
+    return [decode(PromptTask, m.data) for m in msgs]
+
+
+@pytest.mark.timeout(120)
+async def test_trainer_reports_an_eval_round_once_every_prompt_is_answered(nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
+    settings = TrainerSettings(
+        run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), batch_groups=1,
+        checkpoint_every=0, publish_weights=False, fetch_timeout_s=0.2,
+        feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1,
+                "eval_dataset_path": str(write_dataset(tmp_path / "e.jsonl", 5)), "eval_every": 1, "eval_size": 3},
+    )
+    nc = await connect(nats_url, "test")
+    trainer = Trainer(settings, TrainEngine(settings))
+    try:
+        await trainer.start(nc)
+        js = nc.jetstream()
+        events = await nc.subscribe(S.metrics("eval"))
+        await trainer.feed_once()
+        [task] = await _take(js, S.prompts_train, S.rollout_consumer, 1)
+        await publish_group(js, RUN, task.prompt_id, make_group(tiny_model, task.data["answer"]))
+        assert await trainer.step() is not None and trainer.version == 1
+
+        evals = await _take(js, S.prompts_eval, "eval-test", 5)
+        assert sorted(t.prompt_id for t in evals) == ["eval1-0", "eval1-1", "eval1-2"]
+        assert all(t.is_eval for t in evals)
+        await js.publish(S.trajectories_eval, b"not arrow", headers={"Jetrl-Prompt-Id": "eval9-0"}, stream=TRAJECTORIES_STREAM)
+        await _answer(js, tiny_model, "eval1-0", [1.0, 1.0, 0.0, 0.5])
+        await _answer(js, tiny_model, "eval1-1", [1.0, 0.0, 0.0, 0.0])
+        await _answer(js, tiny_model, "eval1-1", [1.0, 1.0, 1.0, 1.0])  # a redelivered episode: not counted twice
+        await _reject(js, "eval1-2")
+
+        event = decode(MetricsEvent, (await events.next_msg(timeout=10)).data)
+        assert (event.service, event.step) == ("eval", 1)
+        v = event.values
+        assert v["eval_groups"] == 2 and v["eval_rejected"] == 1 and v["eval_complete"] == 1
+        assert v["eval_reward_mean"] == pytest.approx(3.5 / 8) and v["eval_accuracy"] == pytest.approx(3 / 8)
+        assert v["eval_malformed_messages"] == 1  # the garbage was counted and skipped
+        assert trainer.evals is not None and not trainer.evals.rounds
+    finally:
+        await trainer.close()
+        await nc.close()
+
+
+@pytest.mark.timeout(60)
+async def test_an_unfinished_eval_round_is_reported_at_its_timeout(nats_url: str, tiny_model: Path) -> None:
+    nc = await connect(nats_url, "test")
+    rounds = EvalRounds(nc, RUN, timeout_s=0.3)
+    try:
+        js = nc.jetstream()
+        await declare_streams(js)
+        events = await nc.subscribe(S.metrics("eval"))
+        await rounds.start()
+        rounds.expect(4, ["eval4-0", "eval4-1", "eval4-2"])
+        await js.publish(S.trajectories_eval, b"\x00garbage", headers={"Jetrl-Prompt-Id": "eval4-1"}, stream=TRAJECTORIES_STREAM)
+        await _answer(js, tiny_model, "eval4-0", [1.0, 0.0])
+        # eval4-2 never comes back
+
+        event = decode(MetricsEvent, (await events.next_msg(timeout=10)).data)
+        assert (event.service, event.step) == ("eval", 4)
+        v = event.values
+        assert v["eval_complete"] == 0 and v["eval_expected"] == 3
+        assert v["eval_groups"] == 1 and v["eval_rejected"] == 0 and v["eval_malformed"] == 1
+        assert v["eval_reward_mean"] == pytest.approx(0.5) and v["eval_accuracy"] == pytest.approx(0.5)
+        assert not rounds.rounds
+    finally:
+        await rounds.close()
+        await nc.close()
