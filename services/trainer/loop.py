@@ -300,9 +300,17 @@ class Trainer:
                 f.write(json.dumps({"time": time.time(), **row}) + "\n")
 
     async def close(self) -> None:
-        """Stop reading eval answers (before the connection is drained)."""
+        """Stop reading trajectories and eval answers, before the connection is drained: a pull
+        request's late status left in the subscription's queue would hold the drain to its timeout.
+        Nothing unacked is lost; JetStream redelivers it."""
         if self.evals is not None:
             await self.evals.close()
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception as exc:  # the bus may be gone; shutting down matters more
+                log.warning("trajectory unsubscribe failed", error=repr(exc))
+            self._sub = None
 
     async def stop_followers(self) -> None:
         """Release the other ranks (they exit after this)."""
