@@ -74,6 +74,9 @@ class EvalRounds:
         ids = set(prompt_ids)
         if not ids:
             return
+        old = self._timers.pop(step, None)
+        if old is not None:  # the same step trained again after a resume: the new round replaces it
+            old.cancel()
         self.rounds[step] = Round(step, ids)
         self._round_of.update(dict.fromkeys(ids, step))
         self._timers[step] = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, step)
