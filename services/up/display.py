@@ -62,6 +62,7 @@ class Display:
             f"acc {_fmt(pick(last, ACCURACY_KEYS))} stale {_fmt(pick(last, STALENESS_KEYS), '.2f')} "
             f"wait {_fmt(pick(last, WAIT_KEYS), '.2f')} rollout {self.view.rollout_rate():.1f} ep/s "
             f"servers {servers} t={last['time']:.0f}s"
+            + (f" | eval@{self.view.evals[-1]['step']} {_fmt(self.view.evals[-1].get('eval_reward_mean'))}" if self.view.evals else "")
         )
 
     def _table(self) -> Table:
@@ -74,6 +75,9 @@ class Display:
         table.add_row("weight version", str(last.get("version", 0)))
         table.add_row("reward mean (last / 10-step)", f"{_fmt(pick(last, REWARD_KEYS))} / {_fmt(v.recent(REWARD_KEYS))}")
         table.add_row("accuracy", _fmt(pick(last, ACCURACY_KEYS)))
+        if v.evals:
+            ev = v.evals[-1]
+            table.add_row(f"eval reward / accuracy (step {ev['step']})", f"{_fmt(ev.get('eval_reward_mean'))} / {_fmt(ev.get('eval_accuracy'))}")
         table.add_row("staleness (versions)", _fmt(pick(last, STALENESS_KEYS), ".2f"))
         table.add_row("trainer wait fraction", _fmt(pick(last, WAIT_KEYS), ".2f"))
         table.add_row("rollout episodes/s", f"{v.rollout_rate():.1f} ({v.live_workers('rollout')} workers reporting)")

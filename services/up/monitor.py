@@ -43,12 +43,16 @@ class RunView:
     """One dict per trainer step event: step, version, time, and the event's values."""
     latest: dict[str, MetricsEvent] = field(default_factory=dict)
     """Last event per service/worker."""
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """One dict per eval round (service "eval"): step and the round's values."""
     servers: dict[str, int] = field(default_factory=dict)
     """Weight version loaded per inference server."""
     malformed: int = 0
 
     def add(self, event: MetricsEvent) -> None:
         self.latest[f"{event.service}/{event.worker}"] = event
+        if event.service == "eval" and event.step is not None:
+            self.evals.append({"step": event.step, "time": event.time - self.started, **event.values})
         if event.service == "trainer" and event.step is not None:
             if not self.steps or self.steps[-1]["step"] != event.step:
                 values = dict(event.values)

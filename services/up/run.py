@@ -116,6 +116,9 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
             "total_steps": s.total_steps,
             "feeder": {"dataset_path": str(dataset)},
         }
+        if not s.dataset_path:  # the demo: a fixed eval set of 32 prompts, every 10 steps
+            eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1)
+            trainer["feeder"] |= {"eval_dataset_path": str(eval_set), "eval_every": 10, "eval_size": 32}
         trainer_proc = stack.start("trainer", "services.trainer", to_env("trainer", deep_merge(trainer, sec("trainer"))))
 
         with display:
@@ -146,8 +149,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
         nats.stop()
         (run_dir / URL_FILE).unlink(missing_ok=True)
     wall = time.time() - started
-    write_metrics(run_dir, view.steps, {"outcome": outcome, "wall_s": wall, "servers": view.servers})
-    png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})")
+    write_metrics(run_dir, view.steps, {"outcome": outcome, "wall_s": wall, "servers": view.servers, "evals": view.evals})
+    png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
     print("\n".join([f"run {s.run}: {outcome}", *summary_lines(view.steps, view.servers, wall), f"metrics: {run_dir / 'metrics.json'}", f"curve: {png}", f"logs: {run_dir / 'logs'}"]))
     if outcome in ("finished", "converged"):
         return 0
@@ -160,10 +163,10 @@ def _make_model(path: str) -> None:
     build_model(path)
 
 
-def _make_dataset(run_dir: Path, n: int) -> Path:
+def _make_dataset(run_dir: Path, n: int, name: str = "copy3.jsonl", seed: int = 0) -> Path:
     from services.common.demo_task import write_copy3_dataset
 
-    return write_copy3_dataset(run_dir / "data" / "copy3.jsonl", n)
+    return write_copy3_dataset(run_dir / "data" / name, n, seed)
 
 
 async def _wait_healthy(servers: list[str], stack: Stack, timeout_s: float, stop: asyncio.Event) -> None:

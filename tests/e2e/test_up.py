@@ -131,6 +131,10 @@ def test_up_learns_copy3_publishes_versions_and_leaves_nothing_behind(tmp_path: 
     assert last > first + 0.3, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
     assert all(s["staleness_max"] <= ETA for s in history if "staleness_max" in s)
     assert (run_dir / "reward_curve.png").stat().st_size > 0
+    # eval rounds (every 10 steps on the demo's eval set) came back and show the same progress
+    evals = [e for e in metrics["evals"] if "eval_reward_mean" in e]
+    assert len(evals) >= 10
+    assert evals[-1]["eval_reward_mean"] > evals[0]["eval_reward_mean"]
 
     # weights: the server loaded at least 5 versions; the last loaded is recent
     loaded = max(metrics["servers"].values())
