@@ -221,3 +221,10 @@ def test_k8s_settings_are_valid_and_keda_scales_on_the_real_prompt_consumer(monk
     assert scaled["spec"]["scaleTargetRef"]["name"] == "rollout"
     assert trigger["stream"] == "PROMPTS"
     assert trigger["consumer"] == Subjects(runs.pop()).rollout_consumer
+
+
+def test_the_jetrl_launcher_guards_main_so_process_pools_do_not_rerun_the_service() -> None:
+    """spawn/forkserver children (the reward pool) re-import the main script: an unguarded launcher
+    would start a second service in every child."""
+    launcher = " ".join(args for instr, args in stages()["launcher"] if instr == "RUN")
+    assert 'if __name__ == "__main__":' in launcher and "from services.cli import main" in launcher

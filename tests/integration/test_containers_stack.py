@@ -1,0 +1,168 @@
+"""The images really build and the stack really runs in containers: podman builds every service image
+offline (a debootstrap base, wheels from a host-built wheelhouse), podman-compose brings the stack up
+on an internal network with the CPU profile and rollout scaled to 3, and we check that every rollout
+replica consumed prompts and that a trainer weight version reached the inference server.
+
+Slow the first time on a machine (apt installs, debootstrap, image builds: all cached under
+~/.cache/jetrl and in podman's store afterwards). Skips, naming what is missing, where containers
+cannot run (no root to install podman, no user namespaces or cgroups)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+INFRA = ROOT / "infra"
+APT_PACKAGES = ["podman", "buildah", "runc", "netavark", "aardvark-dns", "catatonit", "debootstrap", "iptables"]
+NEEDED_BINARIES = ["podman", "buildah", "runc", "debootstrap", "iptables"]
+BASE_IMAGE = "localhost/jetrl-base:bookworm"
+ROLLOUT_REPLICAS = 3
+
+# cold machine: apt installs + debootstrap + every image build; warm reruns take a few minutes
+pytestmark = pytest.mark.timeout(900)
+
+
+def sh(cmd: list[str], env: dict[str, str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} -> {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    return result
+
+
+def ensure_podman() -> str | None:
+    """Install the container tools when missing (CI runs as root on a fresh machine); the reason to
+    skip when that cannot be done."""
+    if sys.platform != "linux":
+        return f"containers need Linux (this is {sys.platform})"
+    missing = [b for b in NEEDED_BINARIES if shutil.which(b) is None and not Path(f"/usr/sbin/{b}").exists()]
+    if not missing:
+        return None
+    if os.geteuid() != 0:
+        return f"missing {', '.join(missing)} and not root to apt-get install them"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *APT_PACKAGES]):
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+        if result.returncode != 0:
+            return f"{' '.join(cmd[:2])} failed: {result.stderr.strip()[-500:]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def podman_env() -> dict[str, str]:
+    reason = ensure_podman()
+    if reason:
+        pytest.skip(reason)
+    venv_bin = str(Path(sys.executable).parent)
+    env = {
+        **os.environ,
+        "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}:/usr/sbin:/sbin",
+        "CONTAINERS_CONF": str(INFRA / "podman" / "containers.conf"),
+        "PYTHON": sys.executable,
+    }
+    sh(["infra/scripts/make-base.sh"], env, timeout=400)
+    probe = sh(["podman", "run", "--rm", "--network", "none", BASE_IMAGE, "true"], env, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"podman cannot run a container here: {probe.stderr.strip()[-500:]}")
+    return env
+
+
+@pytest.fixture(scope="module")
+def images(podman_env: dict[str, str]) -> dict[str, str]:
+    """Build every image offline; {target: size line}."""
+    out = sh(["infra/scripts/build-images.sh", "--offline", "--base", BASE_IMAGE], podman_env, timeout=480).stdout
+    sizes = dict(re.findall(r"^jetrl-(\w+):\S+\s+(\d+ MB)$", out, re.MULTILINE))
+    print("image sizes:", json.dumps(sizes))
+    return sizes
+
+
+def test_light_images_carry_no_deepspeed_and_no_cuda(images: dict[str, str], podman_env: dict[str, str]) -> None:
+    assert set(images) == {"nats", "weights", "reward", "rollout", "inference", "trainer"}
+    probe = (
+        "import importlib.util as u, sys; mods = sys.argv[1:]; "
+        "print({m: u.find_spec(m) is not None for m in mods}); "
+        "t = u.find_spec('torch') and __import__('torch'); print('cuda', t and t.version.cuda)"
+    )
+    for image in ("rollout", "reward", "weights", "inference", "trainer"):
+        result = sh(["podman", "run", "--rm", "--network", "none", "--entrypoint", "python3", f"jetrl-{image}:latest", "-c", probe, "deepspeed", "nvidia"], podman_env)
+        found = result.stdout
+        if image == "trainer":
+            assert "'deepspeed': True" in found, found
+        else:
+            assert "'deepspeed': False" in found, f"{image}: {found}"
+        assert "'nvidia': False" in found and "cuda None" in found, f"{image}: {found}"
+
+
+@pytest.fixture
+def stack(images: dict[str, str], podman_env: dict[str, str]) -> Iterator[tuple[list[str], dict[str, str]]]:
+    project = f"jetrlci{os.getpid()}"
+    compose = ["podman-compose", "-p", project, "-f", "infra/compose.yaml", "-f", "infra/compose.ci.yaml", "--profile", "cpu"]
+    env = {**podman_env, "JETRL_RUN": "ci", "TRAINER_STEPS": "1000", "REWARD_REPLICAS": "1"}
+    try:
+        sh([*compose, "up", "-d", "--scale", f"rollout={ROLLOUT_REPLICAS}"], env, timeout=240)
+        yield [*compose], {**env, "PROJECT": project}
+    finally:
+        subprocess.run([*compose, "down", "-v", "-t", "5"], env=env, capture_output=True, timeout=180, cwd=ROOT)
+        # whatever compose left behind (a failed `up`), by the project's label
+        ids = subprocess.run(["podman", "ps", "-aq", "--filter", f"label=io.podman.compose.project={project}"], env=env, capture_output=True, text=True, cwd=ROOT).stdout.split()
+        if ids:
+            subprocess.run(["podman", "rm", "-f", "-t", "0", *ids], env=env, capture_output=True, timeout=120, cwd=ROOT)
+
+
+def containers(env: dict[str, str], service: str) -> list[str]:
+    out = sh(
+        ["podman", "ps", "--format", "{{.Names}}", "--filter", f"label=io.podman.compose.project={env['PROJECT']}", "--filter", f"label=com.docker.compose.service={service}"],
+        env,
+    ).stdout
+    return sorted(out.split())
+
+
+def fetch(env: dict[str, str], container: str, url: str) -> str:
+    """GET `url` from inside `container` (the network is internal: the host cannot reach it)."""
+    code = f"import urllib.request as u; print(u.urlopen({url!r}, timeout=5).read().decode())"
+    result = sh(["podman", "exec", container, "python3", "-c", code], env, timeout=60, check=False)
+    return result.stdout if result.returncode == 0 else ""
+
+
+def episodes(metrics_text: str) -> float:
+    values = [float(m) for m in re.findall(r'^jetrl_episodes_total\{[^}]*service="rollout"[^}]*\} (\S+)$', metrics_text, re.MULTILINE)]
+    return max(values, default=0.0)
+
+
+def logs(env: dict[str, str]) -> str:
+    out = []
+    names = sh(["podman", "ps", "-a", "--format", "{{.Names}}", "--filter", f"label=io.podman.compose.project={env['PROJECT']}"], env, check=False).stdout.split()
+    for name in names:
+        tail = sh(["podman", "logs", "--tail", "15", name], env, check=False)
+        out.append(f"--- {name}\n{tail.stdout[-1500:]}{tail.stderr[-1500:]}")
+    return "\n".join(out)
+
+
+def test_scaled_stack_consumes_prompts_on_every_replica_and_advances_weights(stack: tuple[list[str], dict[str, str]]) -> None:
+    _, env = stack
+    deadline = time.monotonic() + 300
+    per_replica: dict[str, float] = {}
+    version = 0
+    while time.monotonic() < deadline:
+        replicas = containers(env, "rollout")
+        per_replica = {name: episodes(fetch(env, name, "http://127.0.0.1:9100/metrics")) for name in replicas}
+        inference = containers(env, "inference")
+        if inference:
+            answer = fetch(env, inference[0], "http://127.0.0.1:30000/get_weight_version")
+            reported = json.loads(answer)["weight_version"] if answer else "0"
+            version = int(reported) if str(reported).isdigit() else 0  # SGLang's "default" is 0
+        if len(per_replica) == ROLLOUT_REPLICAS and all(v > 0 for v in per_replica.values()) and version >= 1:
+            break
+        time.sleep(0.4)
+    else:
+        raise AssertionError(f"episodes per replica {per_replica}, inference weight version {version}\n{logs(env)}")
+    assert len(per_replica) == ROLLOUT_REPLICAS
