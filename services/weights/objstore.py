@@ -97,22 +97,14 @@ async def put_file(js: JetStreamContext, bucket: str, name: str, path: Path, chu
         sha.update(data)  # in the thread: hashlib releases the GIL on large buffers
         return data
 
-    params = rawpull.connection_params(js._nc)
     try:
-        if params is not None:
-            try:
-                size, chunks = await _put_raw(params, subject, path, chunk_size, sha)
-            except rawpull.Unsupported as exc:
-                log.info("plain-socket object write unavailable; using nats-py", reason=str(exc))
-                params = None
-        if params is None:
-            with open(path, "rb", buffering=0) as f:
-                while data := await loop.run_in_executor(None, read, f):
-                    pending.append(await js.publish_async(subject, data))
-                    size += len(data)
-                    chunks += 1
-                    if len(pending) >= PUBLISH_WINDOW:
-                        await _settle(pending.popleft())
+        with open(path, "rb", buffering=0) as f:
+            while data := await loop.run_in_executor(None, read, f):
+                pending.append(await js.publish_async(subject, data))
+                size += len(data)
+                chunks += 1
+                if len(pending) >= PUBLISH_WINDOW:
+                    await _settle(pending.popleft())
         while pending:
             await _settle(pending.popleft())
         info = ObjectInfo(
@@ -138,30 +130,6 @@ async def put_file(js: JetStreamContext, bucket: str, name: str, path: Path, chu
     if previous is not None and not previous.deleted and previous.nuid:
         await js.purge_stream(_stream(bucket), subject=_chunk_subject(bucket, previous.nuid))
     return info
-
-
-async def _put_raw(params: rawpull.ConnParams, subject: str, path: Path, chunk_size: int, sha) -> tuple[int, int]:
-    """Publish the chunks from a worker thread on a private plain connection (see rawpull)."""
-    stop = threading.Event()
-
-    def push() -> tuple[int, int]:
-        with open(path, "rb", buffering=0) as f:
-            return rawpull.push_chunks(params, subject, f, chunk_size, sha, stop, PUBLISH_WINDOW, ACK_TIMEOUT_S)
-
-    work = asyncio.get_running_loop().run_in_executor(None, push)
-    try:
-        return await asyncio.shield(work)
-    except BaseException as exc:
-        stop.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(work), 10)
-        except BaseException:
-            pass
-        if isinstance(exc, TimeoutError):
-            raise ObjectStoreError(f"no ack for an object chunk within {ACK_TIMEOUT_S}s (stream full or server busy)") from exc
-        if isinstance(exc, rawpull.PullError):
-            raise ObjectStoreError(f"{subject}: {exc}") from exc
-        raise
 
 
 async def _settle(fut: asyncio.Future) -> None:

@@ -1,4 +1,4 @@
-"""Bulk write/read of object chunks on a private plain-socket connection, in a worker thread.
+"""Bulk read of a pull consumer on a private plain-socket connection, in a worker thread.
 
 Profiling the agent's 1 GB download showed its event loop thread busy the whole time: nats-py reads
 the socket 32 KiB at a time (its StreamReader also pauses the socket at 64 KiB buffered) and copies
@@ -258,61 +258,3 @@ class _Writer:
         if self.thread.is_alive():
             self.queue.put(None)
             self.thread.join()
-
-
-def push_chunks(
-    params: ConnParams,
-    subject: str,
-    src: BinaryIO,
-    chunk_size: int,
-    sha: _Hash,
-    stop: threading.Event,
-    window: int,
-    ack_timeout_s: float,
-) -> tuple[int, int]:
-    """Publish `src` as messages of `chunk_size` bytes on the JetStream `subject`, hashing as it reads,
-    with at most `window` publishes awaiting their ack; returns (bytes, chunks) once every chunk is
-    acked. Blocking (the same plain connection as `pull_chunks`): run it in a thread."""
-    conn = _Conn(params, stop, buffer_size=1024 * 1024)
-    try:
-        inbox = f"_INBOX.jetrl.{threading.get_ident()}.{time.monotonic_ns()}"
-        conn.send(f"SUB {inbox}.* 1\r\n".encode())
-        buf = bytearray(chunk_size)
-        view = memoryview(buf)
-        size = sent = acked = 0
-
-        def read_ack() -> None:
-            nonlocal acked
-            deadline = time.monotonic() + ack_timeout_s
-            op, rest = conn._line(deadline)
-            if op == b"-ERR":
-                raise PullError(f"server error: {rest.decode(errors='replace')}")
-            if op == b"MSG":
-                body = bytes(conn._payload(int(rest.split()[-1]), deadline))
-            elif op == b"HMSG":
-                args = rest.split()
-                whole = conn._payload(int(args[-1]), deadline)
-                status = bytes(whole[: int(args[-2])]).split(b"\r\n", 1)[0]
-                raise PullError(f"chunk publish answered {status.decode(errors='replace')}")
-            else:
-                return
-            reply = json.loads(body)
-            if "error" in reply:
-                raise PullError(f"chunk publish refused: {reply['error']}")
-            acked += 1
-
-        while n := src.readinto(buf):
-            chunk = view[:n]
-            sha.update(chunk)
-            conn.sock.sendall(f"PUB {subject} {inbox}.{sent} {n}\r\n".encode())
-            conn.sock.sendall(chunk)
-            conn.sock.sendall(b"\r\n")
-            size += n
-            sent += 1
-            while sent - acked >= window:
-                read_ack()
-        while acked < sent:
-            read_ack()
-        return size, sent
-    finally:
-        conn.close()
