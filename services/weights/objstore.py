@@ -15,7 +15,6 @@ import asyncio
 import base64
 import hashlib
 import json
-import threading
 from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,11 +33,6 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, BucketNotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
-
-from services.common.logging import get_logger
-from services.weights import rawpull
-
-log = get_logger("weights.objstore")
 
 CHUNK_SIZE = 1024 * 1024
 """1 MiB chunks: well under the server's max_payload, big enough that per-message cost is small."""
@@ -155,12 +149,6 @@ async def get_file(js: JetStreamContext, bucket: str, name: str, dest: BinaryIO)
     if not info.size:
         return info, sha.hexdigest()
     chunk = (info.options.max_chunk_size if info.options and info.options.max_chunk_size else CHUNK_SIZE) or CHUNK_SIZE
-    params = rawpull.connection_params(js._nc)
-    if params is not None:
-        try:
-            return info, await _get_raw(js, bucket, info, chunk, params, dest, sha)
-        except rawpull.Unsupported as exc:
-            log.info("plain-socket object read unavailable; using nats-py", reason=str(exc))
     batch = max(1, FETCH_BYTES // chunk)
     sub = await js.pull_subscribe(
         _chunk_subject(bucket, info.nuid),
@@ -193,61 +181,6 @@ async def get_file(js: JetStreamContext, bucket: str, name: str, dest: BinaryIO)
     finally:
         await sub.unsubscribe()
     return info, sha.hexdigest()
-
-
-async def _get_raw(
-    js: JetStreamContext, bucket: str, info: ObjectInfo, chunk: int, params: rawpull.ConnParams, dest: BinaryIO, sha
-) -> str:
-    """Read the chunks on a private connection in a worker thread (see rawpull); the consumer is
-    made here, through the normal JetStream API. Raises `rawpull.Unsupported` before anything is
-    written if that connection cannot be made."""
-    consumer = await js.add_consumer(
-        _stream(bucket),
-        config=ConsumerConfig(
-            filter_subject=_chunk_subject(bucket, info.nuid),
-            ack_policy=AckPolicy.NONE,
-            deliver_policy=DeliverPolicy.ALL,
-            mem_storage=True,
-            inactive_threshold=30.0,
-        ),
-    )
-    stop = threading.Event()
-    work = asyncio.get_running_loop().run_in_executor(
-        None,
-        rawpull.pull_chunks,
-        params,
-        js._prefix,
-        _stream(bucket),
-        consumer.name,
-        int(info.chunks or 0),
-        chunk,
-        dest,
-        sha,
-        stop,
-        ACK_TIMEOUT_S,
-    )
-    try:
-        try:
-            written = await asyncio.shield(work)
-        except BaseException:
-            stop.set()  # the thread notices within rawpull.RECV_TIMEOUT_S; wait so `dest` is not in use
-            try:
-                await asyncio.wait_for(asyncio.shield(work), 10)
-            except BaseException:
-                pass
-            raise
-    except TimeoutError as exc:
-        raise ObjectStoreError(f"{info.name}: chunks stopped arriving") from exc
-    except rawpull.PullError as exc:
-        raise ObjectStoreError(f"{info.name}: {exc}") from exc
-    finally:
-        try:
-            await js.delete_consumer(_stream(bucket), consumer.name)
-        except Exception:  # it also goes away by itself after inactive_threshold
-            pass
-    if written != info.size:
-        raise ObjectStoreError(f"{info.name}: read {written} bytes of {info.size}")
-    return sha.hexdigest()
 
 
 async def list_names(js: JetStreamContext, bucket: str) -> list[str]:

@@ -12,7 +12,7 @@ import nats
 import pytest
 
 from schemas.subjects import WEIGHTS_BUCKET
-from services.weights import objstore, rawpull
+from services.weights import objstore
 from services.weights.files import parse_uri
 from services.weights.publisher import WeightPublisher
 
@@ -48,31 +48,6 @@ async def test_object_store_round_trip_is_bit_exact_and_larger_than_max_payload(
         # nats-py's own client reads our objects too (same wire format).
         store = await nc.jetstream().object_store(WEIGHTS_BUCKET)
         assert (await store.get("t1/v1/config.json")).data == (ckpt / "config.json").read_bytes()
-    finally:
-        await nc.close()
-
-
-@pytest.mark.parametrize("path", ["plain socket", "nats-py"])
-async def test_get_file_reads_back_through_either_path(nats_url: str, tmp_path: Path, path: str, monkeypatch) -> None:
-    """The agent's read runs on a private plain socket (services/weights/rawpull.py) and falls back
-    to nats-py where that cannot connect (TLS, other auth); both give the same bytes and digest."""
-    if path == "nats-py":
-        monkeypatch.setattr(rawpull, "connection_params", lambda nc: None)
-    nc = await nats.connect(nats_url)
-    try:
-        data = os.urandom(9 * 1024 * 1024 + 5)
-        src = tmp_path / "src.bin"
-        src.write_bytes(data)
-        js = nc.jetstream()
-        await objstore.open_bucket(js, WEIGHTS_BUCKET)
-        await objstore.put_file(js, WEIGHTS_BUCKET, "t9/v1/x.bin", src, chunk_size=1024 * 1024)
-        out = tmp_path / "out.bin"
-        with open(out, "wb") as f:
-            info, digest = await objstore.get_file(js, WEIGHTS_BUCKET, "t9/v1/x.bin", f)
-        assert out.read_bytes() == data
-        assert digest == hashlib.sha256(data).hexdigest() == objstore.digest_hex(info)
-        if path == "plain socket":  # its consumer is deleted at once (nats-py's expires after 30 s idle)
-            assert (await js.stream_info("OBJ_" + WEIGHTS_BUCKET)).state.consumer_count == 0
     finally:
         await nc.close()
 
