@@ -29,7 +29,7 @@ BASE_IMAGE = "localhost/jetrl-base:bookworm"
 ROLLOUT_REPLICAS = 3
 
 # cold machine: apt installs + debootstrap + every image build; warm reruns take a few minutes
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1200)
 
 
 def sh(cmd: list[str], env: dict[str, str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
