@@ -112,10 +112,26 @@ def stack(images: dict[str, str], podman_env: dict[str, str]) -> Iterator[tuple[
         yield [*compose], {**env, "PROJECT": project}
     finally:
         subprocess.run([*compose, "down", "-v", "-t", "5"], env=env, capture_output=True, timeout=180, cwd=ROOT)
-        # whatever compose left behind (a failed `up`), by the project's label
-        ids = subprocess.run(["podman", "ps", "-aq", "--filter", f"label=io.podman.compose.project={project}"], env=env, capture_output=True, text=True, cwd=ROOT).stdout.split()
-        if ids:
-            subprocess.run(["podman", "rm", "-f", "-t", "0", *ids], env=env, capture_output=True, timeout=120, cwd=ROOT)
+        remove_project(env, project)
+
+
+def remove_project(env: dict[str, str], project: str) -> None:
+    """Everything labelled with the compose project: podman-compose 1.x `down` leaves scaled replicas
+    beyond the first, one-shot containers, volumes and the network behind."""
+    label = f"label=com.docker.compose.project={project}"
+
+    def listed(*cmd: str) -> list[str]:
+        return subprocess.run(["podman", *cmd, "--filter", label], env=env, capture_output=True, text=True, cwd=ROOT).stdout.split()
+
+    for _ in range(5):  # containers that depend on others go first; retry what was refused
+        ids = listed("ps", "-aq")
+        if not ids:
+            break
+        subprocess.run(["podman", "rm", "-f", "--depend", "-t", "0", *ids], env=env, capture_output=True, timeout=120, cwd=ROOT)
+    for kind in ("volume", "network"):
+        names = listed(kind, "ls", "-q")
+        if names:
+            subprocess.run(["podman", kind, "rm", "-f", *names], env=env, capture_output=True, timeout=60, cwd=ROOT)
 
 
 def containers(env: dict[str, str], service: str) -> list[str]:
