@@ -72,6 +72,38 @@ async def evaluate_checks() -> dict[str, dict[str, Any]]:
     return results
 
 
+def http_check(*urls: str, timeout_s: float = 1.5) -> Check:
+    """A check that passes when any of `urls` answers 2xx (one healthy upstream is enough: clients fail
+    over between servers)."""
+
+    async def check() -> bool:
+        import httpx
+
+        errors = []
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            for url in urls:
+                try:
+                    if (await client.get(url)).is_success:
+                        return True
+                    errors.append(f"{url}: not ready")
+                except httpx.HTTPError as exc:
+                    errors.append(f"{url}: {exc!r}")
+        raise ConnectionError("; ".join(errors))
+
+    return check
+
+
+def nats_responder_check(nc: Any, subject: str, timeout_s: float = 1.0) -> Check:
+    """A check that passes when a NATS service answers a request on `subject` (e.g. a micro-service
+    `$SRV.PING.<name>`): someone is listening."""
+
+    async def check() -> bool:
+        await nc.request(subject, b"", timeout=timeout_s)
+        return True
+
+    return check
+
+
 # ---- Prometheus mirror of MetricsPublisher events ---------------------------------------------
 
 _gauges: dict[tuple[int, str], Gauge | None] = {}

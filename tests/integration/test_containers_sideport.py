@@ -4,6 +4,7 @@ serves its metrics as Prometheus text on the side port, and drains on SIGTERM.""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -31,6 +32,19 @@ def poll(what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], lo
             pass
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
+
+
+async def reward_answers(url: str) -> bool:
+    """The readiness check a caller of the reward service registers: a responder answers."""
+    import nats
+
+    from services.common.health import nats_responder_check
+
+    nc = await nats.connect(url)
+    try:
+        return await nats_responder_check(nc, "$SRV.PING.jetrl-reward")()
+    finally:
+        await nc.close()
 
 
 def test_service_side_port_waits_for_nats_then_reports_ready_and_metrics(tmp_path: Path) -> None:
@@ -69,6 +83,7 @@ def test_service_side_port_waits_for_nats_then_reports_ready_and_metrics(tmp_pat
                 return any(line.startswith("jetrl_") and 'service="reward"' in line for line in text.splitlines())
 
             poll("reward metrics on /metrics", has_metrics, proc, log)
+        assert asyncio.run(reward_answers(nats.url)), "the reward service did not answer $SRV.PING"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
     finally:

@@ -101,3 +101,13 @@ async def test_metrics_mirrors_emitted_values_as_labelled_gauges() -> None:
 def test_metric_names_are_valid_prometheus_names() -> None:
     assert metric_name("time/wait-fraction") == "jetrl_time_wait_fraction"
     assert metric_name("Reward Mean") == "jetrl_reward_mean"
+
+
+async def test_http_check_passes_when_any_upstream_answers(side_port: str) -> None:
+    from services.common.health import http_check
+    from services.common.nats_server import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}/health"
+    assert await http_check(dead, f"{side_port}/healthz")() is True
+    with pytest.raises(ConnectionError, match="127.0.0.1"):
+        await http_check(dead)()
