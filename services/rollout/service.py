@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.common.bus import connect
+from services.common.health import http_check, nats_responder_check, register_check
 from services.common.logging import bind_context, get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.runner import Supervisor, supervise
@@ -66,6 +67,9 @@ async def run(settings: RolloutSettings) -> None:
         sup.stack.push_async_callback(nc.drain)
         engine = InferenceEngine(settings.inference)
         sup.stack.push_async_callback(engine.aclose)
+        # the side port's /readyz: an inference server and a reward service (its micro-service name) answer
+        register_check("inference reachable", http_check(*(f"{u.rstrip('/')}/health" for u in settings.inference.servers)))
+        register_check("reward reachable", nats_responder_check(nc, "$SRV.PING.jetrl-reward"))
 
         loaded: dict[str, Any] = {}
 
