@@ -22,6 +22,7 @@ from nats.js.api import DeliverPolicy
 from schemas.messages import MessageError, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode, encode
 from schemas.subjects import Subjects
 from services.common.bus import connect
+from services.common.health import http_check, register_check
 from services.common.logging import bind_context, get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
@@ -205,6 +206,7 @@ async def _start(sup: Supervisor, settings: WeightsSettings) -> None:
     await ensure_weight_sync_stream(nc)
     server = ServerClient(settings.server, settings.request_timeout_s)
     sup.stack.push_async_callback(server.aclose)
+    register_check("inference reachable", http_check(f"{settings.server.rstrip('/')}/health"))  # side port /readyz
     if not await server.wait_ready(settings.server_ready_timeout_s, sup.stopping):
         return
     agent = WeightsAgent(nc, server, settings, MetricsPublisher(nc, settings.run, "weights", worker=settings.server_name))
