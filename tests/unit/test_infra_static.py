@@ -228,3 +228,9 @@ def test_the_jetrl_launcher_guards_main_so_process_pools_do_not_rerun_the_servic
     would start a second service in every child."""
     launcher = " ".join(args for instr, args in stages()["launcher"] if instr == "RUN")
     assert 'if __name__ == "__main__":' in launcher and "from services.cli import main" in launcher
+
+
+def test_rollout_readiness_pings_the_reward_service_by_its_real_name() -> None:
+    from services.reward.service import SERVICE_NAME
+
+    assert f'"$SRV.PING.{SERVICE_NAME}"' in (ROOT / "services" / "rollout" / "service.py").read_text()
