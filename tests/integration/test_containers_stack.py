@@ -182,3 +182,8 @@ def test_scaled_stack_consumes_prompts_on_every_replica_and_advances_weights(sta
     else:
         raise AssertionError(f"episodes per replica {per_replica}, inference weight version {version}\n{logs(env)}")
     assert len(per_replica) == ROLLOUT_REPLICAS
+    # the side port's readiness sees NATS, the inference server and the reward service from inside
+    for name in per_replica:
+        ready = json.loads(fetch(env, name, "http://127.0.0.1:9100/readyz") or "{}")
+        assert ready.get("ready") is True, f"{name}: {ready}"
+        assert {"inference reachable", "reward reachable"} <= set(ready["checks"]), ready
