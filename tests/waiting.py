@@ -20,13 +20,18 @@ def wait_until(
     proc: subprocess.Popen | None = None,  # type: ignore[type-arg]
     log: Path | None = None,
     interval_s: float = 0.05,
+    ignore: tuple[type[BaseException], ...] = (),
 ) -> None:
+    """`ignore`: errors of `check` that mean "not yet" (e.g. a connection refused while starting)."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} while waiting for {what}{_tail(log)}")
-        if check():
-            return
+        try:
+            if check():
+                return
+        except ignore:
+            pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}{_tail(log)}")
         time.sleep(interval_s)  # the poll interval of a condition, not a wait for time to pass

@@ -9,29 +9,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 from services.common.nats_server import NatsServer, free_port
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def poll(what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"service exited ({proc.returncode}) while waiting for {what}:\n{log.read_text()[-3000:]}")
-        try:
-            if check():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
+    wait_until(what, check, timeout_s=timeout_s, proc=proc, log=log, interval_s=0.1, ignore=(httpx.HTTPError,))
 
 
 async def reward_answers(url: str) -> bool:

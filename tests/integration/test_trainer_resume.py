@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 from services.common.bus import connect
 from services.common.logging import get_logger
 from tests.integration.conftest_trainer import make_group, publish_group, read_steps
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "resume"
@@ -35,13 +35,7 @@ def _start(nats_url: str, model: Path, out: Path, *extra: str) -> subprocess.Pop
 
 
 def _wait_for(pred, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        assert proc.poll() is None, f"trainer exited early with {proc.returncode}"
-        time.sleep(0.05)  # polling the step record, not waiting blindly
-    raise TimeoutError("trainer did not reach the expected step")
+    wait_until("the trainer to reach the expected step", pred, timeout_s=timeout_s, proc=proc)
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
