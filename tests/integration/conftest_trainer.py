@@ -4,6 +4,10 @@ behaviour log-probs from a forward pass of the tiny model, published with the re
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -11,10 +15,13 @@ from typing import Any
 import numpy as np
 
 from schemas.headers import rejection_headers, trajectory_headers
-from schemas.messages import RejectionMarker, encode
-from schemas.subjects import TRAJECTORIES_STREAM, Subjects
+from schemas.messages import PromptTask, RejectionMarker, decode, encode
+from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import encode_group, group_to_table
 from services.common.demo_task import copy3_reward
+from tests.waiting import wait_until
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @lru_cache(maxsize=2)
@@ -77,3 +84,39 @@ def write_dataset(path: Path, n: int) -> Path:
     from services.common.demo_task import write_copy3_dataset
 
     return write_copy3_dataset(path, n=n, seed=1)
+
+
+async def take_prompts(js: Any, subject: str, durable: str, n: int) -> list[PromptTask]:
+    """Act as the rollout side: pull and ack n prompts off the work queue."""
+    sub = await js.pull_subscribe(subject, durable=durable, stream=PROMPTS_STREAM)
+    msgs = await sub.fetch(n, timeout=5)
+    for m in msgs:
+        await m.ack()
+    await sub.unsubscribe()
+    return [decode(PromptTask, m.data) for m in msgs]
+
+
+SERVICE_RUN = "resume"
+"""The run name of trainer processes started by `start_trainer`."""
+
+
+def start_trainer(nats_url: str, model: Path, out: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """`python -m services.trainer` as a real process (1 rank, no feeder), in its own process group."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "services.trainer", f"run={SERVICE_RUN}", f"nats_url={nats_url}", f"model_path={model}",
+           f"output_dir={out}", "feeder.enabled=false", "batch_groups=2", "eta=100", "checkpoint_every=2",
+           "publish_weights=false", "total_steps=6", "fetch_timeout_s=0.2", "log_format=json", *extra]
+    log_file = open(out.parent / f"trainer-{len(list(out.parent.glob('trainer-*.log')))}.log", "wb")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_step(pred: Any, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
+    wait_until("the trainer to reach the expected step", pred, timeout_s=timeout_s, proc=proc)
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

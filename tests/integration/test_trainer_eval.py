@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from schemas.headers import rejection_headers, trajectory_headers
-from schemas.messages import MetricsEvent, PromptTask, RejectionMarker, decode, encode
-from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
+from schemas.messages import MetricsEvent, RejectionMarker, decode, encode
+from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import encode_group_with_meta
 from services.common.bus import connect, declare_streams
 from services.trainer.engine import TrainEngine
 from services.trainer.evaluation import EvalRounds
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from tests.integration.conftest_trainer import make_group, publish_group, write_dataset
+from tests.integration.conftest_trainer import make_group, publish_group, take_prompts, write_dataset
 
 RUN = "ev"
 S = Subjects(RUN)
@@ -38,15 +38,6 @@ async def _reject(js: Any, prompt_id: str) -> None:
     await js.publish(S.trajectories_eval, body, headers=rejection_headers(RUN, prompt_id), stream=TRAJECTORIES_STREAM)
 
 
-async def _take(js: Any, subject: str, durable: str, n: int) -> list[PromptTask]:
-    sub = await js.pull_subscribe(subject, durable=durable, stream=PROMPTS_STREAM)
-    msgs = await sub.fetch(n, timeout=5)
-    for m in msgs:
-        await m.ack()
-    await sub.unsubscribe()
-    return [decode(PromptTask, m.data) for m in msgs]
-
-
 @pytest.mark.timeout(120)
 async def test_trainer_reports_an_eval_round_once_every_prompt_is_answered(nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
     settings = TrainerSettings(
@@ -62,11 +53,11 @@ async def test_trainer_reports_an_eval_round_once_every_prompt_is_answered(nats_
         js = nc.jetstream()
         events = await nc.subscribe(S.metrics("eval"))
         await trainer.feed_once()
-        [task] = await _take(js, S.prompts_train, S.rollout_consumer, 1)
+        [task] = await take_prompts(js, S.prompts_train, S.rollout_consumer, 1)
         await publish_group(js, RUN, task.prompt_id, make_group(tiny_model, task.data["answer"]))
         assert await trainer.step() is not None and trainer.version == 1
 
-        evals = await _take(js, S.prompts_eval, "eval-test", 5)
+        evals = await take_prompts(js, S.prompts_eval, "eval-test", 5)
         assert sorted(t.prompt_id for t in evals) == ["eval1-0", "eval1-1", "eval1-2"]
         assert all(t.is_eval for t in evals)
         await js.publish(S.trajectories_eval, b"not arrow", headers={"Jetrl-Prompt-Id": "eval9-0"}, stream=TRAJECTORIES_STREAM)

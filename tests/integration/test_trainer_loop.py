@@ -10,24 +10,18 @@ import pytest
 from safetensors.numpy import load_file
 
 from schemas.messages import MetricsEvent, PromptTask, decode
-from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
+from schemas.subjects import METRICS_STREAM, TRAJECTORIES_STREAM, Subjects
 from services.common.bus import connect
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from tests.integration.conftest_trainer import make_group, publish_group, publish_rejection, read_steps, write_dataset
+from tests.integration.conftest_trainer import make_group, publish_group, publish_rejection, read_steps, take_prompts, write_dataset
 
 RUN = "t1"
 
 
 async def _take_prompts(js, n: int) -> list[PromptTask]:
-    """Act as the rollout side: pull n prompts off the work queue."""
-    sub = await js.pull_subscribe(Subjects(RUN).prompts_train, durable=Subjects(RUN).rollout_consumer, stream=PROMPTS_STREAM)
-    msgs = await sub.fetch(n, timeout=5)
-    for m in msgs:
-        await m.ack()
-    await sub.unsubscribe()
-    return [decode(PromptTask, m.data) for m in msgs]
+    return await take_prompts(js, Subjects(RUN).prompts_train, Subjects(RUN).rollout_consumer, n)
 
 
 @pytest.mark.timeout(120)

@@ -4,10 +4,6 @@ exactly once (checked by prompt ids in the step record)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -15,33 +11,13 @@ import pytest
 
 from services.common.bus import connect
 from services.common.logging import get_logger
+from tests.integration.conftest_trainer import SERVICE_RUN as RUN
+from tests.integration.conftest_trainer import kill_group as _kill
 from tests.integration.conftest_trainer import make_group, publish_group, read_steps
-from tests.waiting import wait_until
+from tests.integration.conftest_trainer import start_trainer as _start
+from tests.integration.conftest_trainer import wait_for_step as _wait_for
 
-REPO = Path(__file__).resolve().parents[2]
-RUN = "resume"
 log = get_logger("test")
-
-
-def _start(nats_url: str, model: Path, out: Path, *extra: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "services.trainer", f"run={RUN}", f"nats_url={nats_url}", f"model_path={model}",
-           f"output_dir={out}", "feeder.enabled=false", "batch_groups=2", "eta=100", "checkpoint_every=2",
-           "publish_weights=false", "total_steps=6", "fetch_timeout_s=0.2", "log_format=json", *extra]
-    log_file = open(out.parent / f"trainer-{len(list(out.parent.glob('trainer-*.log')))}.log", "wb")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait_for(pred, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
-    wait_until("the trainer to reach the expected step", pred, timeout_s=timeout_s, proc=proc)
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 @pytest.mark.timeout(300)
