@@ -174,3 +174,16 @@ def test_up_survives_a_rollout_worker_killed_mid_run(tmp_path: Path) -> None:
     recording = asyncio.run(read_recording(run_dir, "e2e-kill"))
     ids = [decode_group(d).meta.prompt_id for h, d in recording if not is_rejection(h)]
     assert len(ids) == len(set(ids))
+
+    # `jetrl plot` redraws the run from its METRICS stream (a private server on the run's store)
+    recorded = json.loads((run_dir / "metrics.json").read_text())["steps"]
+    plot_dir = tmp_path / "plot"
+    plotted = subprocess.run(
+        [sys.executable, "-m", "services.cli", "plot", str(run_dir), "--out", str(plot_dir)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
+    )
+    assert plotted.returncode == 0, plotted.stderr[-2000:]
+    redrawn = json.loads((plot_dir / "metrics.json").read_text())["steps"]
+    assert [s["step"] for s in redrawn] == [s["step"] for s in recorded]
+    assert [s["reward_mean"] for s in redrawn] == [s["reward_mean"] for s in recorded]
+    assert (plot_dir / "reward_curve.png").stat().st_size > 0
