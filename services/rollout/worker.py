@@ -254,6 +254,8 @@ class RolloutWorker:
     async def metrics_loop(self, stopping: asyncio.Event, interval_s: float) -> None:
         if self.metrics is None:
             return
+        # report at once, so `jetrl status` sees a new worker alive before its first interval ends
+        await self.metrics.emit(self.stats.snapshot())
         while not stopping.is_set():
             try:
                 await asyncio.wait_for(stopping.wait(), timeout=interval_s)

@@ -78,6 +78,13 @@ def _step_of(line: str) -> int:
     return int(line.split()[1].split("/")[0])
 
 
+def status_shows_workers(status: dict[str, Any] | None) -> bool:
+    if status is None:
+        return False
+    alive = {(w["service"], w["worker"]) for w in status["bus"]["workers"] if w["alive"]}
+    return {("rollout", "rollout-0"), ("rollout", "rollout-1")} <= alive and "trainer" in {svc for svc, _ in alive}
+
+
 def jetrl_status(run: str, run_dir: Path) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-m", "services.status", f"run={run}", f"run_dir={run_dir}", "format=json", "log_format=json"],
@@ -109,16 +116,15 @@ def test_up_learns_copy3_publishes_versions_and_leaves_nothing_behind(tmp_path: 
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
-        if status is None and _step_of(line) >= 8:
+        # poll `jetrl status` on the live run until it shows both rollout workers and the trainer
+        if not status_shows_workers(status) and _step_of(line) >= 8:
             status = jetrl_status("e2e", tmp_path)
     out = "".join(lines) + finish(proc, timeout=900)
     assert proc.returncode == 0, out[-4000:]
 
     # `jetrl status` on the live run: both rollout workers and the trainer alive, the server loaded
     assert status is not None, out[-3000:]
-    alive = {(w["service"], w["worker"]) for w in status["bus"]["workers"] if w["alive"]}
-    assert {("rollout", "rollout-0"), ("rollout", "rollout-1")} <= alive
-    assert "trainer" in {svc for svc, _ in alive}
+    assert status_shows_workers(status), status["bus"]["workers"]
     assert status["weights"]["published_version"] >= 1
     assert status["weights"]["servers"][0]["loaded_version"] >= 1
     assert processes_of(tmp_path) == [], "processes left behind after jetrl up exited"
