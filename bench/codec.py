@@ -4,6 +4,18 @@ to a plain memory copy of the same padded tensor bytes, measured in the same run
 A copy is the least any transport must do with the tensors; the codec also drops padding, casts to
 the Arrow column types, builds one IPC message, and rebuilds the padded dict on the other side.
 Target (issue #2): ratio >= 0.3.
+
+The copy baseline is the faster of two copies of the group, and both are printed:
+- `a.copy()` of each tensor (fresh arrays). On this kind of VM (AMD EPYC, glibc 2.36) it swings
+  tenfold with where the allocator puts the copy: when the destination sits 16 bytes past the source
+  modulo 4096 (as for consecutive same-size blocks), memcpy's loads alias its own stores and it runs
+  at ~3 GB/s instead of ~30 GB/s.
+- `np.copyto` into destinations taken from one preallocated buffer, which avoids that alignment: the
+  machine's real copy speed.
+Taking the faster one keeps the score honest whichever way the allocator falls.
+
+The last row (8 x 32k) is not part of the score: it shows how much of the codec's cost is per call
+rather than per byte.
 """
 
 from __future__ import annotations
@@ -44,27 +56,46 @@ def best_of(fn, repeats: int, inner: int) -> float:  # type: ignore[no-untyped-d
     return best
 
 
+def copy_into(group: dict[str, np.ndarray]):  # type: ignore[no-untyped-def]
+    """A copy of the group into destinations carved out of one buffer, 64 bytes apart: no 4K aliasing."""
+    pool = np.empty(sum(a.nbytes + 64 for a in group.values()), dtype=np.uint8)
+    dests, at = [], 64
+    for a in group.values():
+        dests.append((pool[at : at + a.nbytes].view(a.dtype).reshape(a.shape), a))
+        at += a.nbytes + 64
+    return lambda: [np.copyto(d, a) for d, a in dests]
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
-    for label, full in (("8 x 4096, full rows", True), ("8 x 2k-4k, ragged", False)):
-        group = make_group(rng, 8, 4096, full)
+    cases = (("8 x 4096, full rows", 4096, True), ("8 x 2k-4k, ragged", 4096, False), ("8 x 16k-32k, ragged", 32768, False))
+    for label, seqlen, full in cases:
+        group = make_group(rng, 8, seqlen, full)
         nbytes = sum(a.nbytes for a in group.values())
-        copy_s = best_of(lambda: [a.copy() for a in group.values()], 7, 50)
+        fresh_s = best_of(lambda: [a.copy() for a in group.values()], 7, 50)
+        into_s = best_of(copy_into(group), 7, 50)
+        copy_s = min(fresh_s, into_s)
         codec_s = best_of(lambda: decode_group(encode_group(group, run="b", prompt_id="p", worker="w")), 7, 50)
         wire = len(encode_group(group, run="b", prompt_id="p", worker="w"))
-        rows.append((label, nbytes, wire, nbytes / copy_s / 1e9, nbytes / codec_s / 1e9, copy_s / codec_s))
+        rows.append((label, nbytes, wire, nbytes / fresh_s / 1e9, nbytes / into_s / 1e9, nbytes / codec_s / 1e9,
+                     copy_s / codec_s))
 
-    print(f"{'group':<22}{'tensor MB':>10}{'wire MB':>9}{'copy GB/s':>11}{'codec GB/s':>12}{'ratio':>8}")
-    for label, nbytes, wire, copy_gbs, codec_gbs, ratio in rows:
-        print(f"{label:<22}{nbytes / 1e6:>10.2f}{wire / 1e6:>9.2f}{copy_gbs:>11.2f}{codec_gbs:>12.2f}{ratio:>8.2f}")
-    print("ratio = (encode+decode throughput) / (memory-copy throughput) of the padded tensor bytes; target >= 0.3")
+    print(f"{'group':<22}{'tensor MB':>10}{'wire MB':>9}{'a.copy() GB/s':>15}{'copyto GB/s':>13}{'codec GB/s':>12}"
+          f"{'ratio':>8}")
+    for label, nbytes, wire, fresh_gbs, into_gbs, codec_gbs, ratio in rows:
+        print(f"{label:<22}{nbytes / 1e6:>10.2f}{wire / 1e6:>9.2f}{fresh_gbs:>15.2f}{into_gbs:>13.2f}{codec_gbs:>12.2f}"
+              f"{ratio:>8.2f}")
+    print("ratio = (encode+decode throughput) / (the faster copy's throughput) of the padded tensor bytes;"
+          " target >= 0.3 for 8 x 4k")
     figures = {
-        "score": round(min(r[5] for r in rows), 3),
-        "ratio_full": round(rows[0][5], 3),
-        "ratio_ragged": round(rows[1][5], 3),
-        "codec_gbs_full": round(rows[0][4], 3),
-        "copy_gbs_full": round(rows[0][3], 3),
+        "score": round(min(r[6] for r in rows[:2]), 3),
+        "ratio_full": round(rows[0][6], 3),
+        "ratio_ragged": round(rows[1][6], 3),
+        "ratio_32k_ragged": round(rows[2][6], 3),
+        "codec_gbs_full": round(rows[0][5], 3),
+        "copy_gbs_full": round(max(rows[0][3], rows[0][4]), 3),
+        "fresh_copy_gbs_full": round(rows[0][3], 3),
     }
     print(json.dumps(figures))
 

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 TRAJECTORY_SCHEMA_VERSION = 1
+_SCHEMA_TEXT = str(TRAJECTORY_SCHEMA_VERSION)
 SUPPORTED_SCHEMA_VERSIONS = frozenset({TRAJECTORY_SCHEMA_VERSION})
 
 #: per-token columns of the contract: padded name -> (Arrow column name, Arrow value type)
@@ -34,6 +35,9 @@ SAMPLE_COLUMNS: dict[str, tuple[str, pa.DataType]] = {
     "rewards": ("reward", pa.float32()),
     "prompt_len": ("prompt_len", pa.int32()),
 }
+_NUMPY_TYPES = {col: np.dtype(arrow_type.to_pandas_dtype()) for col, arrow_type in TOKEN_COLUMNS.values()}
+_INT32, _FLOAT32 = np.dtype(np.int32), np.dtype(np.float32)
+_INT32_MAX = int(np.iinfo(np.int32).max)
 REQUIRED_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "rewards", "versions")
 _RESERVED_ARROW_NAMES = {name for name, _ in (*TOKEN_COLUMNS.values(), *SAMPLE_COLUMNS.values())}
 
@@ -81,32 +85,51 @@ def _check_kind(name: str, arr: np.ndarray, kinds: str, what: str) -> None:
         raise TrajectoryError(f"{name}: dtype {arr.dtype} is not {what}")
 
 
+_INT_LIMITS: dict[np.dtype, tuple[int, int]] = {}
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
 def _check_castable(name: str, arr: np.ndarray, target: np.dtype) -> None:
     """Refuse any cast to the Arrow column's type that would change a value."""
-    if arr.dtype == target:
+    source = arr.dtype
+    if source == target:
         return
-    if arr.dtype.kind in "iub" and target.kind == "i":
-        info = np.iinfo(target)
-        if arr.size and (arr.min() < info.min or arr.max() > info.max):
-            raise TrajectoryError(f"{name}: values out of {target} range [{arr.min()}, {arr.max()}]")
+    if source.kind in "iub" and target.kind == "i":
+        if source.kind == "b" or source.itemsize < target.itemsize:
+            return  # every value fits: no pass over the data
+        limits = _INT_LIMITS.get(target)
+        if limits is None:
+            info = np.iinfo(target)
+            limits = _INT_LIMITS[target] = (int(info.min), int(info.max))
+        if arr.size:
+            lo, hi = arr.min(), arr.max()
+            if lo < limits[0] or hi > limits[1]:
+                raise TrajectoryError(f"{name}: values out of {target} range [{lo}, {hi}]")
         return
-    if arr.dtype.kind == "f" and target.kind == "f":
-        if arr.dtype.itemsize > target.itemsize:
-            raise TrajectoryError(f"{name}: {arr.dtype} would lose precision as {target}; cast it first")
+    if source.kind == "f" and target.kind == "f":
+        if source.itemsize > target.itemsize:
+            raise TrajectoryError(f"{name}: {source} would lose precision as {target}; cast it first")
         return
-    raise TrajectoryError(f"{name}: cannot store {arr.dtype} as {target}")
+    raise TrajectoryError(f"{name}: cannot store {source} as {target}")
 
 
-def _ragged(arr2d: np.ndarray, lengths: np.ndarray, offsets: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
-    """Concatenate the first lengths[i] entries of each row, cast on the fly: one slice copy per row."""
-    target = np.dtype(arrow_type.to_pandas_dtype())
-    if int(offsets[-1]) == arr2d.size:
+def _ragged(arr2d: np.ndarray, bounds: list[int], offsets: pa.Array, arrow_type: pa.DataType, target: np.dtype) -> pa.Array:
+    """Concatenate each row's first tokens (row i is flat[bounds[i]:bounds[i + 1]]), cast on the fly:
+    one cast of the whole buffer when no row is padded, else one slice copy per row."""
+    if bounds[-1] == arr2d.size:
         flat = arr2d.reshape(-1).astype(target, copy=False)
     else:
-        flat = np.empty(int(offsets[-1]), dtype=target)
+        flat = np.empty(bounds[-1], dtype=target)
         for i in range(arr2d.shape[0]):
-            flat[offsets[i] : offsets[i + 1]] = arr2d[i, : lengths[i]]
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type=arrow_type))
+            flat[bounds[i] : bounds[i + 1]] = arr2d[i, : bounds[i + 1] - bounds[i]]
+    return pa.ListArray.from_arrays(offsets, pa.array(flat, type=arrow_type))
 
 
 # ------------------------------------------------------------------------------------------- encode
@@ -163,46 +186,44 @@ def group_to_table(
         raise TrajectoryError(f"attention_mask: expected shape (batch, seqlen), got {mask.shape}")
     _check_kind("attention_mask", mask, "biuf", "numeric or bool")
     batch, seqlen = mask.shape
-    mask_bool = mask.astype(bool, copy=False)
-    lengths = np.count_nonzero(mask_bool, axis=1)
-    # right-padded <=> every row is ones up to its length: the last one sits at length - 1
-    last_one = seqlen - 1 - np.argmax(mask_bool[:, ::-1], axis=1)
-    if not np.all(np.where(lengths > 0, last_one == lengths - 1, True)):
-        raise TrajectoryError("attention_mask: must be right-padded (ones then zeros in every row)")
+    lengths = _row_lengths(mask)
     offsets = np.zeros(batch + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] > np.iinfo(np.int32).max:
+    if offsets[-1] > _INT32_MAX:
         raise TrajectoryError("attention_mask: more than 2^31 tokens in one group")
+    bounds: list[int] = offsets.tolist()
+    pa_offsets = pa.array(offsets.astype(np.int32))
 
-    dtypes: dict[str, str] = {"attention_mask": str(mask.dtype)}
+    dtypes: dict[str, str] = {"attention_mask": _dtype_name(mask.dtype)}
     columns: dict[str, pa.Array] = {}
     for key, (col, arrow_type) in TOKEN_COLUMNS.items():
         arr = arrays[key]
         if arr.shape != (batch, seqlen):
             raise TrajectoryError(f"{key}: shape {arr.shape} does not match attention_mask {(batch, seqlen)}")
         _check_kind(key, arr, "f" if key == "logprobs" else "iub", "float" if key == "logprobs" else "integer")
-        dtypes[key] = str(arr.dtype)
-        _check_castable(key, arr, np.dtype(arrow_type.to_pandas_dtype()))
-        columns[col] = _ragged(arr, lengths, offsets, arrow_type)
+        dtypes[key] = _dtype_name(arr.dtype)
+        target = _NUMPY_TYPES[col]
+        _check_castable(key, arr, target)
+        columns[col] = _ragged(arr, bounds, pa_offsets, arrow_type, target)
 
     rewards = arrays["rewards"]
     if rewards.shape != (batch,):
         raise TrajectoryError(f"rewards: expected shape ({batch},), got {rewards.shape}")
     _check_kind("rewards", rewards, "fiub", "numeric")
-    dtypes["rewards"] = str(rewards.dtype)
-    _check_castable("rewards", rewards, np.dtype(np.float32))
-    columns["reward"] = pa.array(rewards.astype(np.float32), type=pa.float32())
+    dtypes["rewards"] = _dtype_name(rewards.dtype)
+    _check_castable("rewards", rewards, _FLOAT32)
+    columns["reward"] = pa.array(rewards.astype(np.float32, copy=False), type=pa.float32())
 
     if "prompt_len" in arrays:
         prompt_len = arrays["prompt_len"]
         if prompt_len.shape != (batch,):
             raise TrajectoryError(f"prompt_len: expected shape ({batch},), got {prompt_len.shape}")
-        dtypes["prompt_len"] = str(prompt_len.dtype)
+        dtypes["prompt_len"] = _dtype_name(prompt_len.dtype)
     else:  # the first token the loss sees starts the completion
         active = arrays["loss_mask"] != 0
         prompt_len = np.where(active.any(axis=1), active.argmax(axis=1), lengths)
-    _check_castable("prompt_len", prompt_len, np.dtype(np.int32))
-    columns["prompt_len"] = pa.array(prompt_len.astype(np.int32), type=pa.int32())
+    _check_castable("prompt_len", prompt_len, _INT32)
+    columns["prompt_len"] = pa.array(prompt_len.astype(np.int32, copy=False), type=pa.int32())
 
     for key, arr in arrays.items():
         if key in REQUIRED_KEYS or key == "prompt_len":
@@ -210,22 +231,20 @@ def group_to_table(
         if key in _RESERVED_ARROW_NAMES:
             raise TrajectoryError(f"{key}: extra key collides with a contract column name")
         _check_kind(key, arr, "biuf", "numeric or bool")
-        dtypes[key] = str(arr.dtype)
+        dtypes[key] = _dtype_name(arr.dtype)
         if arr.shape == (batch,):
             columns[key] = pa.array(arr)
         elif arr.shape == (batch, seqlen):
-            columns[key] = _ragged(arr, lengths, offsets, pa.from_numpy_dtype(arr.dtype))
+            columns[key] = _ragged(arr, bounds, pa_offsets, pa.from_numpy_dtype(arr.dtype), arr.dtype)
         else:
             raise TrajectoryError(
                 f"{key}: extra keys must be per-sample ({batch},) or per-token {(batch, seqlen)}, got {arr.shape}"
             )
 
-    flat_versions = columns["versions"].values.to_numpy()
-    tail = int(flat_versions.max()) if flat_versions.size else -1
-    head = int(np.min(flat_versions, where=flat_versions >= 0, initial=np.iinfo(np.int32).max)) if tail >= 0 else -1
+    head, tail = _version_span(columns["versions"].values.to_numpy())
     meta = TrajectoryMeta(run=run, prompt_id=prompt_id, worker=worker, head_version=head, tail_version=tail, is_eval=is_eval)
     metadata = {
-        "jetrl.schema": str(TRAJECTORY_SCHEMA_VERSION),
+        "jetrl.schema": _SCHEMA_TEXT,
         "run": run,
         "prompt_id": prompt_id,
         "worker": worker,
@@ -235,8 +254,28 @@ def group_to_table(
         "jetrl.dtypes": json.dumps(dtypes),
         "jetrl.seqlen": str(seqlen),
     }
-    table = pa.Table.from_pydict(columns).replace_schema_metadata(metadata)
+    table = pa.Table.from_arrays(list(columns.values()), names=list(columns), metadata=metadata)
     return table, meta
+
+
+def _row_lengths(mask: np.ndarray) -> np.ndarray:
+    """Tokens per row of a right-padded attention mask (ones then zeros), refusing any other shape."""
+    mask_bool = mask if mask.dtype == np.bool_ else mask != 0
+    lengths = mask_bool.sum(axis=1)
+    if not np.array_equal(mask_bool, np.arange(mask.shape[1]) < lengths[:, None]):
+        raise TrajectoryError("attention_mask: must be right-padded (ones then zeros in every row)")
+    return lengths
+
+
+def _version_span(versions: np.ndarray) -> tuple[int, int]:
+    """(oldest, newest) weight version among generated tokens (>= 0); (-1, -1) if there are none.
+    Seen as unsigned, the prompt tokens' negative versions sort after every real one: one pass each."""
+    if not versions.size:
+        return -1, -1
+    tail = int(versions.max())
+    if tail < 0:
+        return -1, -1
+    return int(versions.view(np.uint32).min()), tail
 
 
 # ------------------------------------------------------------------------------------------- decode
@@ -253,8 +292,8 @@ def decode_group(data: bytes | memoryview | pa.Buffer) -> DecodedGroup:
         table = pa.Table.from_batches(batches)
     else:  # written by another tool in several batches (or none)
         table = pa.Table.from_batches(batches, schema=reader.schema).combine_chunks()
-    meta = table_meta(table)
-    return DecodedGroup(tensors=table_to_padded(table), meta=meta, table=table)
+    md = _metadata(table)
+    return DecodedGroup(tensors=table_to_padded(table, md), meta=_meta_from(md), table=table)
 
 
 def _metadata(table: pa.Table) -> dict[str, str]:
@@ -262,7 +301,10 @@ def _metadata(table: pa.Table) -> dict[str, str]:
 
 
 def table_meta(table: pa.Table) -> TrajectoryMeta:
-    md = _metadata(table)
+    return _meta_from(_metadata(table))
+
+
+def _meta_from(md: dict[str, str]) -> TrajectoryMeta:
     version = md.get("jetrl.schema")
     if version is None or not version.isdigit() or int(version) not in SUPPORTED_SCHEMA_VERSIONS:
         raise TrajectoryError(
@@ -306,9 +348,18 @@ def _list_parts(name: str, column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarr
     return offsets - start, values[start : int(offsets[-1])]
 
 
-def table_to_padded(table: pa.Table) -> dict[str, np.ndarray]:
-    """Arrow table of one group (or of many samples) -> padded numpy dict with the original dtypes."""
-    md = _metadata(table)
+def _pooled(shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array in Arrow's memory pool, which keeps freed blocks for reuse: decoding
+    one group after another then writes to warm memory instead of faulting in fresh pages from the
+    C allocator at every call (which costs more than the decoding itself)."""
+    buf = pa.allocate_buffer(shape[0] * shape[1] * dtype.itemsize)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def table_to_padded(table: pa.Table, metadata: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Arrow table of one group (or of many samples) -> padded numpy dict with the original dtypes.
+    `metadata`: the table's schema metadata when the caller has already read it."""
+    md = _metadata(table) if metadata is None else metadata
     try:
         dtypes: dict[str, str] = json.loads(md.get("jetrl.dtypes", "{}"))
     except json.JSONDecodeError as exc:
@@ -334,9 +385,11 @@ def table_to_padded(table: pa.Table) -> dict[str, np.ndarray]:
     def pad(name: str, offsets: np.ndarray, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
         if offsets is not ref_offsets and not np.array_equal(offsets, ref_offsets):
             raise TrajectoryError(f"{name}: row lengths differ from input_ids (ragged mismatch)")
+        out = _pooled((batch, seqlen), dtype)
         if full_rows:  # no padding: one cast of the whole buffer
-            return values.reshape(batch, seqlen).astype(dtype)
-        out = np.zeros((batch, seqlen), dtype=dtype)
+            np.copyto(out, values.reshape(batch, seqlen), casting="unsafe")
+            return out
+        out.fill(0)
         for i in range(batch):
             out[i, : bounds[i + 1] - bounds[i]] = values[bounds[i] : bounds[i + 1]]
         return out
@@ -345,11 +398,11 @@ def table_to_padded(table: pa.Table) -> dict[str, np.ndarray]:
     for key, (col, _) in TOKEN_COLUMNS.items():
         offsets, values = _list_parts(col, table.column(col))
         out[key] = pad(col, offsets, values, np.dtype(dtypes.get(key, values.dtype)))
-    mask_dtype = dtypes.get("attention_mask", "int64")
-    if full_rows:
-        out["attention_mask"] = np.ones((batch, seqlen), dtype=mask_dtype)
-    else:
-        out["attention_mask"] = (np.arange(seqlen)[None, :] < lengths[:, None]).astype(mask_dtype)
+    mask = out["attention_mask"] = _pooled((batch, seqlen), np.dtype(dtypes.get("attention_mask", "int64")))
+    mask.fill(1 if full_rows else 0)
+    if not full_rows:
+        for i in range(batch):
+            mask[i, : bounds[i + 1] - bounds[i]] = 1
     out["rewards"] = table.column("reward").to_numpy().astype(dtypes.get("rewards", "float32"))
     if "prompt_len" in dtypes:
         out["prompt_len"] = table.column("prompt_len").to_numpy().astype(dtypes["prompt_len"])
