@@ -6,6 +6,10 @@ Baseline: the time to copy the same bytes on local disk in this run (shutil.copy
 ratio = copy_s / publish_to_loaded_s (1.0 would be "as fast as cp"). score = the 1 GB object-store
 ratio. Everything is written under a temp dir that is removed at the end.
 
+The checkpoint is written as the trainer writes it: safetensors shards of at most the trainer's
+`weights_shard_mb`, in a fresh directory per version that is handed over to the publisher
+(`consume=True`). Making that directory (the trainer's own save) is not timed.
+
     python bench/weights.py [--sizes 100,1000] [--repeats 1]
 """
 
@@ -42,8 +46,10 @@ def build_model(out: Path, mb: int) -> int:
     """A Llama checkpoint of about `mb` MB: random N(0, 0.02) tensors written directly (random init
     through transformers takes far longer at 1 GB and is not what is measured)."""
     import torch
-    from safetensors.torch import save_file
+    from huggingface_hub import save_torch_state_dict
     from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from services.trainer.settings import TrainerSettings
 
     from services.inference.make_model import CHARS, SPECIALS, build_tokenizer
 
@@ -60,8 +66,9 @@ def build_model(out: Path, mb: int) -> int:
         shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
     shapes.pop("lm_head.weight", None)  # tied to the embeddings, saved once
     gen = torch.Generator().manual_seed(0)
-    save_file({k: torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_torch_state_dict({k: torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()}, out,
+                          max_shard_size=int(TrainerSettings.model_fields["weights_shard_mb"].default * 1e6),
+                          metadata={"format": "pt"})
     return sum(p.stat().st_size for p in out.iterdir() if p.is_file())
 
 
@@ -126,13 +133,16 @@ async def bench_size(mb: int, work: Path, nats_url: str, repeats: int, rows: lis
             shutil.rmtree(work / f"copy{mb}-{rep}")
             for transport, pub in publishers.items():
                 version += 1
+                handed = work / f"trainer-out{mb}" / f"v{version}"  # what the trainer would have written
+                shutil.copytree(model, handed)
                 t0 = time.perf_counter()
-                await pub.publish_dir(version, version, model)
+                await pub.publish_dir(version, version, handed, consume=True)
                 publish_s = time.perf_counter() - t0
                 report = await asyncio.wait_for(reports.get(), 600)
                 total = time.perf_counter() - t0
                 if not isinstance(report, WeightsLoaded):
                     raise RuntimeError(f"load failed: {report.reason}")
+                shutil.rmtree(handed, ignore_errors=True)  # the trainer deletes what is left of it
                 rows.append({"mb": round(size / 1e6), "transport": transport, "copy_s": copy_s, "publish_s": publish_s,
                              "agent_s": report.seconds, "total_s": total, "ratio": copy_s / total})
     finally:

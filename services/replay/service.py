@@ -9,6 +9,7 @@ Launch: `jetrl replay ...` (1 rank) or `torchrun --nproc_per_node N -m services.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 
 
@@ -77,7 +78,7 @@ async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
         if settings.publish_weights:
             publisher = WeightPublisher(nc, settings.run, shared_dir=settings.weights_shared_dir,
                                         keep_last=settings.weights_keep_last)
-            publish = publisher.publish_dir
+            publish = functools.partial(publisher.publish_dir, consume=True)  # the trainer hands each dir over
 
         async def main(sup: Supervisor) -> None:
             trainer = await start_replay(settings, engine, nc, publish)

@@ -184,7 +184,8 @@ class TrainEngine:
         module = self.engine.module
         module.config.dtype = "float32"
         # transformers pops tensors out of the dict it is given: pass a copy.
-        module.save_pretrained(out, state_dict=dict(sd), safe_serialization=True)
+        module.save_pretrained(out, state_dict=dict(sd), safe_serialization=True,
+                               max_shard_size=int(self.settings.weights_shard_mb * 1e6))
         src = Path(self.settings.model_path)
         for name in _SIDE_FILES:
             if (src / name).exists():

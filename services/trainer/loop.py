@@ -39,7 +39,9 @@ from services.trainer.settings import TrainerSettings
 log = get_logger("trainer")
 
 Publish = Callable[[int, int, Path], Awaitable[Any]]
-"""`publish(version, step, hf_dir)`: e.g. `WeightPublisher.publish_dir`."""
+"""`publish(version, step, hf_dir)`: e.g. `WeightPublisher.publish_dir` with `consume=True`. The
+trainer writes a fresh `hf_dir` per version and removes whatever is left of it afterwards, so the
+publisher may take it over."""
 
 
 class Trainer:

@@ -8,6 +8,7 @@ Launch: `jetrl trainer ...` (1 rank) or `torchrun --nproc_per_node N -m services
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -59,7 +60,8 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine) -> None:
     nc = await connect(settings.nats_url, f"jetrl-trainer-{settings.run}")
     try:
         publisher = WeightPublisher(nc, settings.run, shared_dir=settings.weights_shared_dir, keep_last=settings.weights_keep_last)
-        trainer = Trainer(settings, engine, publish=publisher.publish_dir if settings.publish_weights else None)
+        publish = functools.partial(publisher.publish_dir, consume=True)  # the trainer hands each dir over
+        trainer = Trainer(settings, engine, publish=publish if settings.publish_weights else None)
 
         async def main(sup: Supervisor) -> None:
             await trainer.start(nc)

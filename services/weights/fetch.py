@@ -14,9 +14,9 @@ from pathlib import Path
 from nats.js import JetStreamContext
 from nats.js.errors import ObjectNotFoundError
 
-from schemas.messages import WeightsPublished
+from schemas.messages import WeightFile, WeightsPublished
 from services.weights import objstore
-from services.weights.files import ChecksumError, parse_uri, remove_tree, safe_name, verify_file
+from services.weights.files import ChecksumError, parallel, parse_uri, remove_tree, safe_name, verify_file
 
 
 class FetchError(RuntimeError):
@@ -36,11 +36,13 @@ async def fetch_version(js: JetStreamContext, msg: WeightsPublished, cache_dir: 
 
 
 async def _verify_in_place(root: Path, msg: WeightsPublished) -> None:
-    for f in msg.files:
-        try:
-            await asyncio.to_thread(verify_file, root / safe_name(f.name), f)
-        except (ChecksumError, FileNotFoundError, ValueError) as exc:
-            raise FetchError(f"v{msg.version}: {exc}") from exc
+    def verify(f: WeightFile) -> None:
+        verify_file(root / safe_name(f.name), f)
+
+    try:
+        await asyncio.to_thread(parallel, verify, list(msg.files))
+    except (ChecksumError, FileNotFoundError, ValueError) as exc:
+        raise FetchError(f"v{msg.version}: {exc}") from exc
 
 
 async def _download(js: JetStreamContext, bucket: str, prefix: str, msg: WeightsPublished, cache_dir: Path) -> Path:

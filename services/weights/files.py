@@ -7,6 +7,7 @@ A version lives at `<root>/v<N>/` (shared directory, agent cache) or under `<run
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,22 @@ def copy_hashed(src: Path, dst: Path, name: str) -> WeightFile:
         digest = pool.submit(sha256_file, src)
         shutil.copyfile(src, dst)
         return WeightFile(name=name, sha256=digest.result(), size=dst.stat().st_size)
+
+
+def parallel(fn, items: list):  # type: ignore[no-untyped-def, type-arg]
+    """`[fn(x) for x in items]` on one thread per core: hashlib and file copies release the GIL, so a
+    checkpoint in several shards is hashed on every core (sha256 itself cannot be split)."""
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(len(items), os.cpu_count() or 1)) as pool:
+        return list(pool.map(fn, items))
+
+
+def same_filesystem(a: Path, b: Path) -> bool:
+    """Whether a rename can move `a` to a new name under `b` (`b` or its nearest existing parent)."""
+    while not b.exists():
+        b = b.parent
+    return os.stat(a).st_dev == os.stat(b).st_dev
 
 
 def verify_file(path: Path, expected: WeightFile) -> None:

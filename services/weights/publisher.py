@@ -22,7 +22,10 @@ from services.weights.files import (
     copy_hashed,
     file_uri,
     object_uri,
+    parallel,
     remove_tree,
+    same_filesystem,
+    sha256_file,
     version_dirs,
     versions_to_drop,
 )
@@ -74,14 +77,18 @@ class WeightPublisher:
                 await objstore.open_bucket(self.js, self.bucket)
             self._ready = True
 
-    async def publish_dir(self, version: int, step: int, hf_dir: str | Path) -> WeightsPublished:
-        """Upload (or copy) the checkpoint at `hf_dir` as `version`, announce it, drop old versions."""
+    async def publish_dir(self, version: int, step: int, hf_dir: str | Path, *, consume: bool = False) -> WeightsPublished:
+        """Upload (or copy) the checkpoint at `hf_dir` as `version`, announce it, drop old versions.
+
+        consume: the caller hands `hf_dir` over and will not touch it again (the trainer writes a
+        fresh one per version). With a shared directory on the same filesystem it is then moved there
+        instead of copied."""
         await self._setup()
         hf_dir = Path(hf_dir)
         files = checkpoint_files(hf_dir)
         t0 = time.perf_counter()
         if self.shared_dir is not None:
-            uri, entries = await self._copy_to_shared(version, hf_dir, files)
+            uri, entries = await self._copy_to_shared(version, hf_dir, files, consume)
         else:
             uri, entries = await self._upload(version, hf_dir, files)
         upload_s = time.perf_counter() - t0
@@ -105,23 +112,33 @@ class WeightPublisher:
             entries.append(WeightFile(name=name, sha256=objstore.digest_hex(info), size=int(info.size or 0)))
         return object_uri(self.bucket, prefix), entries
 
-    async def _copy_to_shared(self, version: int, hf_dir: Path, files: list[Path]) -> tuple[str, list[WeightFile]]:
+    async def _copy_to_shared(
+        self, version: int, hf_dir: Path, files: list[Path], consume: bool
+    ) -> tuple[str, list[WeightFile]]:
         assert self.shared_dir is not None
         final = self.shared_dir / f"v{version}"
         # Written under a hidden name and renamed, so an agent never sees a half-copied version.
         partial = self.shared_dir / f".v{version}.partial"
         remove_tree(partial)
+        names = [path.relative_to(hf_dir).as_posix() for path in files]
+
+        def move_and_hash() -> list[WeightFile]:
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            hf_dir.rename(partial)
+            digests = parallel(sha256_file, [partial / name for name in names])
+            return [WeightFile(name=n, sha256=d, size=(partial / n).stat().st_size) for n, d in zip(names, digests)]
 
         def copy_all() -> list[WeightFile]:
-            out = []
-            for path in files:
-                name = path.relative_to(hf_dir).as_posix()
-                out.append(copy_hashed(path, partial / name, name))
+            return parallel(lambda pair: copy_hashed(pair[0], partial / pair[1], pair[1]), list(zip(files, names)))
+
+        def publish() -> list[WeightFile]:
+            move = consume and same_filesystem(hf_dir, self.shared_dir)  # type: ignore[arg-type]
+            entries = move_and_hash() if move else copy_all()
             remove_tree(final)
             partial.rename(final)
-            return out
+            return entries
 
-        entries = await asyncio.to_thread(copy_all)
+        entries = await asyncio.to_thread(publish)
         return file_uri(final), entries
 
     async def _collect_garbage(self, current: int) -> None:

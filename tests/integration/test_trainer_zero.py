@@ -38,7 +38,8 @@ def worker(out: Path, stages: list[int], model_path: str) -> None:
     from services.trainer.settings import TrainerSettings
 
     for stage in stages:
-        s = TrainerSettings(model_path=model_path, zero_stage=stage, seed=0, ppo={"n_minibatches": 2})
+        # shards of ~0.2 MB: the tiny model's published weights come in several files
+        s = TrainerSettings(model_path=model_path, zero_stage=stage, seed=0, ppo={"n_minibatches": 2}, weights_shard_mb=0.2)
         engine = TrainEngine(s)
         actor = PPOActor(engine, s.ppo)
         batch = actor.compute_advantages(_batch(model_path))
@@ -77,6 +78,8 @@ def test_zero2_two_ranks_match_one_rank_and_zero3_saves_reloadable_weights(tiny_
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from services.inference.weights import read_checkpoint
+
     _launch(tmp_path, 1, "2", tiny_model)
     _launch(tmp_path, 2, "2,3", tiny_model)
     stats = {k: json.loads((tmp_path / f"stats-{k}.json").read_text()) for k in ("z2-w1", "z2-w2", "z3-w2")}
@@ -93,10 +96,14 @@ def test_zero2_two_ranks_match_one_rank_and_zero3_saves_reloadable_weights(tiny_
         assert got.keys() == ref.keys()
         for k in ref:
             torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"{name} {k}")
-        # the HF dir written by rank 0 reloads to exactly the gathered weights, in float32
+        # the HF dir written by rank 0 (in shards) reloads to exactly the gathered weights, in float32,
+        # through transformers and through the inference server's loader
+        assert len(list((tmp_path / f"hf-{name}").glob("*.safetensors"))) > 1
         reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{name}").state_dict()
+        served = read_checkpoint(tmp_path / f"hf-{name}")
         for k in got:
             assert reloaded[k].dtype == torch.float32 and torch.equal(reloaded[k], got[k]), (name, k)
+            assert torch.equal(served[k], got[k]), (name, k)
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":

@@ -84,6 +84,35 @@ async def test_shared_dir_copies_hashes_and_keeps_last(nats_url: str, tmp_path: 
         await nc.close()
 
 
+async def test_shared_dir_takes_over_a_handed_over_dir_with_every_shard_hashed(nats_url: str, tmp_path: Path) -> None:
+    """consume=True (the trainer's way): the directory is moved, not copied, and each of its shards
+    is announced with its own size and sha256; without consume the source stays untouched."""
+    nc = await nats.connect(nats_url)
+    try:
+        shared = tmp_path / "shared"
+        pub = WeightPublisher(nc, "t5", shared_dir=shared, keep_last=2)
+        src = make_checkpoint(tmp_path / "out" / "v1", "1")
+        for i in (1, 2, 3):
+            (src / f"model-0000{i}-of-00003.safetensors").write_bytes(os.urandom(1000 * i))
+        inode = (src / "model-00002-of-00003.safetensors").stat().st_ino
+        msg = await pub.publish_dir(1, step=1, hf_dir=src, consume=True)
+        where = parse_uri(msg.uri)
+        assert where.path is not None and not src.exists()
+        assert (where.path / "model-00002-of-00003.safetensors").stat().st_ino == inode  # moved, not copied
+        assert len(msg.files) == 5
+        for f in msg.files:
+            data = (where.path / f.name).read_bytes()
+            assert (len(data), hashlib.sha256(data).hexdigest()) == (f.size, f.sha256)
+
+        kept = make_checkpoint(tmp_path / "out" / "v2", "2")
+        msg2 = await pub.publish_dir(2, step=2, hf_dir=kept)
+        assert kept.exists() and [f.sha256 for f in msg2.files] == [
+            hashlib.sha256((kept / f.name).read_bytes()).hexdigest() for f in msg2.files
+        ]
+    finally:
+        await nc.close()
+
+
 async def test_refuses_a_directory_that_is_not_a_checkpoint(nats_url: str, tmp_path: Path) -> None:
     nc = await nats.connect(nats_url)
     try:
