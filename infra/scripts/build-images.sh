@@ -33,13 +33,17 @@ find "$CTX" -name __pycache__ -prune -exec rm -rf {} +
 args=(-f "$CTX/infra/Dockerfile")
 [ -n "$BASE" ] && args+=(--build-arg "BASE=$BASE")
 if [ "$OFFLINE" = 1 ]; then
+  start=$SECONDS
   WHEELS=${WHEELS:-$("$ROOT/infra/scripts/wheelhouse.sh")}
+  echo "== wheelhouse $WHEELS in $((SECONDS - start)) s"
   args+=(--volume "$WHEELS:/wheels:ro" --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=/wheels)
   [ "$BUILDER" = podman ] && args+=(--network none)  # nothing to fetch: prove it
 fi
 for target in "${TARGETS[@]}"; do
   echo "== building jetrl-$target:$TAG"
+  start=$SECONDS
   "$BUILDER" build "${args[@]}" --target "$target" -t "jetrl-$target:$TAG" "$CTX"
+  echo "== built jetrl-$target:$TAG in $((SECONDS - start)) s"
 done
 echo "== image sizes"
 for target in "${TARGETS[@]}"; do

@@ -5,7 +5,10 @@ replica consumed prompts and that a trainer weight version reached the inference
 
 Slow the first time on a machine (apt installs, debootstrap, image builds: all cached under
 ~/.cache/jetrl and in podman's store afterwards). Skips, naming what is missing, where containers
-cannot run (no root to install podman, no user namespaces or cgroups)."""
+cannot run (no root to install podman, no user namespaces or cgroups). Each phase prints its time
+(`pytest -s`). To time a cold run without touching the warm caches, point both caches elsewhere:
+  JETRL_CACHE=/tmp/ctr/cache              the debootstrap tarball and the wheelhouse
+  CONTAINERS_STORAGE_CONF=/tmp/ctr/storage.conf   a podman store with graphroot/runroot under /tmp/ctr"""
 
 from __future__ import annotations
 
@@ -30,6 +33,10 @@ ROLLOUT_REPLICAS = 3
 
 # cold machine: apt installs + debootstrap + every image build; warm reruns take a few minutes
 pytestmark = pytest.mark.timeout(1200)
+
+
+def phase(name: str, start: float) -> None:
+    print(f"phase {name}: {time.monotonic() - start:.0f} s", flush=True)
 
 
 def sh(cmd: list[str], env: dict[str, str], timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -59,7 +66,9 @@ def ensure_podman() -> str | None:
 
 @pytest.fixture(scope="module")
 def podman_env() -> dict[str, str]:
+    start = time.monotonic()
     reason = ensure_podman()
+    phase("container tools (apt)", start)
     if reason:
         pytest.skip(reason)
     venv_bin = str(Path(sys.executable).parent)
@@ -69,7 +78,9 @@ def podman_env() -> dict[str, str]:
         "CONTAINERS_CONF": str(INFRA / "podman" / "containers.conf"),
         "PYTHON": sys.executable,
     }
+    start = time.monotonic()
     sh(["infra/scripts/make-base.sh"], env, timeout=400)
+    phase("base image (debootstrap + import)", start)
     probe = sh(["podman", "run", "--rm", "--network", "none", BASE_IMAGE, "true"], env, check=False)
     if probe.returncode != 0:
         pytest.skip(f"podman cannot run a container here: {probe.stderr.strip()[-500:]}")
@@ -79,7 +90,10 @@ def podman_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def images(podman_env: dict[str, str]) -> dict[str, str]:
     """Build every image offline; {target: size line}."""
+    start = time.monotonic()
     out = sh(["infra/scripts/build-images.sh", "--offline", "--base", BASE_IMAGE], podman_env, timeout=480).stdout
+    print("".join(line + "\n" for line in out.splitlines() if re.match(r"== (built|wheelhouse) ", line)), end="")
+    phase("wheelhouse + image builds", start)
     sizes = dict(re.findall(r"^jetrl-(\w+):\S+\s+(\d+ MB)$", out, re.MULTILINE))
     print("image sizes:", json.dumps(sizes))
     return sizes
@@ -92,6 +106,7 @@ def test_light_images_carry_no_deepspeed_and_no_cuda(images: dict[str, str], pod
         "print({m: u.find_spec(m) is not None for m in mods}); "
         "t = u.find_spec('torch') and __import__('torch'); print('cuda', t and t.version.cuda)"
     )
+    start = time.monotonic()
     for image in ("rollout", "reward", "weights", "inference", "trainer"):
         result = sh(["podman", "run", "--rm", "--network", "none", "--entrypoint", "python3", f"jetrl-{image}:latest", "-c", probe, "deepspeed", "nvidia"], podman_env)
         found = result.stdout
@@ -100,6 +115,7 @@ def test_light_images_carry_no_deepspeed_and_no_cuda(images: dict[str, str], pod
         else:
             assert "'deepspeed': False" in found, f"{image}: {found}"
         assert "'nvidia': False" in found and "cuda None" in found, f"{image}: {found}"
+    phase("image contents (5 containers)", start)
 
 
 @pytest.fixture
@@ -108,11 +124,15 @@ def stack(images: dict[str, str], podman_env: dict[str, str]) -> Iterator[tuple[
     compose = ["podman-compose", "-p", project, "-f", "infra/compose.yaml", "-f", "infra/compose.ci.yaml", "--profile", "cpu"]
     env = {**podman_env, "JETRL_RUN": "ci", "TRAINER_STEPS": "1000", "REWARD_REPLICAS": "1"}
     try:
+        start = time.monotonic()
         sh([*compose, "up", "-d", "--scale", f"rollout={ROLLOUT_REPLICAS}"], env, timeout=240)
+        phase("compose up", start)
         yield [*compose], {**env, "PROJECT": project}
     finally:
+        start = time.monotonic()
         subprocess.run([*compose, "down", "-v", "-t", "5"], env=env, capture_output=True, timeout=180, cwd=ROOT)
         remove_project(env, project)
+        phase("teardown", start)
 
 
 def remove_project(env: dict[str, str], project: str) -> None:
@@ -165,7 +185,8 @@ def logs(env: dict[str, str]) -> str:
 
 def test_scaled_stack_consumes_prompts_on_every_replica_and_advances_weights(stack: tuple[list[str], dict[str, str]]) -> None:
     _, env = stack
-    deadline = time.monotonic() + 300
+    start = time.monotonic()
+    deadline = start + 300
     per_replica: dict[str, float] = {}
     version = 0
     while time.monotonic() < deadline:
@@ -187,3 +208,4 @@ def test_scaled_stack_consumes_prompts_on_every_replica_and_advances_weights(sta
         ready = json.loads(fetch(env, name, "http://127.0.0.1:9100/readyz") or "{}")
         assert ready.get("ready") is True, f"{name}: {ready}"
         assert {"inference reachable", "reward reachable"} <= set(ready["checks"]), ready
+    phase("up -> every replica consumed, weights advanced, ready", start)
