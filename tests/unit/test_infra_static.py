@@ -115,6 +115,22 @@ def test_only_the_trainer_image_carries_deepspeed_and_every_service_builds_from_
     assert "deepspeed" in requirement_names("trainer")
 
 
+def test_torch_is_installed_once_and_its_layer_shared_by_the_torch_images() -> None:
+    """The cold build's cost is torch: one pip install in one stage that rollout, inference and
+    trainer build FROM, and no stage copies a virtualenv (a 1.2 GB COPY per image, and a hash of it
+    on every warm rebuild)."""
+    all_stages = stages()
+    installs = [name for name, own in all_stages.items() if any(instr == "RUN" and '"torch==' in args for instr, args in own)]
+    assert installs == ["build-torch"], installs
+    for image in ("rollout", "inference", "trainer"):
+        built_from = [args.split()[-1] for instr, args in chain(image, all_stages) if instr == "FROM"]
+        assert "build-torch" in built_from, f"{image} builds from {built_from}"
+    for image in ("weights", "reward", "nats"):
+        assert "torch" not in requirement_names(image), image
+    copies = [(name, args) for name, own in all_stages.items() for instr, args in own if instr == "COPY" and "/opt/jetrl " in f"{args} "]
+    assert not copies, f"a virtualenv copied between stages: {copies}"
+
+
 def test_image_requirements_are_project_dependencies() -> None:
     """The images install what pyproject.toml declares (no drift), and every declared runtime
     dependency lands in some image except the local-only tools named here."""
