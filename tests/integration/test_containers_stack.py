@@ -31,8 +31,9 @@ NEEDED_BINARIES = ["podman", "buildah", "runc", "debootstrap", "iptables"]
 BASE_IMAGE = "localhost/jetrl-base:bookworm"
 ROLLOUT_REPLICAS = 3
 
-# cold machine: apt installs + debootstrap + every image build; warm reruns take a few minutes
-pytestmark = pytest.mark.timeout(1200)
+# issue #10: the job stays under 10 minutes on a fresh machine (apt, debootstrap, every image build:
+# about 4 minutes measured on the shared 2-core box; warm reruns 1.5-2.5)
+pytestmark = pytest.mark.timeout(600)
 
 
 def phase(name: str, start: float) -> None:
