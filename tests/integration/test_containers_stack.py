@@ -32,7 +32,7 @@ BASE_IMAGE = "localhost/jetrl-base:bookworm"
 ROLLOUT_REPLICAS = 3
 
 # issue #10: the job stays under 10 minutes on a fresh machine (apt, debootstrap, every image build:
-# about 4 minutes measured on the shared 2-core box; warm reruns 1.5-2.5)
+# about 4 minutes measured on the shared 2-core box; warm reruns 1-2)
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -137,8 +137,9 @@ def stack(images: dict[str, str], podman_env: dict[str, str]) -> Iterator[tuple[
 
 
 def remove_project(env: dict[str, str], project: str) -> None:
-    """Everything labelled with the compose project: podman-compose 1.x `down` leaves scaled replicas
-    beyond the first, one-shot containers, volumes and the network behind."""
+    """Everything labelled with the compose project, and its pod: podman-compose 1.x `down` leaves
+    scaled replicas beyond the first, one-shot containers, volumes, the network and an empty,
+    unlabelled `pod_<project>` behind."""
     label = f"label=com.docker.compose.project={project}"
 
     def listed(*cmd: str) -> list[str]:
@@ -149,6 +150,7 @@ def remove_project(env: dict[str, str], project: str) -> None:
         if not ids:
             break
         subprocess.run(["podman", "rm", "-f", "--depend", "-t", "0", *ids], env=env, capture_output=True, timeout=120, cwd=ROOT)
+    subprocess.run(["podman", "pod", "rm", "-f", "--ignore", f"pod_{project}"], env=env, capture_output=True, timeout=60, cwd=ROOT)
     for kind in ("volume", "network"):
         names = listed(kind, "ls", "-q")
         if names:
