@@ -5,6 +5,7 @@ a sequence or a time. The reader checks that consumer sequences are contiguous; 
 pull reply, a reconnect) or a vanished consumer it recreates the consumer right after the last
 sequence it yielded, so the range is read exactly once, in order. It works while a live run is still
 writing: the range ends at the last message present at the start unless `follow` is set.
+`batches()` gives the range as each pull brought it (replay decodes a pull's groups together).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -24,6 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
+from schemas.trajectory import DecodedGroup
 from services.common.logging import get_logger
 from services.replay.settings import RangeSettings
 
@@ -42,6 +44,11 @@ class Record:
     subject: str
     data: bytes
     headers: dict[str, str] | None
+    decoded: DecodedGroup | Exception | None = field(default=None, compare=False, repr=False)
+    """`decode_group(data)` done ahead (or the error it raised); None: not decoded yet."""
+
+    def with_decoded(self, decoded: DecodedGroup | Exception) -> "Record":
+        return Record(self.seq, self.time, self.subject, self.data, self.headers, decoded)
 
 
 def range_subjects(run: str, kind: str) -> list[str]:
@@ -110,6 +117,13 @@ class StreamReader:
         return end
 
     async def __aiter__(self) -> AsyncIterator[Record]:
+        async with contextlib.aclosing(self.batches()) as batches:
+            async for records in batches:
+                for record in records:
+                    yield record
+
+    async def batches(self) -> AsyncGenerator[list[Record], None]:
+        """The range in order, as the (never empty) lists of records that each pull brought."""
         self.end_seq = await self._snapshot_end()
         self.last_seq = self.start_after
         await self._open(self.start_after)
@@ -133,6 +147,8 @@ class StreamReader:
                 # Pull the next batch now: the server sends it while the caller decodes this one.
                 more = self.rng.follow or (msgs and msgs[-1].metadata.num_pending > 0)
                 ahead = asyncio.ensure_future(self._fetch()) if more else None
+                records: list[Record] = []
+                end = False
                 for msg in msgs:
                     meta = msg.metadata
                     if meta.sequence.consumer != self._consumer_seq + 1:
@@ -143,11 +159,17 @@ class StreamReader:
                     self._pending = meta.num_pending
                     seq = meta.sequence.stream
                     if seq > self.end_seq or (self.rng.until is not None and meta.timestamp > self.rng.until):
-                        return
+                        end = True
+                        break
                     self.last_seq = seq
-                    yield Record(seq, meta.timestamp, msg.subject, msg.data, msg.headers)
+                    records.append(Record(seq, meta.timestamp, msg.subject, msg.data, msg.headers))
                     if seq >= self.end_seq:
-                        return
+                        end = True
+                        break
+                if records:
+                    yield records
+                if end:
+                    return
         finally:
             await _cancel(ahead)
             await self._close_consumer()
