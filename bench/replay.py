@@ -1,7 +1,8 @@
 """Replay read throughput: groups/s that `jetrl replay` reads and decodes from a recorded trajectory
-stream (ordered pull reader, range filters, the trainer's intake decoding each group; training
-excluded), as a ratio to a raw JetStream fetch of the same messages in the same run (an ephemeral
-pull consumer, no acks, nothing done with the bytes).
+stream (its `open_records`: the ordered pull reader, each pull's groups decoded; then the range
+filters and the trainer's intake judging each group; training excluded), as a ratio to a raw
+JetStream fetch of the same messages in the same run (an ephemeral pull consumer, no acks, nothing
+done with the bytes).
 
 Groups of 8 samples x up to `--seqlen` tokens (about what a GRPO group of short math answers holds).
 Target (issue #9): ratio >= 0.5. Rounds alternate raw / replay; medians are reported.
@@ -31,8 +32,8 @@ from schemas.trajectory import encode_group, group_to_table  # noqa: E402
 from services.common.bus import connect, declare_streams  # noqa: E402
 from services.common.nats_server import NatsServer  # noqa: E402
 from services.replay.reader import StreamReader  # noqa: E402
-from services.replay.settings import RangeSettings  # noqa: E402
-from services.replay.source import RecordingSource  # noqa: E402
+from services.replay.settings import RangeSettings, ReplaySettings  # noqa: E402
+from services.replay.source import RecordingSource, open_records  # noqa: E402
 from services.trainer.intake import Intake  # noqa: E402
 
 RUN = "bench"
@@ -86,13 +87,14 @@ async def raw_fetch(js: Any, n: int, fetch_batch: int) -> float:
 
 
 async def replay_read(js: Any, n: int, fetch_batch: int) -> float:
-    """Seconds for replay's read path over the same messages: reader + filters + the intake's decode."""
+    """Seconds for replay's read path over the same messages: reader + decoding + filters + the intake."""
+    settings = ReplaySettings(run=f"{RUN}-offline", source_run=RUN, fetch_batch=fetch_batch)
     intake = Intake(eta=0)
-    source = RecordingSource(None, RangeSettings())
+    source = RecordingSource(None, settings.range)
     source.bind(intake)
     t0 = time.perf_counter()
     accepted = 0
-    async for record in StreamReader(js, RUN, RangeSettings(), batch=fetch_batch):
+    async for record in open_records(settings, js, 0):
         if source.judge(record, intake, 0) is not None:
             accepted += 1
     elapsed = time.perf_counter() - t0

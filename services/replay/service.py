@@ -10,31 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator
-
 
 from services.common.bus import connect
 from services.common.logging import get_logger
 from services.common.runner import Supervisor, supervise
-from services.replay.parquet import iter_records
-from services.replay.reader import Record, StreamReader
 from services.replay.settings import ReplaySettings
-from services.replay.source import RecordingSource, as_async
+from services.replay.source import RecordingSource, open_records
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.service import run_ranks
 
 log = get_logger("replay")
-
-
-def open_records(settings: ReplaySettings, js: object, start_after: int) -> AsyncIterator[Record]:
-    """The recorded messages of the range, from Parquet files if given, else from the stream."""
-    if settings.parquet:
-        return as_async(iter_records(settings.parquet, settings.range, run=settings.source_run, start_after=start_after))
-    assert settings.source_run is not None
-    reader = StreamReader(js, settings.source_run, settings.range, start_after=start_after,  # type: ignore[arg-type]
-                          batch=settings.fetch_batch, fetch_timeout_s=settings.fetch_timeout_s)
-    return aiter(reader)
 
 
 async def start_replay(settings: ReplaySettings, engine: TrainEngine, nc: object, publish: object = None) -> Trainer:

@@ -1,25 +1,31 @@
 """The replay's group source: recorded messages -> the trainer's batches.
 
-Every message goes through the trainer's own `Intake.judge` (same decoding, same duplicate rule, same
-counters, checkpointed with the trainer), so replay trains exactly what the live trainer would take
-from those messages. Before that, the range's filters run on the headers alone (no decoding):
-rejection markers and groups outside the version range are skipped and counted. A corrupted message
-is logged with its sequence, counted (`malformed_messages`) and skipped; the replay goes on.
+Every message goes through the trainer's own `Intake.judge` (same duplicate rule, same counters,
+checkpointed with the trainer; the group decoded ahead, several at a time, to exactly what the codec
+gives), so replay trains exactly what the live trainer would take from those messages. Before that,
+the range's filters run on the headers alone: rejection markers and groups outside the version range
+are skipped and counted. A corrupted message is logged with its sequence, counted
+(`malformed_messages`) and skipped; the replay goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import TYPE_CHECKING
+
+from nats.js import JetStreamContext
 
 from schemas.headers import is_rejection
 from schemas.subjects import HDR_HEAD_VERSION, HDR_TAIL_VERSION
-from schemas.trajectory import TrajectoryError, decode_group
+from schemas.trajectory import DecodedGroup, TrajectoryError, decode_group
 from services.common.logging import get_logger
-from services.replay.reader import Record
-from services.replay.settings import RangeSettings
+from services.replay.decode import decode_ahead
+from services.replay.parquet import iter_records
+from services.replay.reader import Record, StreamReader
+from services.replay.settings import RangeSettings, ReplaySettings
 
 if TYPE_CHECKING:
     from services.trainer.intake import Group, Intake
@@ -44,7 +50,7 @@ def versions_of(record: Record) -> tuple[int, int] | None:
     if head is not None and tail is not None:
         return head, tail
     try:
-        meta = decode_group(record.data).meta
+        meta = (record.decoded if isinstance(record.decoded, DecodedGroup) else decode_group(record.data)).meta
     except TrajectoryError:
         return None
     return meta.head_version, meta.tail_version
@@ -67,9 +73,22 @@ def skip_reason(record: Record, rng: RangeSettings) -> str | None:
     return None
 
 
-async def as_async(records: Iterable[Record]) -> AsyncIterator[Record]:
-    for record in records:
-        yield record
+def open_records(settings: ReplaySettings, js: JetStreamContext, start_after: int) -> AsyncIterator[Record]:
+    """The range's recorded messages after `start_after`, from Parquet files if given, else from the
+    stream; each pull's (or as many Parquet) groups decoded together."""
+    if settings.parquet:
+        records = iter_records(settings.parquet, settings.range, run=settings.source_run, start_after=start_after)
+        return decode_ahead(as_batches(records, settings.fetch_batch))
+    assert settings.source_run is not None
+    reader = StreamReader(js, settings.source_run, settings.range, start_after=start_after,
+                          batch=settings.fetch_batch, fetch_timeout_s=settings.fetch_timeout_s)
+    return decode_ahead(reader.batches())
+
+
+async def as_batches(records: Iterable[Record], size: int) -> AsyncGenerator[list[Record], None]:
+    it = iter(records)
+    while batch := list(itertools.islice(it, size)):
+        yield batch
         await asyncio.sleep(0)  # a long Parquet read must not starve the event loop
 
 
@@ -107,7 +126,7 @@ class RecordingSource:
         if tail is not None:
             self.recorded_version = max(self.recorded_version, tail)
         reference = self.recorded_version if self.staleness == "recorded" else version
-        verdict = intake.judge(record.data, record.headers, record.seq, reference)
+        verdict = intake.judge(record.data, record.headers, record.seq, reference, decoded=record.decoded)
         if verdict.outcome == "malformed":
             self.malformed += 1
             log.error("corrupted message in the recording skipped", subject=record.subject, stream_seq=record.seq,

@@ -13,7 +13,7 @@ import numpy as np
 from schemas.headers import is_rejection
 from schemas.messages import MessageError, RejectionMarker, decode
 from schemas.subjects import HDR_PROMPT_ID
-from schemas.trajectory import TrajectoryError, decode_group
+from schemas.trajectory import DecodedGroup, TrajectoryError, decode_group
 from services.trainer.feeder import Feeder
 
 
@@ -43,8 +43,11 @@ class Intake:
     """Every prompt_id accepted for training (checkpointed): a redelivered or replayed one is skipped."""
     counts: Counter[str] = field(default_factory=Counter)
 
-    def judge(self, data: bytes, headers: dict[str, str] | None, seq: int, version: int) -> Verdict:
-        verdict = self._judge(data, headers, seq, version)
+    def judge(self, data: bytes, headers: dict[str, str] | None, seq: int, version: int, *,
+              decoded: DecodedGroup | Exception | None = None) -> Verdict:
+        """`decoded`: `decode_group(data)` already done by the caller (replay decodes a pull's groups
+        together), or the exception it raised; None: decoded here."""
+        verdict = self._judge(data, headers, seq, version, decoded)
         self.counts[verdict.outcome] += 1
         pid = verdict.prompt_id
         if verdict.outcome == "accepted" and pid is not None:
@@ -57,7 +60,8 @@ class Intake:
                 self.feeder.on_rejected(pid)
         return verdict
 
-    def _judge(self, data: bytes, headers: dict[str, str] | None, seq: int, version: int) -> Verdict:
+    def _judge(self, data: bytes, headers: dict[str, str] | None, seq: int, version: int,
+               decoded: DecodedGroup | Exception | None) -> Verdict:
         header_pid = (headers or {}).get(HDR_PROMPT_ID)
         if is_rejection(headers):
             try:
@@ -68,19 +72,21 @@ class Intake:
                 return Verdict("duplicate", marker.prompt_id)
             return Verdict("rejected", marker.prompt_id)
         try:
-            decoded = decode_group(data)
+            if isinstance(decoded, Exception):
+                raise decoded
+            group = decode_group(data) if decoded is None else decoded
         except (TrajectoryError, ValueError, KeyError) as exc:
             return Verdict("malformed", header_pid, error=str(exc))
-        pid = decoded.meta.prompt_id
+        pid = group.meta.prompt_id
         if pid in self.trained:
             return Verdict("duplicate", pid)
-        head = decoded.meta.head_version
+        head = group.meta.head_version
         if version - head > self.eta:
             return Verdict("stale", pid)
-        rewards = decoded.tensors["rewards"]
+        rewards = group.tensors["rewards"]
         if self.dynamic_filtering and rewards.size > 0 and np.all(rewards == rewards.flat[0]):
             return Verdict("filtered", pid)
-        return Verdict("accepted", pid, Group(pid, decoded.tensors, head, seq))
+        return Verdict("accepted", pid, Group(pid, group.tensors, head, seq))
 
     def state_dict(self) -> dict[str, Any]:
         return {"trained": sorted(self.trained), "counts": dict(self.counts)}
