@@ -1,11 +1,12 @@
 """Reading a recorded range of a run's TRAJECTORIES stream, in stream order.
 
 An ordered pull consumer: ephemeral, no acks, filtered on the run's trajectory subject(s), started at
-a sequence or a time. The reader checks that consumer sequences are contiguous; on a gap (a lost
-pull reply, a reconnect) or a vanished consumer it recreates the consumer right after the last
-sequence it yielded, so the range is read exactly once, in order. It works while a live run is still
-writing: the range ends at the last message present at the start unless `follow` is set.
-`batches()` gives the range as each pull brought it (replay decodes a pull's groups together).
+a sequence or a time, read one pull request per batch (`pull.Puller`). The reader checks that
+consumer sequences are contiguous; on a gap (a lost pull reply, a reconnect) or a vanished consumer
+it recreates the consumer right after the last sequence it yielded, so the range is read exactly
+once, in order. It works while a live run is still writing: the range ends at the last message
+present at the start unless `follow` is set. `batches()` gives the range as each pull brought it
+(replay decodes a pull's groups together).
 """
 
 from __future__ import annotations
@@ -13,20 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 import nats.errors
 import nats.js.errors
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import DecodedGroup
 from services.common.logging import get_logger
+from services.replay.pull import ConsumerLost, Puller
 from services.replay.settings import RangeSettings
 
 log = get_logger("replay.reader")
@@ -72,9 +72,15 @@ class StreamReader:
         self.last_seq = 0
         self.end_seq: float = math.inf
         self.resets = 0
-        self._sub: JetStreamContext.PullSubscription | None = None
+        self._consumer: str | None = None
+        self._puller: Puller | None = None
         self._consumer_seq = 0
         self._pending = 0
+
+    @property
+    def consumer(self) -> str | None:
+        """The server's name of the consumer reading now (a new one after each reset)."""
+        return self._consumer
 
     def _config(self, after: int) -> ConsumerConfig:
         cfg = ConsumerConfig(ack_policy=AckPolicy.NONE, filter_subjects=self.subjects, inactive_threshold=_INACTIVE_S,
@@ -89,24 +95,32 @@ class StreamReader:
         return cfg
 
     async def _open(self, after: int) -> None:
+        """A new consumer starting after `after`, with the first batch asked for."""
         await self._close_consumer()
-        self._sub = await self.js.pull_subscribe(self.subjects[0], stream=TRAJECTORIES_STREAM, config=self._config(after))
-        info = await self._sub.consumer_info()
+        info = await self.js.add_consumer(TRAJECTORIES_STREAM, config=self._config(after))
+        self._consumer = info.name
         self._consumer_seq = info.delivered.consumer_seq if info.delivered else 0
         self._pending = info.num_pending or 0
+        self._puller = Puller(self.js._nc, TRAJECTORIES_STREAM, info.name)  # the context's own connection
+        await self._puller.start()
+        await self._request()
+
+    async def _request(self) -> None:
+        assert self._puller is not None
+        await self._puller.request(self.batch, expires_s=self.fetch_timeout_s if self.rng.follow else None)
 
     async def _close_consumer(self) -> None:
-        if self._sub is None:
-            return
-        sub, self._sub = self._sub, None
-        try:
-            await self.js.delete_consumer(TRAJECTORIES_STREAM, sub._consumer)
-        except (nats.js.errors.NotFoundError, nats.errors.Error, asyncio.TimeoutError):
-            pass  # ephemeral: the server deletes it after `inactive_threshold` anyway
-        try:
-            await sub.unsubscribe()
-        except nats.errors.Error:
-            pass
+        puller, consumer, self._puller, self._consumer = self._puller, self._consumer, None, None
+        if puller is not None:
+            try:
+                await puller.stop()
+            except nats.errors.Error:
+                pass
+        if consumer is not None:
+            try:
+                await self.js.delete_consumer(TRAJECTORIES_STREAM, consumer)
+            except (nats.js.errors.NotFoundError, nats.errors.Error, asyncio.TimeoutError):
+                pass  # ephemeral: the server deletes it after `inactive_threshold` anyway
 
     async def _snapshot_end(self) -> float:
         """The range's last sequence: to_seq, and without follow the stream's last sequence now."""
@@ -127,32 +141,36 @@ class StreamReader:
         self.end_seq = await self._snapshot_end()
         self.last_seq = self.start_after
         await self._open(self.start_after)
-        ahead: asyncio.Task[list[Msg]] | None = None
         try:
             while True:
                 if not self.rng.follow and self._pending == 0:
                     return
-                assert self._sub is not None
+                assert self._puller is not None and self._consumer is not None
                 try:
-                    msgs = await (ahead or self._fetch())
+                    msgs = await self._puller.take(self.batch, self.fetch_timeout_s)
                 except asyncio.TimeoutError:
-                    ahead = None
+                    try:  # nothing came: a pull for a consumer the server has dropped gets no answer
+                        info = await self.js.consumer_info(TRAJECTORIES_STREAM, self._consumer)
+                    except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as exc:
+                        await self._reset(f"consumer lost: {exc!r}")
+                        continue
                     if not self.rng.follow:  # nothing came though something was pending: ask again
-                        self._pending = (await self._sub.consumer_info()).num_pending or 0
+                        self._pending = info.num_pending or 0
+                    await self._request()
                     continue
-                except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as exc:
-                    ahead = None
-                    await self._reset(f"consumer lost: {exc!r}")
+                except ConsumerLost as exc:
+                    await self._reset(f"consumer lost: {exc}")
                     continue
-                # Pull the next batch now: the server sends it while the caller decodes this one.
-                more = self.rng.follow or (msgs and msgs[-1].metadata.num_pending > 0)
-                ahead = asyncio.ensure_future(self._fetch()) if more else None
+                if self.rng.follow or msgs[-1].metadata.num_pending > 0:
+                    # Ask for the next batch now, and let nats-py's flusher send the request: the
+                    # server sends the batch while the caller decodes this one.
+                    await self._request()
+                    await asyncio.sleep(0)
                 records: list[Record] = []
                 end = False
                 for msg in msgs:
                     meta = msg.metadata
                     if meta.sequence.consumer != self._consumer_seq + 1:
-                        ahead = await _cancel(ahead)
                         await self._reset(f"consumer sequence gap {self._consumer_seq} -> {meta.sequence.consumer}")
                         break
                     self._consumer_seq = meta.sequence.consumer
@@ -171,21 +189,9 @@ class StreamReader:
                 if end:
                     return
         finally:
-            await _cancel(ahead)
             await self._close_consumer()
-
-    def _fetch(self) -> Coroutine[Any, Any, list[Msg]]:
-        assert self._sub is not None
-        return self._sub.fetch(self.batch, timeout=self.fetch_timeout_s)
 
     async def _reset(self, why: str) -> None:
         self.resets += 1
         log.warning("reader consumer recreated", reason=why, after_seq=self.last_seq)
         await self._open(self.last_seq)
-
-
-async def _cancel(task: asyncio.Task[Any] | None) -> None:
-    if task is not None and not task.done():
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task

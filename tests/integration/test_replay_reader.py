@@ -1,6 +1,7 @@
 """The range reader, export and import against a real nats-server (no training): ranges by sequence,
 time and kind in stream order, other runs ignored, reading while a live run writes, a lost consumer
-recreated without gaps or repeats, and a recording moved through Parquet into another run unchanged."""
+recreated without gaps or repeats (while reading, and while waiting for a live run), and a recording
+moved through Parquet into another run unchanged."""
 
 from __future__ import annotations
 
@@ -104,8 +105,24 @@ async def test_a_lost_consumer_is_recreated_after_the_last_sequence(js: Any) -> 
     async for record in reader:
         got.append(record.seq)
         if len(got) == 2:  # e.g. the server dropped it as inactive during a long training step
-            await js.delete_consumer(TRAJECTORIES_STREAM, reader._sub._consumer)
+            await js.delete_consumer(TRAJECTORIES_STREAM, reader.consumer)
     assert got == seqs and reader.resets >= 1
+
+
+@pytest.mark.timeout(60)
+async def test_a_consumer_lost_while_waiting_for_a_live_run_is_recreated(js: Any) -> None:
+    first = [await publish(js, LIVE, i) for i in range(2)]
+    reader = StreamReader(js, LIVE, RangeSettings(from_seq=first[0], to_seq=first[0] + 3, follow=True), batch=2,
+                          fetch_timeout_s=2.0)
+    records = aiter(reader)
+    got = [(await anext(records)).seq for _ in range(2)]
+    waiting = asyncio.ensure_future(anext(records))  # the reader's pull now waits for the live run
+    await asyncio.sleep(0.3)
+    await js.delete_consumer(TRAJECTORIES_STREAM, reader.consumer)
+    later = [await publish(js, LIVE, i) for i in range(2, 4)]
+    got += [(await asyncio.wait_for(waiting, 20)).seq, (await asyncio.wait_for(anext(records), 20)).seq]
+    assert got == first + later and reader.resets == 1
+    await records.aclose()  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(60)
