@@ -129,12 +129,14 @@ async def bench_size(mb: int, work: Path, nats_url: str, repeats: int, rows: lis
         }
         version = 0
         for rep in range(repeats):
+            os.sync()
             copy_s = copy_seconds(model, work / f"copy{mb}-{rep}")
             shutil.rmtree(work / f"copy{mb}-{rep}")
             for transport, pub in publishers.items():
                 version += 1
                 handed = work / f"trainer-out{mb}" / f"v{version}"  # what the trainer would have written
                 shutil.copytree(model, handed)
+                os.sync()  # every measurement starts with nothing left to write back (as the copy's does)
                 t0 = time.perf_counter()
                 await pub.publish_dir(version, version, handed, consume=True)
                 publish_s = time.perf_counter() - t0
