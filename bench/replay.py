@@ -24,17 +24,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nats.js.api import AckPolicy, ConsumerConfig  # noqa: E402
+from nats.js.api import AckPolicy, ConsumerConfig
 
-from schemas.headers import trajectory_headers  # noqa: E402
-from schemas.subjects import TRAJECTORIES_STREAM, Subjects  # noqa: E402
-from schemas.trajectory import encode_group, group_to_table  # noqa: E402
-from services.common.bus import connect, declare_streams  # noqa: E402
-from services.common.nats_server import NatsServer  # noqa: E402
-from services.replay.reader import StreamReader  # noqa: E402
-from services.replay.settings import RangeSettings, ReplaySettings  # noqa: E402
-from services.replay.source import RecordingSource, open_records  # noqa: E402
-from services.trainer.intake import Intake  # noqa: E402
+from schemas.headers import trajectory_headers
+from schemas.subjects import TRAJECTORIES_STREAM, Subjects
+from schemas.trajectory import encode_group, group_to_table
+from services.common.bus import connect, declare_streams
+from services.common.nats_server import NatsServer
+from services.replay.reader import StreamReader
+from services.replay.settings import RangeSettings, ReplaySettings
+from services.replay.source import RecordingSource, open_records
+from services.trainer.intake import Intake
 
 RUN = "bench"
 

@@ -28,22 +28,22 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import httpx  # noqa: E402
-import nats  # noqa: E402
-import nats.errors  # noqa: E402
-from nats.js.api import ConsumerConfig, DeliverPolicy  # noqa: E402
+import httpx
+import nats
+import nats.errors
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from schemas.messages import MetricsEvent, PromptTask, decode, encode  # noqa: E402
-from schemas.subjects import TRAJECTORIES_STREAM, Subjects  # noqa: E402
-from services.common.bus import declare_streams  # noqa: E402
-from services.common.logging import configure_logging  # noqa: E402
-from services.common.nats_server import NatsServer, free_port  # noqa: E402
-from services.inference.make_model import build_model  # noqa: E402
-from services.reward.service import RewardService  # noqa: E402
-from services.reward.settings import RewardSettings  # noqa: E402
-from services.rollout.worker import RolloutWorker, WorkerConfig  # noqa: E402
-from services.rollout.workflow import RolloutWorkflow  # noqa: E402
-from services.rollout.workflows.synthetic import SyntheticWorkflow  # noqa: E402
+from schemas.messages import MetricsEvent, PromptTask, decode, encode
+from schemas.subjects import TRAJECTORIES_STREAM, Subjects
+from services.common.bus import declare_streams
+from services.common.logging import configure_logging
+from services.common.nats_server import NatsServer, free_port
+from services.inference.make_model import build_model
+from services.reward.service import RewardService
+from services.reward.settings import RewardSettings
+from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.workflow import RolloutWorkflow
+from services.rollout.workflows.synthetic import SyntheticWorkflow
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = (1, 2, 4)
@@ -218,8 +218,8 @@ async def bus_overhead(url: str) -> tuple[float, float]:
             assert await drain(js, Subjects(run).trajectories, BUS_MESSAGES) == BUS_MESSAGES
             return (time.perf_counter() - t0) / BUS_MESSAGES
 
-        from schemas.trajectory import TrajectoryMeta
         from schemas.headers import trajectory_headers
+        from schemas.trajectory import TrajectoryMeta
 
         def ours(run: str) -> Any:
             def publish(i: int) -> Any:

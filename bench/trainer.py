@@ -27,7 +27,6 @@ WARMUP = 3
 def batches(model_path: str, n: int, groups: int, group_size: int) -> list[dict]:
     import numpy as np
 
-    from services.trainer.actor import PPOActor
     from services.trainer.batch import attach_advantages, collate
 
     rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from services.common.nats_server import NatsServer  # noqa: E402
+from services.common.nats_server import NatsServer
 
 
 @pytest.fixture

@@ -58,7 +58,7 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0) -> NA
             timeout=connect_timeout_s,
         )
         pending.set_result(weakref.ref(nc))
-    except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise ConnectionError(f"cannot connect to NATS at {url} within {connect_timeout_s:.0f}s: {exc!r}") from exc
     finally:
         if not pending.done():  # failed or cancelled: nothing left to report on

@@ -83,7 +83,7 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 15.0, attempts: int = 3) -> "NatsServer":
+    def start(self, timeout_s: float = 15.0, attempts: int = 3) -> NatsServer:
         """Start and wait until ready. Ports picked by `free_port` can be taken by someone else before
         the server binds them: if it exits while starting, try again on fresh ports."""
         for attempt in range(attempts):
@@ -98,7 +98,7 @@ class NatsServer:
                     self.monitor_port = free_port(self.host)
         raise AssertionError("unreachable")
 
-    def _start_once(self, timeout_s: float) -> "NatsServer":
+    def _start_once(self, timeout_s: float) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
         conf.write_text(
@@ -143,7 +143,7 @@ class NatsServer:
             self.proc.kill()
             self.proc.wait()
 
-    def __enter__(self) -> "NatsServer":
+    def __enter__(self) -> NatsServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -109,7 +109,7 @@ async def supervise(
     finally:
         try:
             await asyncio.wait_for(sup.stack.aclose(), timeout=max(1.0, shutdown_timeout_s / 2))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("closing resources took longer than the deadline; exiting anyway")
     sup.raise_if_failed()
 

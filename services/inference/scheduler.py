@@ -11,9 +11,10 @@ import asyncio
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from services.common.logging import get_logger
 from services.inference.requests import Joining, SamplingParams

@@ -49,7 +49,7 @@ class InferenceSettings(ServiceSettings):
     """Simulation knobs (used when `simulate` is true)."""
 
     @model_validator(mode="after")
-    def _check(self) -> "InferenceSettings":
+    def _check(self) -> InferenceSettings:
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if self.torch_threads < 1:

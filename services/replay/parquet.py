@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,14 @@ import pyarrow.parquet as pq
 
 from schemas.headers import trajectory_headers
 from schemas.subjects import Subjects
-from schemas.trajectory import SAMPLE_COLUMNS, TOKEN_COLUMNS, TRAJECTORY_SCHEMA_VERSION, DecodedGroup, TrajectoryMeta, encode_table
+from schemas.trajectory import (
+    SAMPLE_COLUMNS,
+    TOKEN_COLUMNS,
+    TRAJECTORY_SCHEMA_VERSION,
+    DecodedGroup,
+    TrajectoryMeta,
+    encode_table,
+)
 from services.replay.reader import Record
 from services.replay.settings import RangeSettings
 
@@ -136,7 +143,7 @@ def rows_to_group(rows: pa.Table) -> tuple[pa.Table, TrajectoryMeta, int, dateti
     })
     time = first["timestamp"]
     if time is not None and time.tzinfo is None:
-        time = time.replace(tzinfo=timezone.utc)
+        time = time.replace(tzinfo=UTC)
     return table, meta, int(first["seq"]), time
 
 

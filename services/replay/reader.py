@@ -47,7 +47,7 @@ class Record:
     decoded: DecodedGroup | Exception | None = field(default=None, compare=False, repr=False)
     """`decode_group(data)` done ahead (or the error it raised); None: not decoded yet."""
 
-    def with_decoded(self, decoded: DecodedGroup | Exception) -> "Record":
+    def with_decoded(self, decoded: DecodedGroup | Exception) -> Record:
         return Record(self.seq, self.time, self.subject, self.data, self.headers, decoded)
 
 
@@ -119,7 +119,7 @@ class StreamReader:
         if consumer is not None:
             try:
                 await self.js.delete_consumer(TRAJECTORIES_STREAM, consumer)
-            except (nats.js.errors.NotFoundError, nats.errors.Error, asyncio.TimeoutError):
+            except (TimeoutError, nats.js.errors.NotFoundError, nats.errors.Error):
                 pass  # ephemeral: the server deletes it after `inactive_threshold` anyway
 
     async def _snapshot_end(self) -> float:
@@ -148,7 +148,7 @@ class StreamReader:
                 assert self._puller is not None and self._consumer is not None
                 try:
                     msgs = await self._puller.take(self.batch, self.fetch_timeout_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     try:  # nothing came: a pull for a consumer the server has dropped gets no answer
                         info = await self.js.consumer_info(TRAJECTORIES_STREAM, self._consumer)
                     except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as exc:

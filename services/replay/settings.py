@@ -6,7 +6,7 @@ same engine, same checkpoints; a trainer config file works unchanged) plus where
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -41,10 +41,10 @@ class RangeSettings(Section):
     @field_validator("since", "until")
     @classmethod
     def _utc(cls, v: datetime | None) -> datetime | None:
-        return v.replace(tzinfo=timezone.utc) if v is not None and v.tzinfo is None else v
+        return v.replace(tzinfo=UTC) if v is not None and v.tzinfo is None else v
 
     @model_validator(mode="after")
-    def _check(self) -> "RangeSettings":
+    def _check(self) -> RangeSettings:
         if self.to_seq and self.from_seq > self.to_seq:
             raise ValueError(f"from_seq {self.from_seq} is after to_seq {self.to_seq}")
         if self.since and self.until and self.since > self.until:
@@ -85,7 +85,7 @@ class ReplaySettings(TrainerSettings):
         return check_run(v) if v is not None else v
 
     @model_validator(mode="after")
-    def _replay_check(self) -> "ReplaySettings":
+    def _replay_check(self) -> ReplaySettings:
         if self.feeder.enabled:
             raise ValueError("feeder.enabled: replay has no feeder (the groups come from the recording)")
         if not self.parquet and self.source_run is None:
@@ -125,7 +125,7 @@ class ImportSettings(ServiceSettings):
     """Rows to import, by their recorded sequence and time (by default training and eval groups alike)."""
 
     @model_validator(mode="after")
-    def _check(self) -> "ImportSettings":
+    def _check(self) -> ImportSettings:
         if not self.input:
             raise ValueError("input: give at least one Parquet file or directory")
         if self.range.follow:

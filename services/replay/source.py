@@ -110,12 +110,12 @@ class RecordingSource:
         self.malformed = 0
         self.read = 0
 
-    def bind(self, intake: "Intake") -> None:
+    def bind(self, intake: Intake) -> None:
         """Staleness off: nothing in the recording is too old to train on."""
         if self.staleness == "off":
             intake.eta = ETA_OFF
 
-    def judge(self, record: Record, intake: "Intake", version: int) -> "Group | None":
+    def judge(self, record: Record, intake: Intake, version: int) -> Group | None:
         """One record through the range filters and the intake: its group, or None (counted)."""
         self.read += 1
         reason = skip_reason(record, self.rng)
@@ -133,7 +133,7 @@ class RecordingSource:
                       prompt_id=verdict.prompt_id, error=verdict.error)
         return verdict.group
 
-    async def collect(self, trainer: "Trainer", stopping: asyncio.Event | None = None) -> "list[Group] | None":
+    async def collect(self, trainer: Trainer, stopping: asyncio.Event | None = None) -> list[Group] | None:
         """The next batch of `batch_groups` accepted groups; a shorter last one unless drop_last; None at the end."""
         groups: list[Group] = []
         last_seq = trainer.last_seq

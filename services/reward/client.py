@@ -7,8 +7,6 @@ refused the request (function not on its allow-list, too many items: retrying wi
 
 from __future__ import annotations
 
-import asyncio
-
 import nats.errors
 from nats.aio.client import Client as NATS
 
@@ -51,7 +49,7 @@ class RewardClient:
             raise RewardUnavailableError(
                 f"no reward service is listening on {REWARD_SUBJECT} (start one with `jetrl reward`)"
             ) from exc
-        except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.TimeoutError) as exc:
             raise RewardUnavailableError(
                 f"no reward service answered on {REWARD_SUBJECT} within {wait_s:g} s "
                 f"({len(items)} items of {fn}); raise timeout_s or add reward replicas"

@@ -136,7 +136,7 @@ class RewardService:
         while True:
             try:
                 await asyncio.wait_for(stopping.wait(), timeout=interval)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await self.metrics.emit(self.metrics_values())
                 continue
             await self.metrics.emit(self.metrics_values())

@@ -25,7 +25,7 @@ def initialize(modules: list[str]) -> None:
     for name in modules:
         try:
             importlib.import_module(name)
-        except BaseException:  # noqa: BLE001 - reported per request instead
+        except BaseException:  # broad on purpose: reported per request instead (see docstring)
             pass
 
 

@@ -162,7 +162,7 @@ class InferenceEngine:
                 timeout = self._timeout(timeout_s if timeout_s is not None else self.settings.request_timeout_s)
                 async with self._http().post(server + path, json=payload, timeout=timeout) as resp:
                     status, text = resp.status, await resp.text()
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 last = "timeout"
                 continue
             except aiohttp.ClientError as exc:
@@ -291,7 +291,7 @@ class InferenceEngine:
         try:
             async with self._http().get(url, timeout=self._timeout(self.settings.control_timeout_s)) as resp:
                 status, text = resp.status, await resp.text()
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise ServersUnavailableError(f"{url}: {exc!r}") from exc
         body = _json_or_text(text)
         if status != 200 or not isinstance(body, dict):

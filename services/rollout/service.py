@@ -22,7 +22,13 @@ from services.common.runner import Supervisor, supervise
 from services.rollout.dump import TrajectoryDumper
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker, WorkerConfig
-from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError, import_ref, resolve_workflow
+from services.rollout.workflow import (
+    GroupedRolloutWorkflow,
+    RolloutWorkflow,
+    WorkflowError,
+    import_ref,
+    resolve_workflow,
+)
 
 log = get_logger("rollout")
 

@@ -61,7 +61,7 @@ class RolloutSettings(ServiceSettings):
     """Seconds between two metrics events on METRICS."""
 
     @model_validator(mode="after")
-    def _check(self) -> "RolloutSettings":
+    def _check(self) -> RolloutSettings:
         for name in ("group_size", "max_concurrent", "max_deliver", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -118,7 +118,7 @@ class RolloutWorker:
                     continue
                 try:
                     msgs = await sub.fetch(free, timeout=self.config.fetch_timeout_s)
-                except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                except (TimeoutError, nats.errors.TimeoutError):
                     continue
                 except nats.errors.Error as exc:  # reconnecting, server restarting: keep trying
                     log.warning("fetch failed; retrying", error=repr(exc))
@@ -259,6 +259,6 @@ class RolloutWorker:
         while not stopping.is_set():
             try:
                 await asyncio.wait_for(stopping.wait(), timeout=interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             await self.metrics.emit(self.stats.snapshot())

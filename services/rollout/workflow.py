@@ -87,7 +87,7 @@ class RolloutWorkflow(ABC):
     """One episode of one prompt. Subclass it and implement `arun_episode`."""
 
     @abstractmethod
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None | dict[str, Any]:
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | dict[str, Any] | None:
         """Run the episode for the dataset row `data` with the inference `engine`
         (`services.rollout.engine.InferenceEngine`)."""
 
@@ -105,7 +105,7 @@ def interactions_to_tensors(interactions: Mapping[str, Any]) -> TensorDict:
     return agent_samples_to_tensors(interactions)
 
 
-def as_tensor_dict(result: TensorDict | None | dict[str, Any]) -> TensorDict | None:
+def as_tensor_dict(result: TensorDict | dict[str, Any] | None) -> TensorDict | None:
     """Normalise what `arun_episode` returned: a tensor dict or None; anything else is a WorkflowError."""
     if result is None:
         return None

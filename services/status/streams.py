@@ -3,7 +3,6 @@ flight, and which workers are alive (their last METRICS event is recent)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -83,7 +82,7 @@ async def _workers(nc: NATS, subjects: Subjects, timeout_s: float, alive_within_
         while seen < pending:
             try:
                 msgs = await sub.fetch(min(512, pending - seen), timeout=timeout_s)
-            except (asyncio.TimeoutError, TimeoutError):
+            except TimeoutError:
                 break
             seen += len(msgs)
             for msg in msgs:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -86,7 +85,7 @@ async def _last_per_subject(nc: NATS, subject: str, timeout_s: float) -> list:
         while len(out) < pending:
             try:
                 out.extend(await sub.fetch(min(256, pending - len(out)), timeout=timeout_s))
-            except (asyncio.TimeoutError, TimeoutError):
+            except TimeoutError:
                 break
     finally:
         await sub.unsubscribe()

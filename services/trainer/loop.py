@@ -178,7 +178,7 @@ class Trainer:
             try:
                 # Never pull more than the step needs: later groups must be judged at a later version.
                 msgs = await self._sub.fetch(min(self.s.fetch_batch, self.s.batch_groups - len(groups)), timeout=self.s.fetch_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             for msg in msgs:
                 seq = msg.metadata.sequence.stream

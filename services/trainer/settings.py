@@ -111,7 +111,7 @@ class TrainerSettings(ServiceSettings):
     feeder: FeederSettings = FeederSettings()
 
     @model_validator(mode="after")
-    def _check(self) -> "TrainerSettings":
+    def _check(self) -> TrainerSettings:
         if self.resume not in ("auto", "never") and not self.resume.strip():
             raise ValueError("resume: expected auto, never or a checkpoint directory")
         if self.feeder.enabled and self.feeder.eval_every and not self.feeder.eval_dataset_path:

@@ -31,7 +31,7 @@ class Display:
         self._live: Live | None = None
         self._printed_step = -1
 
-    def __enter__(self) -> "Display":
+    def __enter__(self) -> Display:
         if self.mode == "live":
             self._live = Live(self._table(), console=Console(), refresh_per_second=2, transient=False)
             self._live.__enter__()

@@ -65,7 +65,7 @@ class WeightsAgent:
             while not stopping.is_set():
                 try:
                     msg = await sub.next_msg(timeout=0.25)
-                except (asyncio.TimeoutError, TimeoutError):
+                except TimeoutError:
                     continue
                 await self._on_message(msg)
         finally:

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from tests.waiting import wait_http_ok
 
+from tests.waiting import wait_http_ok
 
 
 def free_port() -> int:
@@ -71,7 +71,6 @@ def running_servers(model: Path | None, log_dir: Path, count: int = 1, *settings
 def reference_logprobs(model_dir: Path | str, prompt: list[int], output: list[int], temperature: float) -> list[float]:
     """Logprob of each output token under softmax(logits / T) of a plain full forward pass."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     model = _load(str(model_dir))
     ids = torch.tensor([prompt + output])

@@ -44,7 +44,7 @@ async def run(settings: EchoSettings) -> None:
             while not sup.stopping.is_set():
                 try:
                     msgs = await sub.fetch(10, timeout=0.2)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
                 for msg in msgs:
                     try:

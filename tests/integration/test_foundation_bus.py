@@ -3,15 +3,12 @@ terminated and counted while the service goes on, SIGTERM shutdown inside its de
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import pytest
 
 from schemas.messages import MetricsEvent, PromptTask, decode, encode
 from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, Subjects, stream_specs

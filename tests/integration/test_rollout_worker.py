@@ -18,8 +18,8 @@ from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, TRAJECTORIES_STREAM
 from schemas.trajectory import decode_group
 from services.common.bus import declare_streams
 from services.common.metrics import MetricsPublisher
-from services.rollout.workflow import RolloutWorkflow, workflow_context
 from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.workflow import RolloutWorkflow, workflow_context
 from services.rollout.workflows.synthetic import SyntheticWorkflow
 
 RUN = "rt"
@@ -170,7 +170,7 @@ async def test_eval_prompts_run_as_eval_and_land_on_their_own_subject(nats_url: 
 async def test_result_of_a_redelivered_prompt_is_not_recorded_twice(nats_url: str, js: Any) -> None:
     # a worker that died between publishing p0's result and acking p0 left this behind
     from schemas.headers import trajectory_headers
-    from schemas.trajectory import encode_group, TrajectoryMeta
+    from schemas.trajectory import TrajectoryMeta, encode_group
 
     group = await SyntheticWorkflow(group_size=1).arun_episode(None, {"prompt": "000="})
     meta = TrajectoryMeta(run=RUN, prompt_id="p0", worker="dead", head_version=0, tail_version=0)

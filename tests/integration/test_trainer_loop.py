@@ -15,7 +15,14 @@ from services.common.bus import connect
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from tests.integration.conftest_trainer import make_group, publish_group, publish_rejection, read_steps, take_prompts, write_dataset
+from tests.integration.conftest_trainer import (
+    make_group,
+    publish_group,
+    publish_rejection,
+    read_steps,
+    take_prompts,
+    write_dataset,
+)
 
 RUN = "t1"
 

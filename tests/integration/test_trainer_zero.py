@@ -27,7 +27,6 @@ def _batch(model_path: str) -> dict:
 
 
 def worker(out: Path, stages: list[int], model_path: str) -> None:
-    import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 

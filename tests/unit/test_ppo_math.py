@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from services.trainer.batch import attach_advantages, collate, shard
-from services.trainer.ppo import aggregate, entropy_from_logits, group_advantages, kl_k3, logp_from_logits, ppo_token_loss
+from services.trainer.ppo import (
+    aggregate,
+    entropy_from_logits,
+    group_advantages,
+    kl_k3,
+    logp_from_logits,
+    ppo_token_loss,
+)
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 3.0])
 GROUPS = torch.tensor([0, 0, 0, 0, 1, 1, 1])

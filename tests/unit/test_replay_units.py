@@ -3,7 +3,7 @@ identical tensors and metadata), and the header-only range filters."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,7 @@ from services.replay.reader import Record
 from services.replay.settings import RangeSettings, ReplaySettings
 from services.replay.source import skip_reason
 
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def ragged_group(seed: int, n: int = 3, extra: bool = True) -> dict[str, np.ndarray]:

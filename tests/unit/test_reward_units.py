@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from schemas.messages import RewardItem
 from services.common.settings import SettingsError, load_settings
 from services.reward import builtin
 from services.reward.allowlist import BUILTIN_REFS, AllowList, NotAllowedError
@@ -15,7 +16,6 @@ from services.reward.service import item_kwargs
 from services.reward.settings import RewardSettings
 from services.reward.stats import percentile
 from services.reward.worker import score, to_outcome
-from schemas.messages import RewardItem
 
 
 def test_allow_list_exact_module_and_package_entries() -> None:

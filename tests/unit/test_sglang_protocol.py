@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.rollout.sglang_protocol import ProtocolError, build_generate_payload, error_message, parse_generate_reply, parse_version
+from services.rollout.sglang_protocol import (
+    ProtocolError,
+    build_generate_payload,
+    error_message,
+    parse_generate_reply,
+    parse_version,
+)
 
 
 def reply(ids: list[int], finish: dict, *, version: str = "3", spans: list | None = None, logprobs: bool = True) -> dict:
