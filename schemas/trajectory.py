@@ -326,8 +326,13 @@ def decode_group(data: bytes | memoryview | pa.Buffer) -> DecodedGroup:
         columns: pa.Table | pa.RecordBatch = batches[0]
     else:  # written by another tool in several batches (or none)
         table = columns = pa.Table.from_batches(batches, schema=reader.schema).combine_chunks()
-    md = _metadata(table)
-    return DecodedGroup(tensors=table_to_padded(columns, md), meta=_meta_from(md), table=table)
+    try:
+        md = _metadata(table)
+        return DecodedGroup(tensors=table_to_padded(columns, md), meta=_meta_from(md), table=table)
+    except TrajectoryError:
+        raise
+    except Exception as exc:  # any other way a message can be malformed is still a malformed message
+        raise TrajectoryError(f"malformed trajectory message ({type(exc).__name__}: {exc})") from exc
 
 
 def _metadata(table: pa.Table | pa.RecordBatch) -> dict[str, str]:
@@ -382,14 +387,29 @@ def _list_parts(name: str, column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarr
     return offsets - start, values[start : int(offsets[-1])]
 
 
+def _dtypes_from(text: str) -> dict[str, str]:
+    """The `jetrl.dtypes` metadata: tensor name -> numpy dtype name, each checked."""
+    try:
+        dtypes = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TrajectoryError(f"jetrl.dtypes: not JSON: {exc}") from exc
+    if not isinstance(dtypes, dict):
+        raise TrajectoryError(f"jetrl.dtypes: expected an object of name -> dtype, got {type(dtypes).__name__}")
+    for name, dtype in dtypes.items():
+        try:
+            ok = isinstance(dtype, str) and np.dtype(dtype).kind in "biuf"
+        except TypeError:
+            ok = False
+        if not ok:
+            raise TrajectoryError(f"jetrl.dtypes: {name}: not a numeric dtype: {dtype!r}")
+    return dtypes
+
+
 def table_to_padded(table: pa.Table | pa.RecordBatch, metadata: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """Arrow table (or record batch) of one group, or of many samples -> padded numpy dict with the
     original dtypes. `metadata`: the table's schema metadata when the caller has already read it."""
     md = _metadata(table) if metadata is None else metadata
-    try:
-        dtypes: dict[str, str] = json.loads(md.get("jetrl.dtypes", "{}"))
-    except json.JSONDecodeError as exc:
-        raise TrajectoryError(f"jetrl.dtypes: not JSON: {exc}") from exc
+    dtypes = _dtypes_from(md.get("jetrl.dtypes", "{}"))
     schema = table.schema
     names = set(schema.names)
     for col, list_type in _LIST_TYPES.items():
@@ -404,7 +424,10 @@ def table_to_padded(table: pa.Table | pa.RecordBatch, metadata: dict[str, str] |
     batch = table.num_rows
     ref_offsets, _ = _list_parts("input_ids", table.column("input_ids"))
     lengths = np.diff(ref_offsets)
-    seqlen = max(int(md.get("jetrl.seqlen", 0)), int(lengths.max()) if batch else 0)
+    seqlen_text = md.get("jetrl.seqlen", "0")
+    if not seqlen_text.isdigit():
+        raise TrajectoryError(f"jetrl.seqlen: not a length: {seqlen_text!r}")
+    seqlen = max(int(seqlen_text), int(lengths.max()) if batch else 0)
     full_rows = batch > 0 and bool((lengths == seqlen).all())
     bounds = ref_offsets.tolist()
     ref_bytes = ref_offsets.tobytes()

@@ -173,3 +173,30 @@ def test_ragged_mismatch_between_columns_raises(group: dict[str, np.ndarray]) ->
 def test_missing_column_raises(group: dict[str, np.ndarray]) -> None:
     with pytest.raises(TrajectoryError, match="versions: required column missing"):
         decode_group(_rewrite(encode(group), lambda t: t.drop_columns(["versions"])))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("jetrl.dtypes", '{"input_ids": "foo"}', "jetrl.dtypes: input_ids: not a numeric dtype"),
+        ("jetrl.dtypes", "[1, 2]", "jetrl.dtypes: expected an object"),
+        ("jetrl.dtypes", '{"rewards": 3}', "jetrl.dtypes: rewards: not a numeric dtype"),
+        ("jetrl.dtypes", '{"input_ids": "U8"}', "jetrl.dtypes: input_ids: not a numeric dtype"),
+        ("jetrl.seqlen", "abc", "jetrl.seqlen: not a length"),
+        ("head_version", "x", "schema metadata: missing or bad field"),
+        ("run", b"\xff\xfe", "malformed trajectory message"),
+    ],
+)
+def test_malformed_metadata_is_a_trajectory_error_naming_the_field(
+    group: dict[str, np.ndarray], key: str, value: str | bytes, named: str
+) -> None:
+    """Whatever a message's metadata holds, decoding fails with TrajectoryError (which every consumer
+    terminates and counts), never with another exception that would escape and crash the service."""
+
+    def corrupt(table: pa.Table) -> pa.Table:
+        md = dict(table.schema.metadata)
+        md[key.encode()] = value if isinstance(value, bytes) else value.encode()
+        return table.replace_schema_metadata(md)
+
+    with pytest.raises(TrajectoryError, match=named):
+        decode_group(_rewrite(encode(group), corrupt))
