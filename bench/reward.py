@@ -84,7 +84,9 @@ async def wait_ready(nats_url: str, proc: subprocess.Popen[bytes]) -> None:
                 return
             except Exception:
                 if proc.poll() is not None:
-                    raise RuntimeError("the reward service exited before it was ready")
+                    raise RuntimeError("the reward service exited before it was ready") from None
+                # "no responders" comes back at once while the service starts: do not spin on it
+                await asyncio.sleep(0.05)
     finally:
         await nc.close()
 

@@ -91,7 +91,9 @@ async def scaling(nc: Any, url: str, server: str, model: Path, tmp: Path) -> dic
         seen: set[str] = set()
         ready = asyncio.Event()
 
-        async def on_metrics(msg: Any, n: int = n) -> None:
+        # This size's set and event, bound now: a closure would read the loop variables when a message is
+        # handled, and a callback that runs after the next iteration began would count into the next size.
+        async def on_metrics(msg: Any, n: int = n, seen: set[str] = seen, ready: asyncio.Event = ready) -> None:
             seen.add(decode(MetricsEvent, msg.data).worker)
             if len(seen) >= n:
                 ready.set()
@@ -130,9 +132,13 @@ class FixedWorkflow(RolloutWorkflow):
         return self.group
 
 
-async def pulling(js: Any, consumer: str) -> None:
-    """Wait until a worker has a pull request waiting on the consumer (it is ready)."""
+async def pulling(js: Any, consumer: str, timeout_s: float = 60.0) -> None:
+    """Wait until a worker has a pull request waiting on the consumer (it is ready). The state is on the
+    server, so this polls it; a worker that never pulls fails the bench instead of hanging it."""
+    deadline = time.monotonic() + timeout_s
     while (await js.consumer_info("PROMPTS", consumer)).num_waiting < 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no pull request waiting on {consumer} after {timeout_s:g} s")
         await asyncio.sleep(0.01)
 
 
@@ -253,12 +259,13 @@ async def main() -> None:
         with NatsServer(tmp / "nats") as ns:
             try:
                 deadline = time.monotonic() + 120
-                while True:
-                    with contextlib.suppress(httpx.HTTPError):
-                        if httpx.get(f"{server}/health", timeout=1).status_code == 200:
-                            break
-                    assert time.monotonic() < deadline and sim.poll() is None, (tmp / "sim.log").read_text()
-                    await asyncio.sleep(0.05)
+                async with httpx.AsyncClient(timeout=1) as http:
+                    while True:
+                        with contextlib.suppress(httpx.HTTPError):
+                            if (await http.get(f"{server}/health")).status_code == 200:
+                                break
+                        assert time.monotonic() < deadline and sim.poll() is None, (tmp / "sim.log").read_text()
+                        await asyncio.sleep(0.05)
                 nc = await nats.connect(ns.url)
                 await declare_streams(nc.jetstream())
                 reward = RewardService(RewardSettings(nats_url=ns.url, processes=1), nc)
