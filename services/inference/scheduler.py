@@ -80,6 +80,11 @@ class Scheduler:
         self._wake.set()
         return seq
 
+    def abort_soon(self, rid: str) -> None:
+        """Mark one request for abort at the next step, without waiting (for a handler being cancelled)."""
+        self._abort.add(rid)
+        self._wake.set()
+
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request by rid (None: all); returns once the loop has done it."""
         if rid is None:
@@ -117,7 +122,7 @@ class Scheduler:
 
     async def _do_aborts(self) -> None:
         """Between steps: finish aborted sequences now; their rows leave the batch at the next step."""
-        if not self._abort_done:
+        if not (self._abort_done or self._abort or self._abort_all):
             return
         everything, rids = self._abort_all, self._abort
         self._abort_all, self._abort = False, set()

@@ -108,16 +108,17 @@ class InferenceServer:
         except RequestError as exc:
             return web.json_response(error_body(str(exc)), status=400)
         rids = gen.rids or [None] * len(gen.prompts)
-        seqs = [await self.sched.submit(p, gen.params, rid) for p, rid in zip(gen.prompts, rids)]
+        seqs = [await self.sched.submit(p, gen.params, rid) for p, rid in zip(gen.prompts, rids, strict=True)]
         try:
             if gen.stream:
                 return await self._stream(request, seqs[0], gen.return_logprob)
             await asyncio.gather(*(s.done.wait() for s in seqs))
         finally:
-            # A client that went away (the handler is cancelled) aborts what it asked for.
+            # A client that went away (the handler is cancelled) aborts what it asked for. Marked, not
+            # awaited: a cancelled handler cannot wait, and a fire-and-forget task could be collected.
             for s in seqs:
                 if s.finish is None:
-                    asyncio.ensure_future(self.sched.abort(s.rid))
+                    self.sched.abort_soon(s.rid)
         outs = [self._out(s, gen.return_logprob) for s in seqs]
         return web.json_response(outs if gen.batched else outs[0])
 
