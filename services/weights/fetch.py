@@ -46,7 +46,7 @@ async def _verify_in_place(root: Path, msg: WeightsPublished) -> None:
 
 
 async def _download(js: JetStreamContext, bucket: str, prefix: str, msg: WeightsPublished, cache_dir: Path) -> Path:
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(cache_dir.mkdir, parents=True, exist_ok=True)
     final = cache_dir / f"v{msg.version}"
     partial = cache_dir / f".v{msg.version}.{uuid.uuid4().hex[:8]}.partial"
     try:
@@ -55,9 +55,10 @@ async def _download(js: JetStreamContext, bucket: str, prefix: str, msg: Weights
                 dest = partial / safe_name(f.name)
             except ValueError as exc:
                 raise FetchError(f"v{msg.version}: {exc}") from exc
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(dest.parent.mkdir, parents=True, exist_ok=True)
             try:
-                with open(dest, "wb") as out:
+                # opened in a thread too; get_file hashes and writes in executor threads
+                with await asyncio.to_thread(open, dest, "wb") as out:
                     info, digest = await objstore.get_file(js, bucket, f"{prefix}/{f.name}", out)
             except ObjectNotFoundError as exc:
                 raise FetchError(f"v{msg.version}: {f.name}: missing from {bucket}/{prefix}") from exc
@@ -67,8 +68,9 @@ async def _download(js: JetStreamContext, bucket: str, prefix: str, msg: Weights
                 raise FetchError(f"v{msg.version}: {f.name}: size {info.size} != announced {f.size}")
             if digest != f.sha256:
                 raise FetchError(f"v{msg.version}: {f.name}: sha256 {digest[:12]}... != announced {f.sha256[:12]}...")
-        remove_tree(final)
+        # a stale copy of this version and a failed fetch can each be gigabytes: delete them off the loop
+        await asyncio.to_thread(remove_tree, final)
         partial.rename(final)
         return final
     finally:
-        remove_tree(partial)  # a no-op after the rename; cleans up a failed or superseded fetch
+        await asyncio.to_thread(remove_tree, partial)  # a no-op after the rename; cleans up a failed or superseded fetch
