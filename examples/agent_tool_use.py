@@ -40,7 +40,7 @@ TOOLS = [{
 
 def copy3_reward(completion: str, answer: str) -> float:
     """Fraction of the answer's positions the completion gets right (the demo task's reward)."""
-    return sum(1 for a, b in zip(completion, answer) if a == b) / len(answer)
+    return sum(1 for a, b in zip(completion, answer, strict=False) if a == b) / len(answer)
 
 
 def check_answer(candidate: str, answer: str) -> str:

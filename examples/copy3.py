@@ -21,7 +21,7 @@ from services.rollout.workflows.common import encode_chat, reward_items, score
 
 def reward(completion: str = "", completion_ids: list[int] | None = None, answer: str = "", **_: Any) -> float:
     """Runs in the reward service's process pool (allow-listed in copy3.yaml)."""
-    right = sum(1 for a, b in zip(completion, answer) if a == b)
+    right = sum(1 for a, b in zip(completion, answer, strict=False) if a == b)
     stopped = bool(completion_ids) and len(completion_ids) == len(answer) + 1 and completion_ids[-1] == 2
     return (right + (1 if stopped else 0)) / (len(answer) + 1)
 
@@ -39,5 +39,5 @@ class Copy3Workflow(RolloutWorkflow):
         outs = await asyncio.gather(*(engine.agenerate(request) for _ in range(self.group_size)))
         texts = [(self.tokenizer.decode(o.output_ids, skip_special_tokens=True), o.output_ids) for o in outs]
         rewards = await score(self.reward, self.reward_fn, reward_items(data, data["prompt"], prompt_ids, texts), None)
-        samples = [sample_tensors(prompt_ids, o.output_ids, o.output_logprobs, o.output_versions, r) for o, r in zip(outs, rewards) if r is not None]
+        samples = [sample_tensors(prompt_ids, o.output_ids, o.output_logprobs, o.output_versions, r) for o, r in zip(outs, rewards, strict=True) if r is not None]
         return concat_padded(samples) if samples else None

@@ -31,4 +31,4 @@ def copy3_reward(completion: str, answer: str, **_: Any) -> float:
     """Fraction of the answer's positions the completion gets right."""
     if not answer:
         raise ValueError("copy3_reward: empty answer")
-    return sum(1 for a, b in zip(completion, answer) if a == b) / len(answer)
+    return sum(1 for a, b in zip(completion, answer, strict=False) if a == b) / len(answer)

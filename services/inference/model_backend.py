@@ -91,7 +91,7 @@ class TransformersBackend:
             logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
             rows = [_Row(j.sid, j.params, self._generator(j.params), next_pos=length) for j in group]
             tokens, logps = sample(logits, [r.params for r in rows], [r.generator for r in rows])
-            for row, tok, lp in zip(rows, tokens, logps):
+            for row, tok, lp in zip(rows, tokens, logps, strict=True):
                 row.last_token = tok
                 out.append((row.sid, tok, lp))
             layers = [(layer.keys, layer.values) for layer in cache.layers]
@@ -107,8 +107,8 @@ class TransformersBackend:
             return
         old_len, new_len = self._mask.shape[1], mask.shape[1]
         width = max(old_len, new_len)
-        self._keys = [torch.cat([_lpad(a, width), _lpad(b, width)]) for a, (b, _) in zip(self._keys, layers)]
-        self._values = [torch.cat([_lpad(a, width), _lpad(b, width)]) for a, (_, b) in zip(self._values, layers)]
+        self._keys = [torch.cat([_lpad(a, width), _lpad(b, width)]) for a, (b, _) in zip(self._keys, layers, strict=True)]
+        self._values = [torch.cat([_lpad(a, width), _lpad(b, width)]) for a, (_, b) in zip(self._values, layers, strict=True)]
         self._mask = torch.cat([_lpad(self._mask, width), _lpad(mask, width)])
         self._rows = self._rows + rows
 
@@ -120,7 +120,7 @@ class TransformersBackend:
         ids = torch.tensor([[r.last_token] for r in self._rows], dtype=torch.long)
         pos = torch.tensor([[r.next_pos] for r in self._rows], dtype=torch.long)
         mask = torch.cat([self._mask, torch.ones(len(self._rows), 1, dtype=torch.long)], dim=1)
-        cache = DynamicCache(ddp_cache_data=list(zip(self._keys, self._values)))
+        cache = DynamicCache(ddp_cache_data=list(zip(self._keys, self._values, strict=True)))
         logits = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
         ).logits[:, -1, :]
@@ -129,7 +129,7 @@ class TransformersBackend:
         self._mask = mask
         tokens, logps = sample(logits, [r.params for r in self._rows], [r.generator for r in self._rows])
         out = []
-        for row, tok, lp in zip(self._rows, tokens, logps):
+        for row, tok, lp in zip(self._rows, tokens, logps, strict=True):
             row.last_token = tok
             row.next_pos += 1
             out.append((row.sid, tok, lp))

@@ -38,7 +38,7 @@ def output_body(seq: Seq, backend: Any, *, return_logprob: bool, server_version:
         return {"text": "", "output_ids": [], "meta_info": meta}
     meta["weight_versions"] = version_spans(seq.versions)
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, ids)]
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, ids, strict=True)]
         meta["output_token_logprobs_length"] = len(ids)
         meta["output_top_logprobs"] = None
     body: dict[str, Any] = {"output_ids": ids, "meta_info": meta}

@@ -36,11 +36,11 @@ def sample(
     """logits [B, V] -> (token per row, its logprob)."""
     logits = logits.float()
     greedy = [p.greedy for p in params]
-    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)]).unsqueeze(1)
+    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]).unsqueeze(1)
     scaled = _filter(
         logits / temps,
-        [-1 if g else p.top_k for p, g in zip(params, greedy)],
-        [1.0 if g else p.top_p for p, g in zip(params, greedy)],
+        [-1 if g else p.top_k for p, g in zip(params, greedy, strict=True)],
+        [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)],
     )
     logp = torch.log_softmax(scaled, dim=-1)
     if all(greedy):

@@ -9,6 +9,7 @@ straddles two row groups of a file this module writes (files from elsewhere may 
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -164,7 +165,7 @@ def _split_groups(table: pa.Table) -> list[pa.Table]:
     seqs = table.column("seq").to_numpy()
     cuts = np.flatnonzero(np.diff(seqs)) + 1
     bounds = [0, *cuts.tolist(), len(seqs)]
-    return [table.slice(a, b - a) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return [table.slice(a, b - a) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def iter_groups(paths: list[str]) -> Iterator[pa.Table]:

@@ -72,7 +72,7 @@ class ModelResponse:
 
 
 class InferenceClientSettings(Section):
-    servers: list[str] = ["http://127.0.0.1:30000"]
+    servers: list[str] = ["http://127.0.0.1:30000"]  # noqa: RUF012 - a pydantic field, copied per instance
     """Base URLs of the inference servers (or one sglang_router)."""
     policy: Literal["least_loaded", "round_robin"] = "least_loaded"
     """How a new episode picks its server: fewest requests in flight from this client, or in turn."""
@@ -282,7 +282,7 @@ class InferenceEngine:
         bodies = await self._control(
             server, "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": str(version)}
         )
-        for s, body in zip(self._targets(server), bodies):
+        for s, body in zip(self._targets(server), bodies, strict=True):
             if isinstance(body, dict) and body.get("success") is False:
                 raise BadRequestError(f"{s}: update_weights_from_disk failed: {body.get('message')}")
 

@@ -91,7 +91,7 @@ class PPOActor:
         if self.engine.world_size > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        total = dict(zip(_SUMS, sums.tolist()))
+        total = dict(zip(_SUMS, sums.tolist(), strict=True))
         tokens = max(total["tokens"], 1.0)
         finite = [n for n in norms if math.isfinite(n)]
         return {

@@ -126,10 +126,10 @@ class WeightPublisher:
             partial.parent.mkdir(parents=True, exist_ok=True)
             hf_dir.rename(partial)
             digests = parallel(sha256_file, [partial / name for name in names])
-            return [WeightFile(name=n, sha256=d, size=(partial / n).stat().st_size) for n, d in zip(names, digests)]
+            return [WeightFile(name=n, sha256=d, size=(partial / n).stat().st_size) for n, d in zip(names, digests, strict=True)]
 
         def copy_all() -> list[WeightFile]:
-            return parallel(lambda pair: copy_hashed(pair[0], partial / pair[1], pair[1]), list(zip(files, names)))
+            return parallel(lambda pair: copy_hashed(pair[0], partial / pair[1], pair[1]), list(zip(files, names, strict=True)))
 
         def publish() -> list[WeightFile]:
             move = consume and same_filesystem(hf_dir, self.shared_dir)  # type: ignore[arg-type]

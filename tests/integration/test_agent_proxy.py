@@ -139,7 +139,7 @@ async def test_three_turn_openai_conversation_exports_the_engines_exact_tokens(s
         await http.post(f"{server.url}/{sid}/rl/set_reward", json={"interaction_id": replies[-1].id, "reward": 1.0})
         rows = (await http.post(f"{server.url}/export_trajectories", json={"session_id": sid, "discount": 0.9})).json()["interactions"]
         assert [rows[r.id]["reward"] for r in replies] == pytest.approx([0.81, 0.9, 1.0])
-        for r, call in zip(replies, engine.calls):
+        for r, call in zip(replies, engine.calls, strict=True):
             assert rows[r.id]["input_ids"] == call.input_ids + call.output_ids
             assert rows[r.id]["logprobs"][len(call.input_ids):] == call.output_logprobs
         assert (await http.post(f"{server.url}/export_trajectories", json={"session_id": sid})).status_code == 404  # exported once
@@ -151,8 +151,8 @@ async def test_branching_conversation_exports_individually_and_concat_is_refused
         client = openai.AsyncOpenAI(base_url=server.base_url(sid), api_key="x", http_client=http)
         first = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "42="}])
         history = [{"role": "user", "content": "42="}, first.choices[0].message.model_dump(exclude_none=True)]
-        left = await client.chat.completions.create(model="p", messages=history + [{"role": "user", "content": "left"}])
-        right = await client.chat.completions.create(model="p", messages=history + [{"role": "user", "content": "right"}])
+        left = await client.chat.completions.create(model="p", messages=[*history, {"role": "user", "content": "left"}])
+        right = await client.chat.completions.create(model="p", messages=[*history, {"role": "user", "content": "right"}])
         cache = server.proxy.sessions[sid].cache
         assert cache.get(left.id).parent is cache.get(first.id) and cache.get(right.id).parent is cache.get(first.id)
         await http.post(f"{server.url}/{sid}/rl/set_reward", json={"interaction_id": left.id, "reward": 1.0})
@@ -233,7 +233,7 @@ async def test_inline_agent_workflow_returns_the_engines_tokens_as_a_tensor_dict
             assert tensors["input_ids"][row, :n].tolist() == call.input_ids + call.output_ids
             assert tensors["logprobs"][row, len(call.input_ids):n].tolist() == pytest.approx(call.output_logprobs)
         answer = tokenizer.decode(engine.calls[-1].output_ids, skip_special_tokens=True)
-        final = sum(a == b for a, b in zip(answer, "123")) / 3
+        final = sum(a == b for a, b in zip(answer, "123", strict=False)) / 3
         assert tensors["rewards"][-1].item() == pytest.approx(final)
         engine.calls.clear()
         dict_workflow = AgentWorkflow(DictRewardAgent(), tokenizer=tokenizer)

@@ -97,7 +97,7 @@ async def test_logprobs_match_a_reference_forward_pass(engine: InferenceEngine, 
     # Concurrent requests of different lengths are decoded in one batch: padding must not leak.
     reqs = [ModelRequest(p, max_new_tokens=20, temperature=0.8, ignore_eos=True, seed=i) for i, p in enumerate(PROMPTS)]
     results = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
-    for req, res in zip(reqs, results):
+    for req, res in zip(reqs, results, strict=True):
         ref = reference_logprobs(target.model, req.input_ids, res.output_ids, req.temperature)
         assert res.output_logprobs == pytest.approx(ref, abs=1e-4)
 

@@ -50,13 +50,13 @@ def test_flags_are_spellings_of_range_settings() -> None:
 
 
 def test_replay_settings_refuse_what_cannot_work() -> None:
-    with pytest.raises(SettingsError, match="source_run: .*name the recorded run"):
+    with pytest.raises(SettingsError, match=r"source_run: .*name the recorded run"):
         load_settings(ReplaySettings, overrides=["run=offline"])
     with pytest.raises(SettingsError, match="needs its own name"):
         load_settings(ReplaySettings, overrides=["run=live", "source_run=live"])
     with pytest.raises(SettingsError, match="from_seq 9 is after to_seq 3"):
         load_settings(ReplaySettings, overrides=["run=o", "source_run=live", "range.from_seq=9", "range.to_seq=3"])
-    with pytest.raises(SettingsError, match="feeder.enabled"):
+    with pytest.raises(SettingsError, match=r"feeder\.enabled"):
         load_settings(ReplaySettings, overrides=["run=o", "source_run=live", "feeder.enabled=true"])
     s = load_settings(ReplaySettings, overrides=["run=o", "source_run=live", "range.since=2026-01-01T00:00:00"])
     assert s.range.since == T0 and not s.publish_weights and s.output_dir == ".jetrl/replay"
@@ -72,7 +72,7 @@ def test_parquet_round_trip_gives_identical_groups(tmp_path: Path) -> None:
     writer.close()
     records = list(iter_records([str(tmp_path)], RangeSettings(kind="all")))
     assert [r.seq for r in records] == [10, 11, 12, 13, 14]
-    for i, (g, rec) in enumerate(zip(originals, records)):
+    for i, (g, rec) in enumerate(zip(originals, records, strict=True)):
         back = decode_group(rec.data)
         assert back.meta.prompt_id == f"p{i}" and back.meta.worker == "w1" and back.meta.is_eval == (i == 4)
         assert rec.time == T0 and rec.headers == trajectory_headers(back.meta)

@@ -53,7 +53,7 @@ def test_seeded_sampling_reproducible_and_logprobs_use_temperature() -> None:
     assert draws[0] == draws[1]
     toks, lps = draws[0]
     expected = torch.log_softmax(logits / 0.7, dim=-1)
-    for i, (t, lp) in enumerate(zip(toks, lps)):
+    for i, (t, lp) in enumerate(zip(toks, lps, strict=True)):
         assert lp == pytest.approx(expected[i, t].item(), abs=1e-6)
 
 

@@ -49,7 +49,7 @@ class Interaction:
     @property
     def conversation(self) -> list[Message]:
         """The messages a continuation repeats: the request's plus the reply."""
-        return self.messages + [self.reply]
+        return [*self.messages, self.reply]
 
 
 class InteractionCache:
@@ -80,7 +80,8 @@ class InteractionCache:
             n = len(conv)
             if n > len(keys) or n < best_len:
                 continue
-            if all(message_key(m) == k for m, k in zip(conv, keys)):
+            # strict=False: the new messages only have to start with conv (n <= len(keys) above)
+            if all(message_key(m) == k for m, k in zip(conv, keys, strict=False)):
                 best, best_len = item, n  # later items win ties: the most recent branch
         return best
 

@@ -13,6 +13,7 @@ Token ids, logprobs and versions are the engine's, copied, never re-tokenized.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -87,7 +88,7 @@ def _concat(cache: InteractionCache, returns: dict[str, float]) -> dict[str, Age
         path = _chain(leaf)
         root = path[0]
         segments: list[Segment] = [(list(root.prompt_ids), False, None, None), _completion(root)]
-        for parent, child in zip(path, path[1:]):
+        for parent, child in itertools.pairwise(path):
             prefix = parent.full_ids
             if child.prompt_ids[: len(prefix)] != prefix:
                 raise ExportError(

@@ -75,7 +75,7 @@ class RLVRWorkflow(RolloutWorkflow):
         rewards = await score(self.reward, self.reward_fn, reward_items(data, prompt, prompt_ids, completions), self.reward_timeout_s)
         samples = [
             sample_tensors(prompt_ids, r.output_ids, r.output_logprobs, r.output_versions, value)
-            for r, value in zip(responses, rewards)
+            for r, value in zip(responses, rewards, strict=True)
             if value is not None
         ]
         return concat_padded(samples) if samples else None
