@@ -28,7 +28,7 @@ log = get_logger("health")
 
 # A check answers True (ready), False (not ready), or raises (not ready, the error is the reason).
 # Returning None means "this check no longer applies" (its object is gone) and removes it.
-Check = Callable[[], bool | None | Awaitable[bool | None]]
+Check = Callable[[], bool | Awaitable[bool | None] | None]
 
 _checks: dict[str, Check] = {}
 _lock = threading.Lock()

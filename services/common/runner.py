@@ -66,7 +66,7 @@ class Supervisor:
         await self.stopping.wait()
         pending = [t for t in self._tasks.values() if not t.done()]
         if pending:
-            done, still = await asyncio.wait(pending, timeout=self.shutdown_timeout_s)
+            _, still = await asyncio.wait(pending, timeout=self.shutdown_timeout_s)
             for t in still:
                 log.warning("task did not finish before the deadline; cancelling", task=t.get_name())
                 t.cancel()

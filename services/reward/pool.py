@@ -69,13 +69,13 @@ class ScoringPool:
     async def check(self, ref: str) -> str:
         """'' if `ref` imports and is callable in a pool process, else the reason."""
         try:
-            return await self._run(worker.check, ref, timeout=60.0)
+            return await self._run(worker.check, ref, timeout_s=60.0)
         except Exception as exc:
             return f"could not load {ref} in a pool process: {self._explain(exc, 60.0)}"
 
     async def score(self, ref: str, kwargs: dict[str, Any], timeout_s: float) -> RewardResult:
         try:
-            status, value = await self._run(worker.score, ref, kwargs, timeout=timeout_s)
+            status, value = await self._run(worker.score, ref, kwargs, timeout_s=timeout_s)
         except TimeoutError:
             self.restarts += 1
             return RewardResult(status="timeout", message=f"{ref} ran past the {timeout_s:g} s per-item timeout; its process was killed")
@@ -97,8 +97,8 @@ class ScoringPool:
             return "cancelled (the reward service is shutting down)"
         return f"the scoring pool failed: {type(exc).__name__}: {exc}"
 
-    async def _run(self, fn: Any, *args: Any, timeout: float | None = None) -> Any:
-        future = self._ensure().schedule(fn, args=args, timeout=timeout)
+    async def _run(self, fn: Any, *args: Any, timeout_s: float | None = None) -> Any:
+        future = self._ensure().schedule(fn, args=args, timeout=timeout_s)  # pebble kills the process past it
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

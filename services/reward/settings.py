@@ -53,7 +53,7 @@ class RewardSettings(ServiceSettings):
             raise ValueError("max_items and max_concurrent_requests must be >= 1")
         if self.metrics_interval_s <= 0:
             raise ValueError(f"metrics_interval_s must be > 0, got {self.metrics_interval_s}")
-        self.allow_list  # parse the patterns now, so a bad one fails at start-up
+        _ = self.allow_list  # parse the patterns now, so a bad one fails at start-up
         return self
 
     @property

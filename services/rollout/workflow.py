@@ -138,7 +138,7 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
             first: BaseException = group
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
-            raise first
+            raise first from group
         results = [as_tensor_dict(t.result()) for t in tasks]
         kept = [r for r in results if r is not None]
         return concat_padded(kept) if kept else None

@@ -61,7 +61,8 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
-    run_dir = Path(s.run_dir).resolve() / s.run
+    # at start, before anything else runs on the loop: the blocking resolve and mkdir cost nobody
+    run_dir = Path(s.run_dir).resolve() / s.run  # noqa: ASYNC240
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
     interrupted: list[str] = []

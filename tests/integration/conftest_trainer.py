@@ -38,7 +38,7 @@ def make_group(model_path: str | Path, digits: str, *, group_size: int = 4, vers
 
     model, tok = _model_and_tokenizer(str(model_path))
     rng = np.random.default_rng(seed)
-    prompt = [tok.bos_token_id] + tok(f"{digits}=", add_special_tokens=False).input_ids
+    prompt = [tok.bos_token_id, *tok(f"{digits}=", add_special_tokens=False).input_ids]
     rows, rewards = [], []
     for i in range(group_size):
         completion = "".join(rng.choice(list("0123456789"), size=3)) if i else digits[:2] + "0"

@@ -94,7 +94,7 @@ def test_sigterm_deadline_cancels_a_stuck_task(nats_url: str) -> None:
     try:
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=10)
+        _, err = proc.communicate(timeout=10)
         elapsed = time.monotonic() - start
         assert proc.returncode == 0, err
         assert "did not finish before the deadline" in err

@@ -117,7 +117,7 @@ async def test_refuses_a_directory_that_is_not_a_checkpoint(nats_url: str, tmp_p
     nc = await nats.connect(nats_url)
     try:
         (tmp_path / "empty").mkdir()
-        with pytest.raises(FileNotFoundError, match="config.json"):
+        with pytest.raises(FileNotFoundError, match=r"config\.json"):
             await WeightPublisher(nc, "t4").publish_dir(1, step=1, hf_dir=tmp_path / "empty")
     finally:
         await nc.close()

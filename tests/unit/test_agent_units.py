@@ -117,7 +117,7 @@ def three_turns() -> tuple[InteractionCache, list[Interaction]]:
     a = make(cache, [user("q")], "a1", [1, 5], [6, 7])
     m_b = [user("q"), bot("a1"), user("more")]
     b = make(cache, m_b, "b1", [1, 5, 6, 7, 8], [9], cache.find_parent(m_b))
-    m_c = m_b + [bot("b1"), user("last")]
+    m_c = [*m_b, bot("b1"), user("last")]
     c = make(cache, m_c, "c1", [1, 5, 6, 7, 8, 9, 10], [11, 12], cache.find_parent(m_c))
     return cache, [a, b, c]
 
@@ -131,7 +131,7 @@ def test_parent_is_the_longest_cached_conversation_prefix() -> None:
 
 
 def test_rewards_discount_back_through_the_conversation() -> None:
-    cache, (a, b, c) = three_turns()
+    cache, _ = three_turns()
     cache.set_reward(1.0)  # the last completion
     assert cache.returns(0.9) == pytest.approx({"i2": 1.0, "i1": 0.9, "i0": 0.81})
     cache.set_reward(0.5, "i1")
@@ -163,7 +163,7 @@ def test_set_reward_names_what_is_wrong() -> None:
 
 
 def test_individual_export_is_one_sample_per_completion_with_its_own_tokens() -> None:
-    cache, (a, b, c) = three_turns()
+    cache, (_, b, _) = three_turns()
     cache.set_reward(1.0)
     samples = export_session(cache, 0.9, "individual")
     assert list(samples) == ["i0", "i1", "i2"]
@@ -175,7 +175,7 @@ def test_individual_export_is_one_sample_per_completion_with_its_own_tokens() ->
 
 
 def test_concat_export_is_the_whole_linear_conversation_once() -> None:
-    cache, (a, b, c) = three_turns()
+    cache, (_, _, c) = three_turns()
     cache.set_reward(1.0)
     [(leaf, sample)] = export_session(cache, 0.9, "concat").items()
     row = sample.as_json()
@@ -185,7 +185,7 @@ def test_concat_export_is_the_whole_linear_conversation_once() -> None:
 
 
 def test_concat_refuses_a_branching_conversation_and_edited_history() -> None:
-    cache, (a, b, c) = three_turns()
+    cache, (a, _, _) = three_turns()
     make(cache, [user("q"), bot("a1"), user("more")], "b2", [1, 5, 6, 7, 8], [13], a)
     with pytest.raises(ExportError, match="branches into 2 continuations"):
         export_session(cache, 1.0, "concat")
@@ -214,7 +214,7 @@ def test_a_continuation_extends_the_parents_exact_tokens(tiny_model: Path) -> No
     assert first == tok("<bos>12=", add_special_tokens=False).input_ids and not incremental
     cache = InteractionCache()
     # the model's own tokens, an <eos> included, which the template would never render
-    parent = make(cache, [user("12=")], "1z", first, tok("1z", add_special_tokens=False).input_ids + [tok.eos_token_id])
+    parent = make(cache, [user("12=")], "1z", first, [*tok("1z", add_special_tokens=False).input_ids, tok.eos_token_id])
     ids, incremental = chat.prompt_ids([user("12="), bot("1z"), user("again:")], None, parent)
     assert incremental and ids == parent.full_ids + tok("again:", add_special_tokens=False).input_ids
     # history the agent rewrote: tokenized afresh, and not incremental (concat will refuse it)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from pydantic import ValidationError
 
 from schemas.messages import (
     MessageError,
@@ -56,5 +57,5 @@ def test_garbage_is_a_message_error(data: bytes) -> None:
 
 
 def test_reward_status_is_typed() -> None:
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="status"):
         RewardResult(status="zero")  # type: ignore[arg-type]

@@ -34,7 +34,7 @@ def test_allow_list_exact_module_and_package_entries() -> None:
 
 
 def test_bad_allow_list_entry_is_a_settings_error() -> None:
-    with pytest.raises(SettingsError, match="allow-list entry 'os.system'"):
+    with pytest.raises(SettingsError, match=r"allow-list entry 'os\.system'"):
         load_settings(RewardSettings, overrides=["allow=[os.system]"])
     with pytest.raises(SettingsError, match="item_timeout_s"):
         load_settings(RewardSettings, overrides=["item_timeout_s=500"])

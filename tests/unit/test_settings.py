@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from services.common.settings import Section, ServiceSettings, SettingsError, load_settings, parse_overrides
 
@@ -12,7 +13,7 @@ from services.common.settings import Section, ServiceSettings, SettingsError, lo
 class Optim(Section):
     lr: float = 1e-3
     """Learning rate."""
-    betas: list[float] = [0.9, 0.999]
+    betas: list[float] = [0.9, 0.999]  # noqa: RUF012 - a pydantic field, copied per instance
     """Adam betas."""
 
 
@@ -73,7 +74,7 @@ def test_unknown_yaml_key_is_an_error(tmp_path: Path) -> None:
 
 
 def test_unknown_nested_key_is_an_error() -> None:
-    with pytest.raises(SettingsError, match="optim.lrr: unknown key"):
+    with pytest.raises(SettingsError, match=r"optim\.lrr: unknown key"):
         load_settings(DemoSettings, overrides=["optim.lrr=1"])
 
 
@@ -106,5 +107,5 @@ def test_override_syntax() -> None:
 
 def test_settings_are_frozen() -> None:
     s = load_settings(DemoSettings)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         s.batch = 3  # type: ignore[misc]

@@ -76,7 +76,7 @@ def test_state_round_trip_continues_identically() -> None:
 def test_load_rows_names_the_bad_line(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "1="}\n{oops\n')
-    with pytest.raises(ValueError, match="d.jsonl:2"):
+    with pytest.raises(ValueError, match=r"d\.jsonl:2"):
         load_rows(path)
     with pytest.raises(FileNotFoundError):
         load_rows(tmp_path / "missing.jsonl")

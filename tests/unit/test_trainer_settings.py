@@ -22,7 +22,7 @@ def test_resume_flag_becomes_the_setting() -> None:
 def test_invalid_settings_name_the_key() -> None:
     with pytest.raises(SettingsError, match="zero_stage"):
         load_settings(TrainerSettings, overrides=["zero_stage=4"])
-    with pytest.raises(SettingsError, match="ppo.loss_agg"):
+    with pytest.raises(SettingsError, match=r"ppo\.loss_agg"):
         load_settings(TrainerSettings, overrides=["ppo.loss_agg=sum"])
     with pytest.raises(SettingsError, match="eval_dataset_path"):
         load_settings(TrainerSettings, overrides=["feeder.eval_every=5"])
