@@ -58,7 +58,11 @@ def _server_url(pids: dict[str, int]) -> str | None:
 def run_mode(workdir: Path, eta: int, steps: int, token_latency_s: float) -> dict[str, float]:
     run = f"eta{eta}"
     config = {
-        "inference": {"simulate": True, "max_batch_size": 256, "sim": {"token_latency_s": token_latency_s, "median_new_tokens": 24, "length_sigma": 1.0}},
+        "inference": {
+            "simulate": True,
+            "max_batch_size": 256,
+            "sim": {"token_latency_s": token_latency_s, "median_new_tokens": 24, "length_sigma": 1.0},
+        },
         "rollout": {"max_new_tokens": 256, "max_concurrent": 64},
         "trainer": {"eta": eta, "checkpoint_every": 0, "feeder": {"max_in_flight": 256}},
     }

@@ -58,14 +58,25 @@ REPEATS = 3
 
 async def push(js: Any, run: str, n: int) -> None:
     subject = Subjects(run).prompts_train
-    await asyncio.gather(*(
-        js.publish(subject, encode(PromptTask(run=run, prompt_id=f"p{i}", data={"prompt": f"{i % 1000:03d}=", "answer": f"{i % 1000:03d}"})))
-        for i in range(n)
-    ))
+    await asyncio.gather(
+        *(
+            js.publish(
+                subject,
+                encode(
+                    PromptTask(
+                        run=run, prompt_id=f"p{i}", data={"prompt": f"{i % 1000:03d}=", "answer": f"{i % 1000:03d}"}
+                    )
+                ),
+            )
+            for i in range(n)
+        )
+    )
 
 
 async def drain(js: Any, subject: str, n: int, timeout_s: float = 300.0) -> int:
-    sub = await js.pull_subscribe(subject, durable=None, stream=TRAJECTORIES_STREAM, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+    sub = await js.pull_subscribe(
+        subject, durable=None, stream=TRAJECTORIES_STREAM, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+    )
     got = 0
     deadline = time.monotonic() + timeout_s
     while got < n and time.monotonic() < deadline:
@@ -132,6 +143,13 @@ class FixedWorkflow(RolloutWorkflow):
         return self.group
 
 
+async def synthetic_group() -> dict[str, Any]:
+    """One group as numpy arrays, what the bus comparisons send in every message."""
+    tensors = await SyntheticWorkflow(group_size=GROUP, completion_len=NEW_TOKENS).arun_episode(None, {"prompt": "000="})
+    assert tensors is not None
+    return {k: v.numpy() for k, v in tensors.items()}
+
+
 async def pulling(js: Any, consumer: str, timeout_s: float = 60.0) -> None:
     """Wait until a worker has a pull request waiting on the consumer (it is ready). The state is on the
     server, so this polls it; a worker that never pulls fails the bench instead of hanging it."""
@@ -157,7 +175,7 @@ async def pipeline_once(url: str, rep: int) -> tuple[float, float]:
     nc = await nats.connect(url)
     js = nc.jetstream()
     try:
-        group = {k: v.numpy() for k, v in (await SyntheticWorkflow(group_size=GROUP, completion_len=NEW_TOKENS).arun_episode(None, {"prompt": "000="})).items()}
+        group = await synthetic_group()
         wf = FixedWorkflow(group)
         worker = RolloutWorker(nc, f"busj{rep}", wf, None, WorkerConfig(worker="b", max_concurrent=16, fetch_timeout_s=0.2))
         await worker.declare()
@@ -178,7 +196,8 @@ async def pipeline_once(url: str, rep: int) -> tuple[float, float]:
         await js.add_consumer("PROMPTS", ConsumerConfig(durable_name=s.rollout_consumer, filter_subject=s.prompts_all, ack_wait=60))
         psub = await js.pull_subscribe_bind(s.rollout_consumer, stream="PROMPTS")
         t0 = time.perf_counter()
-        await asyncio.gather(*(js.publish(s.prompts_train, sample_prompt, headers={"Nats-Msg-Id": f"{rep}r{i}"}) for i in range(BUS_MESSAGES)))
+        publishes = (js.publish(s.prompts_train, sample_prompt, headers={"Nats-Msg-Id": f"{rep}r{i}"}) for i in range(BUS_MESSAGES))
+        await asyncio.gather(*publishes)
 
         async def relay() -> None:
             done = 0
@@ -209,7 +228,7 @@ async def bus_overhead(url: str) -> tuple[float, float]:
     nc = await nats.connect(url)
     js = nc.jetstream()
     try:
-        group = {k: v.numpy() for k, v in (await SyntheticWorkflow(group_size=GROUP, completion_len=NEW_TOKENS).arun_episode(None, {"prompt": "000="})).items()}
+        group = await synthetic_group()
         worker = RolloutWorker(nc, "busp", FixedWorkflow(group), None, WorkerConfig(worker="b"))
         body = worker._encode(PromptTask(run="busp", prompt_id="p", data={}), group, False)[0]
         sem = asyncio.Semaphore(16)
@@ -282,7 +301,8 @@ async def main() -> None:
                 sim.wait(30)
 
     base = rates[1]
-    print(f"rollout scaling: RLVR, group {GROUP}, {NEW_TOKENS} new tokens at {TOKEN_LATENCY_S}s/token (simulate), max_concurrent {MAX_CONCURRENT}")
+    print(f"rollout scaling: RLVR, group {GROUP}, {NEW_TOKENS} new tokens at {TOKEN_LATENCY_S}s/token (simulate), "
+          f"max_concurrent {MAX_CONCURRENT}")
     print(f"{'workers':>8} {'prompts/s':>10} {'vs 1 worker':>12}")
     for n, r in rates.items():
         print(f"{n:>8} {r:>10.2f} {r / base:>11.2f}x")

@@ -39,5 +39,9 @@ class Copy3Workflow(RolloutWorkflow):
         outs = await asyncio.gather(*(engine.agenerate(request) for _ in range(self.group_size)))
         texts = [(self.tokenizer.decode(o.output_ids, skip_special_tokens=True), o.output_ids) for o in outs]
         rewards = await score(self.reward, self.reward_fn, reward_items(data, data["prompt"], prompt_ids, texts), None)
-        samples = [sample_tensors(prompt_ids, o.output_ids, o.output_logprobs, o.output_versions, r) for o, r in zip(outs, rewards, strict=True) if r is not None]
+        samples = [
+            sample_tensors(prompt_ids, o.output_ids, o.output_logprobs, o.output_versions, r)
+            for o, r in zip(outs, rewards, strict=True)
+            if r is not None
+        ]
         return concat_padded(samples) if samples else None

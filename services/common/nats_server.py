@@ -152,7 +152,11 @@ class NatsServer:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jetrl nats", description="Run an embedded nats-server with JetStream.")
-    parser.add_argument("--store-dir", default=os.environ.get("JETRL_NATS__STORE_DIR", ".jetrl/nats"), help="JetStream file store directory")
+    parser.add_argument(
+        "--store-dir",
+        default=os.environ.get("JETRL_NATS__STORE_DIR", ".jetrl/nats"),
+        help="JetStream file store directory",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="listen address")
     parser.add_argument("--port", type=int, default=4222, help="client port")
     parser.add_argument("--monitor-port", type=int, default=8222, help="HTTP monitoring port (/healthz)")

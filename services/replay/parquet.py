@@ -112,7 +112,9 @@ class ExportWriter:
         try:
             return pa.Table.from_arrays(cols, schema=self._schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise ParquetFormatError(f"group at seq {rows.column('seq')[0].as_py()}: column types differ from earlier groups: {exc}") from exc
+            raise ParquetFormatError(
+                f"group at seq {rows.column('seq')[0].as_py()}: column types differ from earlier groups: {exc}"
+            ) from exc
 
     def flush(self) -> None:
         if self._buffer and self._writer is not None:

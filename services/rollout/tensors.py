@@ -29,7 +29,11 @@ def sample_tensors(
             f"output_ids ({len(output_ids)}), output_logprobs ({len(output_logprobs)}) and "
             f"output_versions ({len(output_versions)}) must have the same length"
         )
-    return turn_tensors([(list(prompt_ids), False, None, None), (list(output_ids), True, output_logprobs, output_versions)], reward, len(prompt_ids))
+    return turn_tensors(
+        [(list(prompt_ids), False, None, None), (list(output_ids), True, output_logprobs, output_versions)],
+        reward,
+        len(prompt_ids),
+    )
 
 
 def turn_tensors(

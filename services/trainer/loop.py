@@ -85,7 +85,9 @@ class Trainer:
         found = ckpt.resolve_resume(self.s.resume, self.s.output_dir)
         if found is not None:
             root, tag = found
-            res = await asyncio.to_thread(execute, self.engine, self.actor, scatter(self._all(Command("load", directory=str(root), tag=tag))))
+            res = await asyncio.to_thread(
+                execute, self.engine, self.actor, scatter(self._all(Command("load", directory=str(root), tag=tag)))
+            )
             self._restore(res.client_state)
             log.info("resumed", checkpoint=str(root / tag), version=self.version, last_seq=self.last_seq)
         self._record({"event": "start", "version": self.version, "last_seq": self.last_seq, "resumed": found is not None})
@@ -282,7 +284,13 @@ class Trainer:
             "jetrl_feeder": self.feeder.state_dict() if self.feeder else None,
             "jetrl_intake": self.intake.state_dict(), "jetrl_rng": ckpt.rng_state(),
         }
-        await asyncio.to_thread(lambda: execute(self.engine, self.actor, scatter(self._all(Command("save", directory=str(root), tag=tag, client_state=state)))))
+        await asyncio.to_thread(
+            lambda: execute(
+                self.engine,
+                self.actor,
+                scatter(self._all(Command("save", directory=str(root), tag=tag, client_state=state))),
+            )
+        )
         ckpt.prune(root, self.s.keep_checkpoints)
         self._record({"event": "checkpoint", "version": self.version, "last_seq": self.last_seq, "tag": tag})
         log.info("checkpoint saved", tag=tag, version=self.version, last_seq=self.last_seq)

@@ -57,7 +57,9 @@ def _service_sections(config: str | None) -> dict[str, dict]:
     data = read_yaml(config)  # the whole file
     unknown = set(data) - set(SERVICE_SECTIONS) - {"up"}
     if unknown:
-        raise SettingsError(f"--config {config}: unknown top-level section(s) {sorted(unknown)}; expected up, {', '.join(SERVICE_SECTIONS)}")
+        raise SettingsError(
+            f"--config {config}: unknown top-level section(s) {sorted(unknown)}; expected up, {', '.join(SERVICE_SECTIONS)}"
+        )
     return {k: v or {} for k, v in data.items() if k in SERVICE_SECTIONS}
 
 

@@ -77,7 +77,10 @@ class Display:
         table.add_row("accuracy", _fmt(pick(last, ACCURACY_KEYS)))
         if v.evals:
             ev = v.evals[-1]
-            table.add_row(f"eval reward / accuracy (step {ev['step']})", f"{_fmt(ev.get('eval_reward_mean'))} / {_fmt(ev.get('eval_accuracy'))}")
+            table.add_row(
+                f"eval reward / accuracy (step {ev['step']})",
+                f"{_fmt(ev.get('eval_reward_mean'))} / {_fmt(ev.get('eval_accuracy'))}",
+            )
         table.add_row("staleness (versions)", _fmt(pick(last, STALENESS_KEYS), ".2f"))
         table.add_row("trainer wait fraction", _fmt(pick(last, WAIT_KEYS), ".2f"))
         table.add_row("rollout episodes/s", f"{v.rollout_rate():.1f} ({v.live_workers('rollout')} workers reporting)")

@@ -39,7 +39,8 @@ def plot_curves(run_dir: Path, steps: list[dict[str, Any]], title: str = "", eva
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color, lw=1.2)
     evals = [e for e in evals or [] if "eval_reward_mean" in e]
     if evals:
-        axes[0].plot([e["step"] for e in evals], [e["eval_reward_mean"] for e in evals], "o--", ms=3, lw=1, color="tab:purple", label="eval reward")
+        eval_steps, eval_rewards = [e["step"] for e in evals], [e["eval_reward_mean"] for e in evals]
+        axes[0].plot(eval_steps, eval_rewards, "o--", ms=3, lw=1, color="tab:purple", label="eval reward")
     for ax, name in zip(axes, ("reward", "staleness", "trainer idle"), strict=True):
         ax.set_xlabel("trainer step")
         ax.set_title(name)

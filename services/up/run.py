@@ -102,7 +102,14 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             servers.append(url)
-            stack.start(f"inference-{i}", "services.inference", to_env("inference", deep_merge({**common, "model_path": s.model_path, "port": port, "seed": i}, sec("inference"))))
+            stack.start(
+                f"inference-{i}",
+                "services.inference",
+                to_env(
+                    "inference",
+                    deep_merge({**common, "model_path": s.model_path, "port": port, "seed": i}, sec("inference")),
+                ),
+            )
             weights = {**common, "server": url, "cache_dir": str(run_dir / f"weights-cache-{i}")}
             stack.start(f"weights-{i}", "services.weights", to_env("weights", deep_merge(weights, sec("weights"))))
         await _wait_healthy(servers, stack, s.ready_timeout_s, stop)
@@ -130,10 +137,16 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
                     break
                 failed = stack.failed() or stack.all_ended("rollout-")
                 for lost in stack.newly_ended("rollout-"):
-                    log.warning("rollout worker ended; the others go on and its prompts are redelivered", service=lost.name, code=lost.poll(), log_tail=lost.log_tail(5))
+                    log.warning(
+                        "rollout worker ended; the others go on and its prompts are redelivered",
+                        service=lost.name,
+                        code=lost.poll(),
+                        log_tail=lost.log_tail(5),
+                    )
                 if failed is not None:
                     display.stop()
-                    print(f"\njetrl up: service {failed.name} exited with code {failed.poll()}; last lines of {failed.log_path}:\n{failed.log_tail()}", file=sys.stderr)
+                    print(f"\njetrl up: service {failed.name} exited with code {failed.poll()}; "
+                          f"last lines of {failed.log_path}:\n{failed.log_tail()}", file=sys.stderr)
                     break
                 if s.stop_at_reward and len(view.steps) >= 10 and (view.recent(REWARD_KEYS) or 0) >= s.stop_at_reward:
                     outcome = "converged"
@@ -152,7 +165,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
     wall = time.time() - started
     write_metrics(run_dir, view.steps, {"outcome": outcome, "wall_s": wall, "servers": view.servers, "evals": view.evals})
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
-    print("\n".join([f"run {s.run}: {outcome}", *summary_lines(view.steps, view.servers, wall), f"metrics: {run_dir / 'metrics.json'}", f"curve: {png}", f"logs: {run_dir / 'logs'}"]))
+    summary = [f"run {s.run}: {outcome}", *summary_lines(view.steps, view.servers, wall)]
+    print("\n".join([*summary, f"metrics: {run_dir / 'metrics.json'}", f"curve: {png}", f"logs: {run_dir / 'logs'}"]))
     if outcome in ("finished", "converged"):
         return 0
     return 130 if interrupted else 1

@@ -137,7 +137,13 @@ class WeightsAgent:
         self.loaded_version = target.version
         report = WeightsLoaded(run=self.settings.run, server=self.settings.server_name, version=target.version, seconds=seconds)
         await self.js.publish(self.subjects.weights_loaded(self.settings.server_name), encode(report))
-        log.info("weights loaded", version=target.version, seconds=round(seconds, 3), fetch_s=round(fetch_s, 3), paused_s=round(paused_s, 3))
+        log.info(
+            "weights loaded",
+            version=target.version,
+            seconds=round(seconds, 3),
+            fetch_s=round(fetch_s, 3),
+            paused_s=round(paused_s, 3),
+        )
         self.metrics.count("loads")
         await self.metrics.emit(
             {"weights_version": target.version, "load_seconds": seconds, "fetch_seconds": fetch_s, "paused_seconds": paused_s},

@@ -198,7 +198,11 @@ async def test_unknown_sessions_and_malformed_bodies_get_api_shaped_4xx(server: 
         client = openai.AsyncOpenAI(base_url=server.base_url(sid), api_key="x", http_client=http, max_retries=0)
         with pytest.raises(openai.BadRequestError, match="messages must be a non-empty list"):
             await client.chat.completions.create(model="p", messages=[])
-        bad_json = await http.post(f"{server.url}/{sid}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        bad_json = await http.post(
+            f"{server.url}/{sid}/v1/chat/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
         assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
         no_reward = await http.post(f"{server.url}/{sid}/rl/set_reward", json={"interaction_id": "chatcmpl-nope", "reward": 1})
         assert no_reward.status_code == 404 and no_reward.json()["error"]["code"] == "interaction_not_found"
@@ -260,7 +264,9 @@ async def test_subprocess_mode_runs_a_synchronous_openai_agent(engine: Recording
         await workflow.aclose()
 
 
-async def test_rollout_worker_process_trains_on_the_example_agent(nats_url: str, inference_url: str, tiny_model: Path, tmp_path: Path) -> None:
+async def test_rollout_worker_process_trains_on_the_example_agent(
+    nats_url: str, inference_url: str, tiny_model: Path, tmp_path: Path
+) -> None:
     """`jetrl rollout` with examples/agent_tool_use.yaml's rollout section: one trajectory message per
     prompt, holding every completion of every episode of the group, tokens and versions from the engine."""
     import nats
@@ -279,7 +285,12 @@ async def test_rollout_worker_process_trains_on_the_example_agent(nats_url: str,
     nc = await nats.connect(nats_url)
     log = tmp_path / "rollout.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.rollout", "--config", str(config)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.rollout", "--config", str(config)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         js = nc.jetstream()
         await declare_streams(js)

@@ -55,7 +55,13 @@ def test_service_side_port_waits_for_nats_then_reports_ready_and_metrics(tmp_pat
     log = tmp_path / "reward.log"
     nats = NatsServer(tmp_path / "nats", port=nats_port)
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.reward"], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.reward"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         with httpx.Client(base_url=side, timeout=2.0) as client:
             poll("/healthz", lambda: client.get("/healthz").status_code == 200, proc, log)

@@ -109,7 +109,8 @@ def test_light_images_carry_no_deepspeed_and_no_cuda(images: dict[str, str], pod
     )
     start = time.monotonic()
     for image in ("rollout", "reward", "weights", "inference", "trainer"):
-        result = sh(["podman", "run", "--rm", "--network", "none", "--entrypoint", "python3", f"jetrl-{image}:latest", "-c", probe, "deepspeed", "nvidia"], podman_env)
+        argv = ["podman", "run", "--rm", "--network", "none", "--entrypoint", "python3", f"jetrl-{image}:latest"]
+        result = sh([*argv, "-c", probe, "deepspeed", "nvidia"], podman_env)
         found = result.stdout
         if image == "trainer":
             assert "'deepspeed': True" in found, found
@@ -159,7 +160,8 @@ def remove_project(env: dict[str, str], project: str) -> None:
 
 def containers(env: dict[str, str], service: str) -> list[str]:
     out = sh(
-        ["podman", "ps", "--format", "{{.Names}}", "--filter", f"label=io.podman.compose.project={env['PROJECT']}", "--filter", f"label=com.docker.compose.service={service}"],
+        ["podman", "ps", "--format", "{{.Names}}", "--filter", f"label=io.podman.compose.project={env['PROJECT']}",
+         "--filter", f"label=com.docker.compose.service={service}"],
         env,
     ).stdout
     return sorted(out.split())
@@ -179,7 +181,8 @@ def episodes(metrics_text: str) -> float:
 
 def logs(env: dict[str, str]) -> str:
     out = []
-    names = sh(["podman", "ps", "-a", "--format", "{{.Names}}", "--filter", f"label=io.podman.compose.project={env['PROJECT']}"], env, check=False).stdout.split()
+    project = f"label=io.podman.compose.project={env['PROJECT']}"
+    names = sh(["podman", "ps", "-a", "--format", "{{.Names}}", "--filter", project], env, check=False).stdout.split()
     for name in names:
         tail = sh(["podman", "logs", "--tail", "15", name], env, check=False)
         out.append(f"--- {name}\n{tail.stdout[-1500:]}{tail.stderr[-1500:]}")

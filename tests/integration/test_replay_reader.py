@@ -130,7 +130,11 @@ async def test_export_then_import_moves_a_recording_unchanged(js: Any, nats_url:
     seqs = [await publish(js, LIVE, i) for i in range(5)]
     await js.publish(Subjects(LIVE).trajectories, b"corrupt", stream=TRAJECTORIES_STREAM)
     await publish(js, LIVE, 5, is_eval=True)
-    original = {decode_group(r.data).meta.prompt_id: decode_group(r.data).tensors for r in await read(js, LIVE, RangeSettings(kind="all")) if r.data != b"corrupt"}
+    original = {
+        decode_group(r.data).meta.prompt_id: decode_group(r.data).tensors
+        for r in await read(js, LIVE, RangeSettings(kind="all"))
+        if r.data != b"corrupt"
+    }
 
     out = tmp_path / "rec.parquet"
     res = await export_range(js, ExportSettings(run=LIVE, nats_url=nats_url, output=str(out), range=RangeSettings(kind="all")))

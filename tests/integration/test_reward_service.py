@@ -49,11 +49,15 @@ def item(completion: str, **row: object) -> RewardItem:
 
 async def test_builtin_rewards_score_correctly(service: RewardService, nc: NATS) -> None:
     client = RewardClient(nc, timeout_s=20)
-    copy3 = await client.score("services.reward.builtin:copy3", [item("123", answer="123"), item("193", answer="123"), item("", answer="123")])
+    copy3 = await client.score(
+        "services.reward.builtin:copy3", [item("123", answer="123"), item("193", answer="123"), item("", answer="123")]
+    )
     assert [(r.status, r.value) for r in copy3] == [("ok", 1.0), ("ok", pytest.approx(2 / 3)), ("ok", 0.0)]
     numeric = await client.score("services.reward.builtin:numeric_match", [item("so 42", answer="42"), item("41", answer="42")])
     assert [r.value for r in numeric] == [1.0, 0.0]
-    math = await client.score("services.reward.builtin:math_verify", [item(r"$\boxed{\frac{3}{4}}$", answer="0.75"), item("1", answer="0.75")])
+    math = await client.score(
+        "services.reward.builtin:math_verify", [item(r"$\boxed{\frac{3}{4}}$", answer="0.75"), item("1", answer="0.75")]
+    )
     assert [r.value for r in math] == [1.0, 0.0]
     # a row the function cannot score is an error with the reason, not a 0
     bad = await client.score("services.reward.builtin:numeric_match", [item("42", answer="forty-two"), item("42", answer="42")])

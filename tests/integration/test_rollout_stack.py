@@ -118,7 +118,9 @@ async def run_worker(nc: NATS, workflow: Any, server: str, n: int, dumper: Traje
         return await collect(nc.jetstream(), S.trajectories, n, timeout_s=60)
 
 
-async def test_rlvr_groups_carry_tokens_versions_logprobs_and_rewards(reward: RewardService, nc: NATS, server: str, tiny_model: Path, tmp_path: Path) -> None:
+async def test_rlvr_groups_carry_tokens_versions_logprobs_and_rewards(
+    reward: RewardService, nc: NATS, server: str, tiny_model: Path, tmp_path: Path
+) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -129,7 +131,10 @@ async def test_rlvr_groups_carry_tokens_versions_logprobs_and_rewards(reward: Re
     for m in msgs:
         g = decode_group(m.data)
         t = g.tensors
-        prompt_ids = tok(tok.apply_chat_template([{"role": "user", "content": "000="}], add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+        prompt_ids = tok(
+            tok.apply_chat_template([{"role": "user", "content": "000="}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        ).input_ids
         assert t["input_ids"].shape[0] == 4
         plen = len(prompt_ids)
         assert (t["prompt_len"] == plen).all()
@@ -174,7 +179,9 @@ def rollout_proc(nats_url: str, server: str, model: Path, name: str, log: Path) 
         return subprocess.Popen([sys.executable, "-m", "services.rollout", *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
 
-async def test_sigkilled_worker_loses_nothing_and_duplicates_nothing(reward: RewardService, nc: NATS, nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
+async def test_sigkilled_worker_loses_nothing_and_duplicates_nothing(
+    reward: RewardService, nc: NATS, nats_url: str, tiny_model: Path, tmp_path: Path
+) -> None:
     js = nc.jetstream()
     # simulate mode: the same protocol at 0.25 s per token, so an episode lasts ~2 s and can be interrupted
     sim = ("simulate=true", "sim.token_latency_s=0.25", "sim.median_new_tokens=100")

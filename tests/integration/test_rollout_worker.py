@@ -54,7 +54,9 @@ async def push_prompts(js: Any, n: int, *, subject: str = S.prompts_train, prefi
 async def collect(js: Any, subject: str, n: int, timeout_s: float = 20.0) -> list[Any]:
     """Read `n` messages from the TRAJECTORIES stream on `subject` (as the trainer's consumer would),
     then check for a little longer that nothing more arrives."""
-    sub = await js.pull_subscribe(subject, durable=None, stream=TRAJECTORIES_STREAM, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+    sub = await js.pull_subscribe(
+        subject, durable=None, stream=TRAJECTORIES_STREAM, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+    )
     got: list[Any] = []
     deadline = asyncio.get_running_loop().time() + timeout_s
 
@@ -77,7 +79,14 @@ async def workers(url: str, workflow: RolloutWorkflow, count: int, **config: Any
     conns = [await nats.connect(url) for _ in range(count)]
     stopping = asyncio.Event()
     made = [
-        RolloutWorker(nc, RUN, workflow, None, WorkerConfig(**{"worker": f"w{i}", "fetch_timeout_s": 0.2, **config}), metrics=MetricsPublisher(nc, RUN, "rollout", f"w{i}"))
+        RolloutWorker(
+            nc,
+            RUN,
+            workflow,
+            None,
+            WorkerConfig(**{"worker": f"w{i}", "fetch_timeout_s": 0.2, **config}),
+            metrics=MetricsPublisher(nc, RUN, "rollout", f"w{i}"),
+        )
         for i, nc in enumerate(conns)
     ]
     for w in made:  # declare first, so prompts pushed next have a consumer
@@ -186,7 +195,13 @@ async def test_result_of_a_redelivered_prompt_is_not_recorded_twice(nats_url: st
 async def test_stopping_mid_episode_hands_prompts_straight_back(nats_url: str, js: Any) -> None:
     slow = CountingWorkflow(group_size=1, delay_s=60)
     nc = await nats.connect(nats_url)
-    first = RolloutWorker(nc, RUN, slow, None, WorkerConfig(worker="slow", max_concurrent=2, ack_wait_s=30, drain_timeout_s=0.1, fetch_timeout_s=0.2))
+    first = RolloutWorker(
+        nc,
+        RUN,
+        slow,
+        None,
+        WorkerConfig(worker="slow", max_concurrent=2, ack_wait_s=30, drain_timeout_s=0.1, fetch_timeout_s=0.2),
+    )
     await first.declare()
     stopping = asyncio.Event()
     task = asyncio.create_task(first.run(stopping))

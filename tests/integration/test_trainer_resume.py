@@ -21,7 +21,9 @@ log = get_logger("test")
 
 
 @pytest.mark.timeout(300)
-async def test_sigkill_then_resume_trains_each_trajectory_after_the_checkpoint_once(nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
+async def test_sigkill_then_resume_trains_each_trajectory_after_the_checkpoint_once(
+    nats_url: str, tiny_model: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "trainer"
     out.mkdir()
     nc = await connect(nats_url, "test")

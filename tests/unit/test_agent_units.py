@@ -95,7 +95,14 @@ def test_tools_of_every_dialect_become_openai_functions() -> None:
 # ------------------------------------------------------------------------------------ the tree
 
 
-def make(cache: InteractionCache, messages: list[dict[str, Any]], reply: str, prompt: list[int], out: list[int], parent: Interaction | None = None) -> Interaction:
+def make(
+    cache: InteractionCache,
+    messages: list[dict[str, Any]],
+    reply: str,
+    prompt: list[int],
+    out: list[int],
+    parent: Interaction | None = None,
+) -> Interaction:
     n = len(cache)
     return cache.add(Interaction(
         id=f"i{n}", api="chat", messages=messages, reply={"role": "assistant", "content": reply}, prompt_ids=prompt,

@@ -36,7 +36,11 @@ def _available(module: str) -> bool:
     return True
 
 
-SERVICES = [n for n in ("inference", "rollout", "reward", "trainer", "weights") if _available(f"services.{n}") and hasattr(importlib.import_module(f"services.{n}"), "main")]
+SERVICES = [
+    n
+    for n in ("inference", "rollout", "reward", "trainer", "weights")
+    if _available(f"services.{n}") and hasattr(importlib.import_module(f"services.{n}"), "main")
+]
 
 
 @pytest.mark.parametrize("name", SERVICES)

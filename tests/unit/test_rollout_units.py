@@ -21,7 +21,11 @@ from services.rollout.workflows.synthetic import SyntheticWorkflow
 
 def test_sample_tensors_follow_the_contract_and_survive_the_codec() -> None:
     a = sample_tensors([1, 2, 3], [4, 5], [-0.5, -0.25], [7, 8], reward=1.0)
-    b = turn_tensors([([1, 2], False, None, None), ([9], True, [-1.0], [7]), ([3, 3], False, None, None), ([4], True, [-2.0], [8])], 0.81, 2)
+    b = turn_tensors(
+        [([1, 2], False, None, None), ([9], True, [-1.0], [7]), ([3, 3], False, None, None), ([4], True, [-2.0], [8])],
+        0.81,
+        2,
+    )
     group = concat_padded([a, b])
     assert group["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0], [1, 2, 9, 3, 3, 4]]
     assert group["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 1, 0, 0, 1]]

@@ -93,7 +93,10 @@ class AgentProxy:
         if request.previous_id is not None:
             previous = session.cache.get(request.previous_id)
             if previous is None:
-                raise not_found(f"previous_response_id {request.previous_id!r} is not a response of this session", "previous_response_not_found")
+                raise not_found(
+                    f"previous_response_id {request.previous_id!r} is not a response of this session",
+                    "previous_response_not_found",
+                )
             messages = previous.conversation + messages
         parent = session.cache.find_parent(messages)
         prompt_ids, incremental = self.chat.prompt_ids(messages, request.tools, parent)

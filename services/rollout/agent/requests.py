@@ -178,7 +178,16 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
             tools.append({"type": "function", "function": tool["function"]})
         elif isinstance(tool.get("name"), str):
             params = tool.get("parameters", tool.get("input_schema", {"type": "object", "properties": {}}))
-            tools.append({"type": "function", "function": {"name": tool["name"], "description": tool.get("description", ""), "parameters": params}})
+            tools.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": tool["name"],
+                        "description": tool.get("description", ""),
+                        "parameters": params,
+                    },
+                }
+            )
         else:
             raise bad_request(f"tools[{i}] has no function name", "tools")
     return tools

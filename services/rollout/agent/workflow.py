@@ -200,7 +200,9 @@ class AgentWorkflow(RolloutWorkflow):
                 except ProxyError as exc:
                     raise WorkflowError(f"the agent's reward for {interaction_id!r}: {exc.message}") from exc
             return
-        raise WorkflowError(f"the agent's run returned {type(result).__name__}; expected a float, a dict of completion id -> reward, or None")
+        raise WorkflowError(
+            f"the agent's run returned {type(result).__name__}; expected a float, a dict of completion id -> reward, or None"
+        )
 
 
 async def _load_tokenizer(tokenizer: Any, engine: Any) -> Any:

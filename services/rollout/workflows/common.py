@@ -48,7 +48,9 @@ def prompt_text(data: dict[str, Any], key: str) -> str:
     return str(data[key])
 
 
-def reward_items(data: dict[str, Any], prompt: str, prompt_ids: Sequence[int], completions: Sequence[tuple[str, Sequence[int]]]) -> list[RewardItem]:
+def reward_items(
+    data: dict[str, Any], prompt: str, prompt_ids: Sequence[int], completions: Sequence[tuple[str, Sequence[int]]]
+) -> list[RewardItem]:
     row = {k: v for k, v in data.items() if k not in _RESERVED}
     return [
         RewardItem(prompt=prompt, completion=text, prompt_ids=list(prompt_ids), completion_ids=list(ids), data=row)
