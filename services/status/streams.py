@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 
 from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -71,13 +72,14 @@ async def _workers(nc: NATS, subjects: Subjects, timeout_s: float, alive_within_
             subjects.metrics_all,
             stream=METRICS_STREAM,
             config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_TIME,
-                                  opt_start_time=_iso(time.time() - max(alive_within_s * 4, 60)), mem_storage=True),
+                                  opt_start_time=datetime.fromtimestamp(time.time() - max(alive_within_s * 4, 60), UTC),
+                                  mem_storage=True),
         )
     except NotFoundError:
         return []
     last: dict[tuple[str, str], float] = {}
     try:
-        pending = (await sub.consumer_info()).num_pending
+        pending = (await sub.consumer_info()).num_pending or 0
         seen = 0
         while seen < pending:
             try:
@@ -96,10 +98,6 @@ async def _workers(nc: NATS, subjects: Subjects, timeout_s: float, alive_within_
         await sub.unsubscribe()
     now = time.time()
     return [Worker(s, w, now - t, now - t <= alive_within_s) for (s, w), t in sorted(last.items())]
-
-
-def _iso(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int((ts % 1) * 1e6):06d}Z"
 
 
 def render_bus(status: BusStatus) -> str:

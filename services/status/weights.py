@@ -6,6 +6,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
@@ -68,7 +69,7 @@ async def weights_status(nc: NATS, run: str, timeout_s: float = 5.0) -> WeightsS
     return status
 
 
-async def _last_per_subject(nc: NATS, subject: str, timeout_s: float) -> list:
+async def _last_per_subject(nc: NATS, subject: str, timeout_s: float) -> list[Msg]:
     """Every subject's last message (an ephemeral pull consumer, no acks), read until none pend."""
     js = nc.jetstream()
     try:
@@ -79,9 +80,9 @@ async def _last_per_subject(nc: NATS, subject: str, timeout_s: float) -> list:
         )
     except NotFoundError:
         return []  # no stream yet: nothing was ever published
-    out = []
+    out: list[Msg] = []
     try:
-        pending = (await sub.consumer_info()).num_pending
+        pending = (await sub.consumer_info()).num_pending or 0
         while len(out) < pending:
             try:
                 out.extend(await sub.fetch(min(256, pending - len(out)), timeout=timeout_s))

@@ -153,7 +153,7 @@ class Trainer:
             try:
                 seq = int(json.loads(msg.data)["stream_seq"])
                 stored = await js.get_msg(PROMPTS_STREAM, seq)
-                task = decode(PromptTask, stored.data)
+                task = decode(PromptTask, stored.data or b"")  # no payload: MessageError below
             except (MessageError, KeyError, ValueError, NotFoundError) as exc:
                 log.warning("dead-letter advisory not usable", error=repr(exc))
                 return

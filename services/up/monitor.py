@@ -56,7 +56,9 @@ class RunView:
         if event.service == "trainer" and event.step is not None:
             if not self.steps or self.steps[-1]["step"] != event.step:
                 values = dict(event.values)
-                values.setdefault("staleness_mean", staleness_mean(values))
+                mean = staleness_mean(values)
+                if mean is not None:  # a None here would hide staleness/mean or staleness from pick()
+                    values.setdefault("staleness_mean", mean)
                 self.steps.append({"step": event.step, "version": event.version, "time": event.time - self.started, **values})
 
     @property

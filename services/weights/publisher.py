@@ -44,7 +44,7 @@ async def latest_published(nc: NATS, run: str) -> WeightsPublished | None:
         msg = await nc.jetstream().get_last_msg(WEIGHT_SYNC_STREAM, Subjects(run).weights_published)
     except NotFoundError:
         return None
-    return decode(WeightsPublished, msg.data)
+    return decode(WeightsPublished, msg.data or b"")  # no payload: a MessageError like any bad one
 
 
 class WeightPublisher:
