@@ -32,7 +32,7 @@ def batches(model_path: str, n: int, groups: int, group_size: int) -> list[dict]
     rng = np.random.default_rng(0)
     out = []
     for _ in range(n):
-        gs = []
+        gs: list[dict[str, np.ndarray]] = []
         for _ in range(groups):
             ids = rng.integers(4, 14, size=(group_size, 9))
             ids[:, 0] = 1

@@ -32,4 +32,4 @@ def rejection_headers(run: str, prompt_id: str) -> dict[str, str]:
 
 
 def is_rejection(headers: dict[str, str] | None) -> bool:
-    return bool(headers) and headers.get(HDR_STATUS) == STATUS_REJECTED
+    return headers is not None and headers.get(HDR_STATUS) == STATUS_REJECTED

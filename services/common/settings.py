@@ -99,7 +99,7 @@ class _YamlSource(PydanticBaseSettingsSource):
         return read_yaml(self.path, self.settings_cls)
 
 
-def read_yaml(path: Path, settings_cls: type[BaseSettings] | None = None) -> dict[str, Any]:
+def read_yaml(path: str | Path, settings_cls: type[BaseSettings] | None = None) -> dict[str, Any]:
     """Read a config file. A file with a top-level key named after the service uses that section."""
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}

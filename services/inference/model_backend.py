@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 from services.common.logging import get_logger
 from services.inference.requests import Joining, SamplingParams
@@ -94,7 +95,7 @@ class TransformersBackend:
             for row, tok, lp in zip(rows, tokens, logps, strict=True):
                 row.last_token = tok
                 out.append((row.sid, tok, lp))
-            layers = [(layer.keys, layer.values) for layer in cache.layers]
+            layers = _keys_values(cache)
             self._merge(rows, layers, torch.ones(len(group), length, dtype=torch.long))
         return out, self.version
 
@@ -124,8 +125,9 @@ class TransformersBackend:
         logits = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
         ).logits[:, -1, :]
-        self._keys = [layer.keys for layer in cache.layers]
-        self._values = [layer.values for layer in cache.layers]
+        layers = _keys_values(cache)
+        self._keys = [k for k, _ in layers]
+        self._values = [v for _, v in layers]
         self._mask = mask
         tokens, logps = sample(logits, [r.params for r in self._rows], [r.generator for r in self._rows])
         out = []
@@ -169,6 +171,17 @@ class TransformersBackend:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
+
+
+def _keys_values(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values). The batch is kept as attention keys and values per layer; a cache
+    layer without them (linear attention state) is a model this server cannot batch: say so here."""
+    out = []
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+            raise TypeError(f"cache layer {i} is a {type(layer).__name__} without keys and values")
+        out.append((layer.keys, layer.values))
+    return out
 
 def _lpad(t: torch.Tensor, width: int) -> torch.Tensor:
     """Left-pad the sequence dimension (-2 for [B, H, L, D] caches, -1 for [B, L] masks) with zeros."""

@@ -107,7 +107,7 @@ class InferenceServer:
                 raise RequestError("stream: true with a batch input or n > 1 is not supported by the CPU server")
         except RequestError as exc:
             return web.json_response(error_body(str(exc)), status=400)
-        rids = gen.rids or [None] * len(gen.prompts)
+        rids: list[str | None] = [*gen.rids] if gen.rids else [None] * len(gen.prompts)
         seqs = [await self.sched.submit(p, gen.params, rid) for p, rid in zip(gen.prompts, rids, strict=True)]
         try:
             if gen.stream:

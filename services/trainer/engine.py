@@ -39,7 +39,8 @@ def import_deepspeed() -> Any:
     without it: shared/reference/deepspeed-cpu.md)."""
     import deepspeed
 
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    comm_torch: Any = sys.modules["deepspeed.comm.torch"]
+    comm_torch.build_shm_op = lambda: None
     return deepspeed
 
 
@@ -92,7 +93,9 @@ class TrainEngine:
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(settings))
         self.ref_model: torch.nn.Module | None = None
         if settings.ppo.kl_coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32).to(self.device)
+            # typed as a Module: transformers' decorated PreTrainedModel.to reads as unbound to mypy
+            ref: torch.nn.Module = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32)
+            self.ref_model = ref.to(self.device)
             self.ref_model.eval().requires_grad_(False)
 
     @property

@@ -88,7 +88,7 @@ class EvalRounds:
         pid, rewards, outcome = self._read(data, headers)
         step = self._round_of.get(pid) if pid is not None else None
         rnd = self.rounds.get(step) if step is not None else None
-        if rnd is None:
+        if pid is None or step is None or rnd is None:
             if outcome == "malformed":
                 self.metrics.count("eval_malformed_messages")
             log.info("eval answer for no open round; skipped", prompt_id=pid, outcome=outcome)

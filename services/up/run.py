@@ -89,7 +89,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
         (run_dir / URL_FILE).write_text(nats.url)  # lets `jetrl status` / `plot` find the live run
         log.info("nats-server ready", url=nats.url, store=str(nats.store_dir))
         await asyncio.to_thread(_make_model, s.model_path)
-        dataset = s.dataset_path or await asyncio.to_thread(_make_dataset, run_dir, s.dataset_size)
+        dataset = s.dataset_path or str(await asyncio.to_thread(_make_dataset, run_dir, s.dataset_size))
         nc = await connect(nats.url, "jetrl-up")
         await declare_streams(nc.jetstream())
         await watch(nc, s.run, view)
@@ -117,12 +117,12 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
             rollout = {**common, "model_path": s.model_path, "worker": f"rollout-{i}", "inference": {"servers": servers}}
             # replicas: one dying is survivable (its prompts are redelivered); all of them is not
             stack.start(f"rollout-{i}", "services.rollout", to_env("rollout", deep_merge(rollout, sec("rollout"))), required=False)
-        trainer = {
+        trainer: dict[str, Any] = {
             **common,
             "model_path": s.model_path,
             "output_dir": str(run_dir / "trainer"),
             "total_steps": s.total_steps,
-            "feeder": {"dataset_path": str(dataset)},
+            "feeder": {"dataset_path": dataset},
         }
         if not s.dataset_path:  # the demo: a fixed eval set of 32 prompts, every 10 steps
             eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1)

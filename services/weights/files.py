@@ -10,15 +10,20 @@ import hashlib
 import os
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import unquote, urlparse
 
 from schemas.messages import WeightFile
 
 READ_SIZE = 4 * 1024 * 1024
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class ChecksumError(ValueError):
@@ -55,7 +60,7 @@ def copy_hashed(src: Path, dst: Path, name: str) -> WeightFile:
         return WeightFile(name=name, sha256=digest.result(), size=dst.stat().st_size)
 
 
-def parallel(fn, items: list):  # type: ignore[no-untyped-def, type-arg]
+def parallel(fn: Callable[[T], R], items: list[T]) -> list[R]:
     """`[fn(x) for x in items]` on one thread per core: hashlib and file copies release the GIL, so a
     checkpoint in several shards is hashed on every core (sha256 itself cannot be split)."""
     if len(items) <= 1:

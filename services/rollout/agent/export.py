@@ -71,7 +71,7 @@ def _individual(cache: InteractionCache, returns: dict[str, float]) -> dict[str,
 def _chain(leaf: Interaction) -> list[Interaction]:
     path = [leaf]
     while path[-1].parent is not None:
-        path.append(path[-1].parent)  # type: ignore[arg-type]
+        path.append(path[-1].parent)
     return path[::-1]
 
 
