@@ -23,13 +23,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.trajectory import decode_group, encode_group  # noqa: E402
+from schemas.trajectory import decode_group, encode_group
 
 
 def make_group(rng: np.random.Generator, batch: int, seqlen: int, full: bool) -> dict[str, np.ndarray]:
@@ -46,7 +47,7 @@ def make_group(rng: np.random.Generator, batch: int, seqlen: int, full: bool) ->
     }
 
 
-def best_of(fn, repeats: int, inner: int) -> float:  # type: ignore[no-untyped-def]
+def best_of(fn: Callable[[], object], repeats: int, inner: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -56,14 +57,29 @@ def best_of(fn, repeats: int, inner: int) -> float:  # type: ignore[no-untyped-d
     return best
 
 
-def copy_into(group: dict[str, np.ndarray]):  # type: ignore[no-untyped-def]
+def copy_into(group: dict[str, np.ndarray]) -> Callable[[], None]:
     """A copy of the group into destinations carved out of one buffer, 64 bytes apart: no 4K aliasing."""
     pool = np.empty(sum(a.nbytes + 64 for a in group.values()), dtype=np.uint8)
     dests, at = [], 64
     for a in group.values():
         dests.append((pool[at : at + a.nbytes].view(a.dtype).reshape(a.shape), a))
         at += a.nbytes + 64
-    return lambda: [np.copyto(d, a) for d, a in dests]
+
+    def copy() -> None:
+        for d, a in dests:
+            np.copyto(d, a)
+
+    return copy
+
+
+def fresh_copy(group: dict[str, np.ndarray]) -> Callable[[], object]:
+    """`a.copy()` of every tensor: numpy allocates each destination afresh."""
+    return lambda: [a.copy() for a in group.values()]
+
+
+def round_trip(group: dict[str, np.ndarray]) -> Callable[[], object]:
+    """What is measured: encode the group as one message and decode it back."""
+    return lambda: decode_group(encode_group(group, run="b", prompt_id="p", worker="w"))
 
 
 def main() -> None:
@@ -73,10 +89,10 @@ def main() -> None:
     for label, seqlen, full in cases:
         group = make_group(rng, 8, seqlen, full)
         nbytes = sum(a.nbytes for a in group.values())
-        fresh_s = best_of(lambda: [a.copy() for a in group.values()], 7, 50)
+        fresh_s = best_of(fresh_copy(group), 7, 50)
         into_s = best_of(copy_into(group), 7, 50)
         copy_s = min(fresh_s, into_s)
-        codec_s = best_of(lambda: decode_group(encode_group(group, run="b", prompt_id="p", worker="w")), 7, 50)
+        codec_s = best_of(round_trip(group), 7, 50)
         wire = len(encode_group(group, run="b", prompt_id="p", worker="w"))
         rows.append((label, nbytes, wire, nbytes / fresh_s / 1e9, nbytes / into_s / 1e9, nbytes / codec_s / 1e9,
                      copy_s / codec_s))

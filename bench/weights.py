@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,6 +34,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import httpx  # noqa: E402
 import nats  # noqa: E402
+from nats.aio.msg import Msg  # noqa: E402
 
 from schemas.messages import WeightsLoaded, WeightsLoadFailed, decode  # noqa: E402
 from services.common.nats_server import NatsServer, free_port  # noqa: E402
@@ -49,9 +51,8 @@ def build_model(out: Path, mb: int) -> int:
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from services.trainer.settings import TrainerSettings
-
     from services.inference.make_model import CHARS, SPECIALS, build_tokenizer
+    from services.trainer.settings import TrainerSettings
 
     hidden, ffn, layers = SHAPES[mb]
     out.mkdir(parents=True, exist_ok=True)
@@ -96,12 +97,9 @@ async def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float
     raise TimeoutError(f"{url} not healthy in {timeout_s}s")
 
 
-async def bench_size(mb: int, work: Path, nats_url: str, repeats: int, rows: list[dict]) -> None:
-    model = work / f"model{mb}"
-    size = build_model(model, mb)
-    run = f"bench{mb}"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+def start_services(model: Path, work: Path, mb: int, nats_url: str, run: str, port: int,
+                   url: str) -> tuple[IO[bytes], list[subprocess.Popen[bytes]]]:
+    """The CPU inference server and its `jetrl weights` agent, logging to one file under `work`."""
     env = {**os.environ, "JETRL_LOG_FORMAT": "json"}
     logs = open(work / f"procs{mb}.log", "wb")
     procs = [
@@ -111,12 +109,22 @@ async def bench_size(mb: int, work: Path, nats_url: str, repeats: int, rows: lis
                           f"cache_dir={work / f'cache{mb}'}", "keep_local=1", "request_timeout_s=600"],
                          cwd=ROOT, env=env, stdout=logs, stderr=subprocess.STDOUT),
     ]
+    return logs, procs
+
+
+async def bench_size(mb: int, work: Path, nats_url: str, repeats: int, rows: list[dict]) -> None:
+    model = work / f"model{mb}"
+    size = build_model(model, mb)
+    run = f"bench{mb}"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    logs, procs = start_services(model, work, mb, nats_url, run, port, url)
     nc = await nats.connect(nats_url)
     try:
         await ensure_weight_sync_stream(nc)
         reports: asyncio.Queue = asyncio.Queue()
 
-        async def on_report(msg: nats.aio.msg.Msg) -> None:
+        async def on_report(msg: Msg) -> None:
             cls = WeightsLoaded if ".loaded." in msg.subject else WeightsLoadFailed
             await reports.put(decode(cls, msg.data))
 

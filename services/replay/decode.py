@@ -20,6 +20,7 @@ import functools
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -47,7 +48,7 @@ _OFFSETS = [1 + 4 * i + 1 for i in range(len(TOKEN_COLUMNS))]
 _VALUES = [1 + 4 * i + 3 for i in range(len(TOKEN_COLUMNS))]
 _REWARD, _PROMPT_LEN = (1 + 4 * len(TOKEN_COLUMNS) + 2 * i + 1 for i in range(2))
 _WIRE = [np.dtype(arrow_type.to_pandas_dtype()) for _, arrow_type in TOKEN_COLUMNS.values()]
-_VALUE_SIZES = [(at, wire.itemsize) for at, wire in zip(_VALUES, _WIRE)]
+_VALUE_SIZES = [(at, wire.itemsize) for at, wire in zip(_VALUES, _WIRE, strict=True)]
 _INT64, _FLOAT32, _INT32 = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.int32)
 
 
@@ -63,7 +64,7 @@ async def decode_ahead(batches: AsyncGenerator[list[Record], None]) -> AsyncIter
             for start in range(0, len(batch), AHEAD):
                 records = batch[start : start + AHEAD]
                 todo = [i for i, record in enumerate(records) if not is_rejection(record.headers)]
-                for i, decoded in zip(todo, decode_groups([records[i].data for i in todo])):
+                for i, decoded in zip(todo, decode_groups([records[i].data for i in todo]), strict=True):
                     records[i] = records[i].with_decoded(decoded)
                 for record in records:
                     yield record
@@ -74,9 +75,9 @@ def decode_groups(datas: Sequence[bytes]) -> list[DecodedGroup | Exception]:
     plain = [_layout(batch) for batch in [_read(data) for data in datas]]
     plain = [p if p is not None and _describe(p) else None for p in plain]
     ready = [p for p in plain if p is not None]
-    for key, at, wire in zip(TOKEN_COLUMNS, _VALUES, _WIRE):
+    for key, at, wire in zip(TOKEN_COLUMNS, _VALUES, _WIRE, strict=True):
         for p in ready:
-            values = np.frombuffer(p.buffers[at], dtype=wire, count=p.total)  # type: ignore[call-overload]
+            values = np.frombuffer(p.buffers[at], dtype=wire, count=p.total)
             dtype = p.dtypes.get(key, wire)
             if p.mask is None:  # no padding: one cast of the whole buffer
                 p.tensors[key] = values.reshape(p.rows, p.seqlen).astype(dtype)
@@ -87,12 +88,12 @@ def decode_groups(datas: Sequence[bytes]) -> list[DecodedGroup | Exception]:
         mask_dtype = p.dtypes.get("attention_mask", _INT64)
         p.tensors["attention_mask"] = np.ones((p.rows, p.seqlen), mask_dtype) if p.mask is None else p.mask.astype(mask_dtype)
     for p in ready:
-        rewards = np.frombuffer(p.buffers[_REWARD], dtype=_FLOAT32, count=p.rows)  # type: ignore[call-overload]
+        rewards = np.frombuffer(p.buffers[_REWARD], dtype=_FLOAT32, count=p.rows)
         p.tensors["rewards"] = rewards.astype(p.dtypes.get("rewards", _FLOAT32))
         if "prompt_len" in p.dtypes:
-            prompt_len = np.frombuffer(p.buffers[_PROMPT_LEN], dtype=_INT32, count=p.rows)  # type: ignore[call-overload]
+            prompt_len = np.frombuffer(p.buffers[_PROMPT_LEN], dtype=_INT32, count=p.rows)
             p.tensors["prompt_len"] = prompt_len.astype(p.dtypes["prompt_len"])
-    return [p.group() if p is not None else _decode_or_error(data) for data, p in zip(datas, plain)]
+    return [p.group() if p is not None else _decode_or_error(data) for data, p in zip(datas, plain, strict=True)]
 
 
 @dataclass
@@ -100,8 +101,9 @@ class _Plain:
     """One message of the codec's own layout, filled in step by step."""
 
     batch: pa.RecordBatch
-    buffers: list[pa.Buffer | None]
-    """The batch's buffers, depth first (see `_OFFSETS`)."""
+    buffers: list[Any]
+    """The batch's buffers, depth first (see `_OFFSETS`): pa.Buffer, or None for an absent validity
+    buffer (`_layout` has checked that every offsets and values buffer is there)."""
     rows: int
     meta: TrajectoryMeta | None = None
     dtypes: dict[str, np.dtype] = field(default_factory=dict)
@@ -149,7 +151,7 @@ def _layout(batch: pa.RecordBatch | None) -> _Plain | None:
     if any(b is None for b in buffers[2::2]):
         return None
     offsets = buffers[_OFFSETS[0]]
-    if not all(offsets.equals(buffers[i]) for i in _OFFSETS[1:]):  # type: ignore[union-attr]
+    if not all(offsets.equals(buffers[i]) for i in _OFFSETS[1:]):
         return None
     return _Plain(batch, buffers, batch.num_rows)
 
@@ -160,7 +162,7 @@ def _describe(p: _Plain) -> bool:
     try:
         p.meta = _meta(md)
         p.dtypes = _dtypes(md.get(b"jetrl.dtypes", b"{}"))
-        bounds = np.frombuffer(p.buffers[_OFFSETS[0]], dtype=_INT32, count=p.rows + 1)  # type: ignore[call-overload]
+        bounds = np.frombuffer(p.buffers[_OFFSETS[0]], dtype=_INT32, count=p.rows + 1)
         lengths = bounds[1:] - bounds[:-1]
         row_lengths = lengths.tolist()
         shortest, longest = min(row_lengths), max(row_lengths)
@@ -175,12 +177,12 @@ def _describe(p: _Plain) -> bool:
     return True
 
 
-def _sizes_fit(buffers: list[pa.Buffer | None], total: int, rows: int) -> bool:
+def _sizes_fit(buffers: list[Any], total: int, rows: int) -> bool:
     """Every values buffer holds what the row split says (a corrupt message may not)."""
     for at, itemsize in _VALUE_SIZES:
-        if buffers[at].size < total * itemsize:  # type: ignore[union-attr]
+        if buffers[at].size < total * itemsize:
             return False
-    return buffers[_REWARD].size >= 4 * rows and buffers[_PROMPT_LEN].size >= 4 * rows  # type: ignore[union-attr]
+    return buffers[_REWARD].size >= 4 * rows and buffers[_PROMPT_LEN].size >= 4 * rows
 
 
 def _meta(md: dict[bytes, bytes]) -> TrajectoryMeta | None:

@@ -63,16 +63,16 @@ class Puller:
             ask["expires"] = max(int(expires_s * 1e9) - 100_000, 1_000_000)
         await self._nc.publish(self._next, json.dumps(ask).encode(), reply=self._inbox)
 
-    async def take(self, batch: int, timeout: float) -> list[Msg]:
+    async def take(self, batch: int, timeout_s: float) -> list[Msg]:
         """Up to `batch` messages, at least one. asyncio.TimeoutError: none came (the request ended
-        empty, or `timeout` passed); ConsumerLost: the server gave the consumer up; APIError: any
+        empty, or `timeout_s` passed); ConsumerLost: the server gave the consumer up; APIError: any
         other status (as nats-py's fetch raises it)."""
         if len(self._msgs) < batch and not self._ended and self._lost is None and self._error is None:
             self._want = batch
             self._wake = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.wait_for(self._wake, timeout)
-            except asyncio.TimeoutError:
+                await asyncio.wait_for(self._wake, timeout_s)
+            except TimeoutError:
                 pass  # return what came
             finally:
                 self._wake = None
@@ -83,7 +83,7 @@ class Puller:
             raise error
         if not self._msgs:
             self._ended = False
-            raise asyncio.TimeoutError
+            raise TimeoutError
         return [self._msgs.popleft() for _ in range(min(batch, len(self._msgs)))]
 
     async def _on_msg(self, msg: Msg) -> None:

@@ -16,7 +16,7 @@ import base64
 import hashlib
 import json
 from collections import deque
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import BinaryIO
 
@@ -92,7 +92,7 @@ async def put_file(js: JetStreamContext, bucket: str, name: str, path: Path, chu
         return data
 
     try:
-        with open(path, "rb", buffering=0) as f:
+        with await asyncio.to_thread(open, path, "rb", buffering=0) as f:
             while data := await loop.run_in_executor(None, read, f):
                 pending.append(await js.publish_async(subject, data))
                 size += len(data)
@@ -107,7 +107,7 @@ async def put_file(js: JetStreamContext, bucket: str, name: str, path: Path, chu
             nuid=nuid,
             size=size,
             chunks=chunks,
-            mtime=datetime.now(timezone.utc).isoformat(),
+            mtime=datetime.now(UTC).isoformat(),
             digest="SHA-256=" + base64.urlsafe_b64encode(sha.digest()).decode(),
             options=ObjectMetaOptions(max_chunk_size=chunk_size),
         )
@@ -130,7 +130,7 @@ async def _settle(fut: asyncio.Future) -> None:
     # nats-py never resolves a publish_async future the server answered 429 to: bound the wait.
     try:
         await asyncio.wait_for(fut, ACK_TIMEOUT_S)
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         raise ObjectStoreError(f"no ack for an object chunk within {ACK_TIMEOUT_S}s (stream full or server busy)") from exc
 
 
@@ -166,10 +166,10 @@ async def get_file(js: JetStreamContext, bucket: str, name: str, dest: BinaryIO)
     got = 0
     writing: asyncio.Future | None = None
     try:
-        while got < info.chunks:
+        while got < (info.chunks or 0):
             try:
-                msgs = await sub.fetch(min(batch, info.chunks - got), timeout=ACK_TIMEOUT_S)
-            except asyncio.TimeoutError as exc:  # plain asyncio.TimeoutError also covers nats' own
+                msgs = await sub.fetch(min(batch, (info.chunks or 0) - got), timeout=ACK_TIMEOUT_S)
+            except TimeoutError as exc:  # plain asyncio.TimeoutError also covers nats' own
                 raise ObjectStoreError(f"{name}: chunks stopped arriving after {got}/{info.chunks}") from exc
             if writing is not None:
                 await writing
