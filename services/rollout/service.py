@@ -117,4 +117,5 @@ def worker_config(settings: RolloutSettings) -> WorkerConfig:
         nak_delay_s=settings.nak_delay_s,
         publish_timeout_s=settings.publish_timeout_s,
         drain_timeout_s=settings.drain_timeout_s,
+        episode_timeout_s=settings.episode_timeout_s,
     )

@@ -49,6 +49,8 @@ class RolloutSettings(ServiceSettings):
     """Longest wait for the TRAJECTORIES stream to acknowledge a result."""
     drain_timeout_s: float = 10.0
     """On SIGTERM, how long in-flight episodes may finish before their prompts are handed back."""
+    episode_timeout_s: float = 1800.0
+    """Longest run of one episode; past it the attempt fails (retried after nak_delay_s, rejected at max_deliver). 0 = no limit."""
     worker: str = Field(default_factory=_default_worker)
     """This worker's name in trajectories and metrics (default hostname-pid)."""
     dump_dir: str | None = None
@@ -68,8 +70,9 @@ class RolloutSettings(ServiceSettings):
         for name in ("ack_wait_s", "publish_timeout_s", "metrics_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.nak_delay_s < 0:
-            raise ValueError(f"nak_delay_s must be >= 0, got {self.nak_delay_s}")
+        for name in ("nak_delay_s", "episode_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if ":" not in self.workflow:
             raise ValueError(f"workflow {self.workflow!r}: expected 'package.module:ClassName'")
         return self

@@ -7,9 +7,12 @@ semantics"):
 - while an episode runs, `in_progress()` keeps the prompt from being redelivered;
 - the result carries `Nats-Msg-Id`, so a result published twice (a worker died between publish and
   ack) is dropped by JetStream;
-- an episode that raises is `nak`ed with a delay and retried; at the consumer's `max_deliver`-th
-  attempt (or at once for errors no retry can fix) a rejection marker carrying the error is published;
-- a prompt that does not decode is terminated and counted.
+- an episode that raises, or runs past `episode_timeout_s`, is `nak`ed with a delay and retried; at
+  the consumer's `max_deliver`-th attempt (or at once for errors no retry can fix) a rejection marker
+  carrying the error is published;
+- a prompt that does not decode is terminated and counted; if its `Nats-Msg-Id` names its prompt id
+  (as the trainer's feeder and `jetrl prompts` set it), a rejection marker is published for it first,
+  so the feeder's accounting closes and the prompt is re-issued.
 """
 
 from __future__ import annotations
@@ -26,21 +29,27 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas.headers import rejection_headers, trajectory_headers
 from schemas.messages import MessageError, PromptTask, RejectionMarker, decode, encode
-from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
+from schemas.subjects import HDR_MSG_ID, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import TrajectoryError, encode_group_with_meta
 from services.common.bus import declare_streams
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
 from services.rollout.dump import TrajectoryDumper
+from services.rollout.engine import BadRequestError
 from services.rollout.stats import RolloutStats
 from services.rollout.tensors import group_sizes
 from services.rollout.workflow import RolloutWorkflow, WorkflowError, as_tensor_dict, workflow_context
 
 log = get_logger("rollout")
 
-#: errors a retry of the same episode cannot fix: reject the prompt on the first attempt
-PERMANENT_ERRORS: tuple[type[BaseException], ...] = (WorkflowError, TrajectoryError, NotImplementedError)
+#: errors a retry of the same episode cannot fix: reject the prompt on the first attempt (an inference
+#: 400 is the caller's bug, whether a built-in workflow converted it to WorkflowError or not)
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (WorkflowError, TrajectoryError, NotImplementedError, BadRequestError)
+
+
+class EpisodeTimeout(TimeoutError):
+    """An episode ran past `episode_timeout_s` (a failed attempt: retried, then rejected)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,8 @@ class WorkerConfig:
     fetch_timeout_s: float = 1.0
     max_ack_pending: int = 10_000
     drain_timeout_s: float = 10.0
+    episode_timeout_s: float = 1800.0
+    """Longest run of one episode; 0 = no limit."""
 
 
 class RolloutWorker:
@@ -161,7 +172,7 @@ class RolloutWorker:
         try:
             task = decode(PromptTask, msg.data)
         except MessageError as exc:
-            await terminate_poison(msg, exc, self.metrics)
+            await self._poison(msg, exc)
             return
         is_eval = task.is_eval or msg.subject == self.subjects.prompts_eval
         heartbeat = asyncio.create_task(self._heartbeat(msg), name=f"in-progress-{task.prompt_id}")
@@ -178,10 +189,33 @@ class RolloutWorker:
         finally:
             heartbeat.cancel()
 
+    async def _poison(self, msg: Msg, exc: MessageError) -> None:
+        """Terminate a prompt that does not decode. The feeder counts it in flight until a result
+        arrives, so when its id can be recovered from the header a rejection marker is that result
+        (if publishing it fails, the prompt is `nak`ed so the next attempt publishes it)."""
+        prompt_id = self._prompt_id_of(msg)
+        if prompt_id is not None:
+            is_eval = msg.subject == self.subjects.prompts_eval
+            reason = f"malformed prompt: {exc}"
+            marker = RejectionMarker(run=self.run_name, prompt_id=prompt_id, worker=self.config.worker, reason=reason, is_eval=is_eval)
+            try:
+                await self._publish(self._subject(is_eval), encode(marker), rejection_headers(self.run_name, prompt_id))
+            except Exception as pub_exc:  # the bus failed: retry the whole prompt later
+                log.warning("publishing a malformed prompt's rejection failed; retried later", prompt_id=prompt_id, error=repr(pub_exc))
+                await self._quiet(msg.nak(delay=self.config.nak_delay_s))
+                return
+        await terminate_poison(msg, exc, self.metrics)
+
+    def _prompt_id_of(self, msg: Msg) -> str | None:
+        """The prompt id in `Nats-Msg-Id: <run>/prompt/<prompt_id>`, as the feeder publishes prompts."""
+        prefix = f"{self.run_name}/prompt/"
+        header = (msg.headers or {}).get(HDR_MSG_ID, "")
+        return header[len(prefix) :] if header.startswith(prefix) and len(header) > len(prefix) else None
+
     async def _episode(self, msg: Msg, task: PromptTask, is_eval: bool, started: float) -> None:
         try:
             with workflow_context.set(is_eval=is_eval, task_id=task.prompt_id):
-                result = as_tensor_dict(await self.workflow.arun_episode(self.engine, task.data))
+                result = as_tensor_dict(await self._run_episode(task))
             encoded = None if result is None else self._encode(task, result, is_eval)
         except Exception as exc:
             await self._failed(msg, task, is_eval, exc, started)
@@ -196,6 +230,19 @@ class RolloutWorker:
         await msg.ack()
         samples, tokens = group_sizes(result)
         self.stats.episode_done(time.monotonic() - started, samples, tokens, rejected=False)
+
+    async def _run_episode(self, task: PromptTask) -> Any:
+        """The workflow's episode, bounded by `episode_timeout_s`: a hanging workflow must not hold its
+        prompt (heartbeats keep it from redelivery) and a concurrency slot forever."""
+        limit = self.config.episode_timeout_s
+        deadline = asyncio.timeout(limit if limit > 0 else None)
+        try:
+            async with deadline:
+                return await self.workflow.arun_episode(self.engine, task.data)
+        except TimeoutError:
+            if deadline.expired():  # ours, not a TimeoutError the workflow raised itself
+                raise EpisodeTimeout(f"episode ran longer than episode_timeout_s={limit:g}") from None
+            raise
 
     def _encode(self, task: PromptTask, result: dict[str, Any], is_eval: bool) -> tuple[bytes, dict[str, str]]:
         data, meta = encode_group_with_meta(result, run=self.run_name, prompt_id=task.prompt_id, worker=self.config.worker, is_eval=is_eval)

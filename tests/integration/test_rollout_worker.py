@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgpack
 import nats
 import pytest
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -18,6 +19,7 @@ from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, TRAJECTORIES_STREAM
 from schemas.trajectory import decode_group
 from services.common.bus import declare_streams
 from services.common.metrics import MetricsPublisher
+from services.rollout.engine import BadRequestError
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflow import RolloutWorkflow, workflow_context
 from services.rollout.workflows.synthetic import SyntheticWorkflow
@@ -220,3 +222,64 @@ async def test_stopping_mid_episode_hands_prompts_straight_back(nats_url: str, j
         msgs = await collect(js, S.trajectories, 2, timeout_s=10)
     assert sorted(m.headers["Jetrl-Prompt-Id"] for m in msgs) == ["p0", "p1"]
     assert {decode_group(m.data).meta.worker for m in msgs} == {"w0"}
+
+
+async def test_malformed_prompt_with_a_feeder_msg_id_is_answered_with_a_rejection(nats_url: str, js: Any) -> None:
+    # The feeder counts a prompt in flight until its result arrives: a poison prompt must still get one.
+    async with workers(nats_url, CountingWorkflow(group_size=1), 1) as ws:
+        await js.publish(S.prompts_train, b"\xc1 not msgpack", headers={"Nats-Msg-Id": f"{RUN}/prompt/bad0"})
+        future = PromptTask(run=RUN, prompt_id="bad1", data={}).model_dump() | {"schema_version": 99}
+        await js.publish(S.prompts_eval, msgpack.packb(future), headers={"Nats-Msg-Id": f"{RUN}/prompt/bad1"})
+        await js.publish(S.prompts_train, b"\xc1 no header either")  # no id to answer for: terminated only
+        train = await collect(js, S.trajectories, 1)
+        evals = await collect(js, S.trajectories_eval, 1)
+        assert ws[0].metrics is not None and ws[0].metrics.counters["malformed_messages"] == 3
+    assert [m.headers["Jetrl-Prompt-Id"] for m in train] == ["bad0"] and is_rejection(train[0].headers)
+    assert [m.headers["Jetrl-Prompt-Id"] for m in evals] == ["bad1"] and is_rejection(evals[0].headers)
+    assert "not msgpack" in decode(RejectionMarker, train[0].data).reason
+    marker = decode(RejectionMarker, evals[0].data)
+    assert "schema_version 99" in marker.reason and marker.is_eval and marker.worker == "w0"
+    assert (await js.stream_info(PROMPTS_STREAM)).state.messages == 0  # terminated, not retried
+
+
+class HangingWorkflow(RolloutWorkflow):
+    """A custom workflow that never returns (a stuck tool call, a lost reply)."""
+
+    def __init__(self) -> None:
+        self.starts = 0
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Any:
+        self.starts += 1
+        await asyncio.Event().wait()
+
+
+async def test_a_hanging_episode_times_out_is_retried_and_then_rejected(nats_url: str, js: Any) -> None:
+    wf = HangingWorkflow()
+    async with workers(nats_url, wf, 1, max_concurrent=1, episode_timeout_s=0.3, max_deliver=2, nak_delay_s=0.05) as ws:
+        await push_prompts(js, 2)
+        msgs = await collect(js, S.trajectories, 2)
+        assert ws[0].stats.in_flight == 0  # the concurrency slot came back each time
+    assert sorted(m.headers["Jetrl-Prompt-Id"] for m in msgs) == ["p0", "p1"]
+    assert all(is_rejection(m.headers) for m in msgs)
+    reasons = [decode(RejectionMarker, m.data).reason for m in msgs]
+    assert all("EpisodeTimeout" in r and "episode_timeout_s=0.3" in r and "attempt 2 of 2" in r for r in reasons), reasons
+    assert wf.starts == 4  # two attempts per prompt, one slot: nothing was stuck
+
+
+class BadRequestWorkflow(CountingWorkflow):
+    """A custom workflow that lets the inference client's 400 propagate as it is."""
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Any:
+        await super().arun_episode(engine, data)
+        raise BadRequestError("http://server/generate: HTTP 400: input id 100000 is out of the vocab")
+
+
+async def test_an_inference_400_from_a_custom_workflow_is_rejected_without_retries(nats_url: str, js: Any) -> None:
+    wf = BadRequestWorkflow(group_size=1)
+    async with workers(nats_url, wf, 1, max_deliver=3, nak_delay_s=0.05):
+        await push_prompts(js, 2)
+        msgs = await collect(js, S.trajectories, 2)
+    assert all(is_rejection(m.headers) for m in msgs) and len(msgs) == 2
+    reasons = [decode(RejectionMarker, m.data).reason for m in msgs]
+    assert all("BadRequestError" in r and "vocab" in r and "attempt 1 of 3" in r for r in reasons), reasons
+    assert wf.starts == {"p0": 1, "p1": 1}

@@ -12,7 +12,7 @@ import torch
 from schemas.trajectory import decode_group, encode_group
 from services.common.settings import SettingsError, load_settings
 from services.rollout.dump import TrajectoryDumper
-from services.rollout.service import build_workflow
+from services.rollout.service import build_workflow, worker_config
 from services.rollout.settings import RolloutSettings
 from services.rollout.tensors import concat_padded, sample_tensors, turn_tensors
 from services.rollout.workflow import GroupedRolloutWorkflow
@@ -65,6 +65,15 @@ def test_settings_validate_and_name_the_bad_key() -> None:
         load_settings(RolloutSettings, None, ["max_deliver=0"])
     with pytest.raises(SettingsError, match="unknown key"):
         load_settings(RolloutSettings, None, ["max_concurency=3"])
+
+
+def test_episode_timeout_defaults_to_a_bound_reaches_the_worker_and_refuses_negatives() -> None:
+    assert RolloutSettings().episode_timeout_s == 1800  # a hanging workflow is bounded out of the box
+    s = load_settings(RolloutSettings, None, ["episode_timeout_s=0"])  # 0 = no limit
+    assert worker_config(s).episode_timeout_s == 0
+    assert worker_config(load_settings(RolloutSettings, None, ["episode_timeout_s=90"])).episode_timeout_s == 90
+    with pytest.raises(SettingsError, match="episode_timeout_s"):
+        load_settings(RolloutSettings, None, ["episode_timeout_s=-1"])
 
 
 def test_build_workflow_injects_standard_arguments_and_groups_single_sample_workflows() -> None:
