@@ -71,6 +71,18 @@ class ModelResponse:
     """How many `/generate` passes it took (more than 1 when aborts were continued)."""
 
 
+@dataclass(frozen=True)
+class WeightUpdateMeta:
+    """What `InferenceEngine.update_weights` loads (AReaL-lite's names). Only the disk transport: an
+    HF checkpoint directory every server can read; NCCL (DESIGN.md "Weight sync") is not built."""
+
+    path: str
+    """HF checkpoint directory (config + safetensors) as the inference servers see it."""
+    version: int
+    """Weight version the servers report (and tag every new token with) once loaded."""
+    type: Literal["disk"] = "disk"
+
+
 class InferenceClientSettings(Section):
     servers: list[str] = ["http://127.0.0.1:30000"]  # noqa: RUF012 - a pydantic field, copied per instance
     """Base URLs of the inference servers (or one sglang_router)."""
@@ -276,6 +288,18 @@ class InferenceEngine:
 
     async def resume(self, server: str | None = None) -> None:
         await self._control(server, "/continue_generation", {})
+
+    async def update_weights(self, meta: WeightUpdateMeta, server: str | None = None) -> None:
+        """Load new weights on `server` (default: every server) without losing a generation: pause in
+        abort mode (in-flight requests return their tokens so far and `agenerate` continues them),
+        load from disk, resume - resumed even when the load fails (the old weights keep serving)."""
+        if meta.type != "disk":
+            raise NotImplementedError(f"weight update transport {meta.type!r}: only 'disk' is built")
+        await self.pause(server)
+        try:
+            await self.update_weights_from_disk(meta.path, meta.version, server)
+        finally:
+            await self.resume(server)
 
     async def update_weights_from_disk(self, model_path: str, version: int, server: str | None = None) -> None:
         """Load a HF checkpoint directory; raises BadRequestError with the server's message on failure."""

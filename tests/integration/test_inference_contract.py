@@ -17,7 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.rollout.engine import BadRequestError, InferenceClientSettings, InferenceEngine, ModelRequest
+from services.rollout.engine import (
+    BadRequestError,
+    InferenceClientSettings,
+    InferenceEngine,
+    ModelRequest,
+    WeightUpdateMeta,
+)
 from tests.integration.conftest_inference import reference_logprobs, running_servers
 
 PROMPTS = [[1, 5, 6, 7, 13], [1, 9, 13], [1, 4, 4, 4, 4, 4, 4, 13], [1, 20, 21, 22, 23, 13], [1, 8], [1, 7, 7, 13]]
@@ -137,6 +143,34 @@ async def test_pause_update_continue_gives_one_completion_with_two_versions(
         switch = res.output_versions.index(v0 + 1)
         ref = reference_logprobs(new_weights, prompt, res.output_ids, 1.0)
         assert res.output_logprobs[switch:] == pytest.approx(ref[switch:], abs=1e-4)
+
+
+async def test_update_weights_loads_a_checkpoint_and_never_leaves_the_server_paused(
+    engine: InferenceEngine, target: Target, tmp_path: Path
+) -> None:
+    # The AReaL-lite name of the research API (DESIGN.md "Python API"), on the disk transport.
+    if target.model is None or not target.cpu:
+        pytest.skip("needs a checkpoint of the served model's shape to load")
+    from services.inference.make_model import build_model
+
+    new_weights = build_model(tmp_path / "seed2", seed=2)
+    v0 = await engine.get_weight_version(target.url)
+    short = ModelRequest(PROMPTS[1], max_new_tokens=4, ignore_eos=True)
+    try:
+        with pytest.raises(BadRequestError, match="update_weights_from_disk"):
+            await engine.update_weights(WeightUpdateMeta(path=str(tmp_path / "missing"), version=v0 + 1))
+        # resumed although the load failed: generation goes on, on the old weights
+        kept = await asyncio.wait_for(engine.agenerate(short), 30)
+        assert kept.output_versions == [v0] * 4
+
+        await engine.update_weights(WeightUpdateMeta(path=str(new_weights), version=v0 + 1))
+        assert await engine.get_weight_version(target.url) == v0 + 1
+        after = await asyncio.wait_for(engine.agenerate(short), 30)
+        assert after.output_versions == [v0 + 1] * 4
+        ref = reference_logprobs(new_weights, short.input_ids, after.output_ids, 1.0)
+        assert after.output_logprobs == pytest.approx(ref, abs=1e-4)  # served by the new weights
+    finally:
+        await engine.update_weights(WeightUpdateMeta(path=str(target.model), version=v0 + 2))  # later tests expect these
 
 
 async def test_failover_when_a_server_dies_mid_request(target: Target, tiny_model: Path, tmp_path: Path) -> None:
