@@ -35,9 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"rollout_workers={args.rollout_workers}")
     if args.steps is not None:
         overrides.append(f"total_steps={args.steps}")
-    up_config = _up_only(args.config)
-    try:
+    from services.up.run import run_stack, validate_sections
+
+    up_config = None
+    try:  # a bad --config (missing, not YAML, unknown section or key) is a message and exit 2
+        up_config = _up_only(args.config)
         sections = _service_sections(args.config)
+        validate_sections(sections)
         settings = load_settings(UpSettings, up_config, overrides)
     except SettingsError as exc:
         print(f"jetrl up: {exc}", file=sys.stderr)
@@ -45,9 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if up_config:
             os.unlink(up_config)
-
-    from services.up.run import run_stack
-
     return run_stack(settings, sections)
 
 

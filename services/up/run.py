@@ -16,10 +16,12 @@ import httpx
 from services.common.bus import connect, declare_streams
 from services.common.logging import configure_logging, get_logger
 from services.common.nats_server import NatsServer, free_port
+from services.common.settings import SettingsError
 from services.runs import URL_FILE
 from services.up.display import Display
 from services.up.monitor import REWARD_KEYS, RunView, watch
 from services.up.report import plot_curves, summary_lines, write_metrics
+from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
 from services.up.stack import Stack, settings_class, to_env
 
@@ -30,11 +32,15 @@ _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TORCH_EXTENSIONS_DIR",
 
 def run_stack(settings: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
     configure_logging(settings.log_level, settings.log_format, run=settings.run, service="up")
-    _validate_sections(sections)
-    return asyncio.run(_run(settings, sections))
+    try:
+        run_dir, kept = prepare_run_dir(Path(settings.run_dir), settings.run)
+    except RunDirInUse as exc:
+        print(f"jetrl up: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_run(settings, sections, run_dir, kept))
 
 
-def _validate_sections(sections: dict[str, dict[str, Any]]) -> None:
+def validate_sections(sections: dict[str, dict[str, Any]]) -> None:
     """Fail before starting anything if a service section has an unknown key or a bad value."""
     from pydantic import ValidationError
 
@@ -42,7 +48,7 @@ def _validate_sections(sections: dict[str, dict[str, Any]]) -> None:
         try:
             settings_class(name).model_validate(values)
         except ValidationError as exc:
-            raise SystemExit(f"jetrl up: --config section {name!r}: {exc}") from exc
+            raise SettingsError(f"--config section {name!r}: {exc}") from exc
 
 
 # The demo's defaults (copy3 on the tiny model; shared/reference/tiny-model-rl.md); a --config
@@ -60,10 +66,7 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
-    # at start, before anything else runs on the loop: the blocking resolve and mkdir cost nobody
-    run_dir = Path(s.run_dir).resolve() / s.run  # noqa: ASYNC240
-    run_dir.mkdir(parents=True, exist_ok=True)
+async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path, kept: Path | None) -> int:
     stop = asyncio.Event()
     interrupted: list[str] = []
 
@@ -166,6 +169,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
     write_metrics(run_dir, view.steps, {"outcome": outcome, "wall_s": wall, "servers": view.servers, "evals": view.evals})
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
     summary = [f"run {s.run}: {outcome}", *summary_lines(view.steps, view.servers, wall)]
+    if kept is not None:
+        summary.append(f"previous run {s.run}: {kept}")
     print("\n".join([*summary, f"metrics: {run_dir / 'metrics.json'}", f"curve: {png}", f"logs: {run_dir / 'logs'}"]))
     if outcome in ("finished", "converged"):
         return 0
