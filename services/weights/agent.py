@@ -6,20 +6,25 @@ For each announcement: fetch and verify, `/pause_generation` (abort), `/update_w
 `/continue_generation`, then `WeightsLoaded`. An announcement that arrives while an older one is still
 being fetched cancels that fetch (the newer wins; the server is not paused for a version that is
 already stale). Any failure is reported as `WeightsLoadFailed`; the server keeps its old weights and
-generation is always resumed; the next announcement is tried afresh.
+generation is always resumed; the next announcement is tried afresh. A report that NATS does not
+acknowledge (a server restarting) is retried with capped backoff for `report_retry_s`, then logged and
+counted: a lost report never stops the agent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from pathlib import Path
 
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
-from schemas.messages import MessageError, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode, encode
+from schemas.messages import Message, MessageError, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode, encode
 from schemas.subjects import Subjects
 from services.common.bus import connect
 from services.common.health import http_check, register_check
@@ -36,6 +41,22 @@ from services.weights.settings import WeightsSettings
 log = get_logger("weights.agent")
 
 RESUME_ATTEMPTS = 5
+REPORT_TIMEOUT_S = 5.0
+"""Longest wait for the stream's ack of one report publish."""
+REPORT_BACKOFF_MAX_S = 2.0
+
+#: what a NATS server restarting (or a reconnecting client) looks like to a publish: worth retrying
+RETRYABLE_NATS_ERRORS: tuple[type[BaseException], ...] = (
+    TimeoutError,  # nats.errors.TimeoutError is one too
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.FlushTimeoutError,
+    nats.errors.StaleConnectionError,
+    nats.errors.UnexpectedEOF,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+)
 
 
 class WeightsAgent:
@@ -136,7 +157,7 @@ class WeightsAgent:
         seconds = time.perf_counter() - t0
         self.loaded_version = target.version
         report = WeightsLoaded(run=self.settings.run, server=self.settings.server_name, version=target.version, seconds=seconds)
-        await self.js.publish(self.subjects.weights_loaded(self.settings.server_name), encode(report))
+        await self.report(self.subjects.weights_loaded(self.settings.server_name), report)
         log.info(
             "weights loaded",
             version=target.version,
@@ -182,8 +203,38 @@ class WeightsAgent:
         log.error("weights load failed; server keeps its current version", version=version, serving=self.loaded_version, reason=reason)
         self.metrics.count("load_failures")
         report = WeightsLoadFailed(run=self.settings.run, server=self.settings.server_name, version=version, reason=reason)
-        await self.js.publish(self.subjects.weights_failed(self.settings.server_name), encode(report))
+        await self.report(self.subjects.weights_failed(self.settings.server_name), report)
         await self.metrics.emit({}, version=self.loaded_version)
+
+    async def report(self, subject: str, message: Message) -> bool:
+        """Publish a WeightsLoaded/WeightsLoadFailed report and wait for the stream's ack, retrying
+        what a NATS restart looks like (timeouts, no responders, reconnecting) with capped jittered
+        backoff for `report_retry_s`. False if it was given up: logged and counted
+        (`report_failures`), never raised - the server serves what it serves either way."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.report_retry_s
+        data = encode(message)
+        attempt = 0
+        while True:
+            try:
+                timeout = max(0.5, min(REPORT_TIMEOUT_S, deadline - loop.time()))
+                # bounded twice: nats-py may never resolve a publish the server answered oddly
+                await asyncio.wait_for(self.js.publish(subject, data, timeout=timeout), timeout + 1.0)
+                return True
+            except RETRYABLE_NATS_ERRORS as exc:
+                error: BaseException = exc
+                retry = loop.time() < deadline
+            except nats.errors.Error as exc:  # the connection is closed, or the request refused: no retry helps
+                error, retry = exc, False
+            if not retry:
+                break
+            attempt += 1
+            self.metrics.count("report_retries")
+            log.warning("weights report not acknowledged; retrying", subject=subject, attempt=attempt, error=repr(error))
+            await asyncio.sleep(min(_backoff(attempt), max(0.0, deadline - loop.time())))
+        log.error("weights report lost", subject=subject, attempts=attempt + 1, error=repr(error))
+        self.metrics.count("report_failures")
+        return False
 
     def _clean_cache(self) -> None:
         """Drop local copies of old versions and partial fetches left by a crash."""
@@ -194,6 +245,11 @@ class WeightsAgent:
         if self.cache_dir.is_dir() and self._fetching is None:
             for p in self.cache_dir.glob(".v*.partial"):
                 remove_tree(p)
+
+
+def _backoff(attempt: int) -> float:
+    """Full jitter, doubling from 0.2 s, capped."""
+    return random.uniform(0, min(REPORT_BACKOFF_MAX_S, 0.1 * 2**attempt))
 
 
 def _current_task_cancelling() -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from services.common.settings import ServiceSettings
 
@@ -26,6 +26,9 @@ class WeightsSettings(ServiceSettings):
     """Timeout of each HTTP call to the server (`/update_weights_from_disk` of a large model is slow)."""
     server_ready_timeout_s: float = 600.0
     """How long to wait at start for the server's `/health` to answer 200."""
+    report_retry_s: float = Field(120.0, ge=0)
+    """How long a WeightsLoaded/WeightsLoadFailed report is retried while NATS does not acknowledge it
+    (a server restarting); then it is logged and counted as report_failures, and the agent goes on."""
 
     @field_validator("keep_local")
     @classmethod

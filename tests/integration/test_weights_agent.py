@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from schemas.messages import WeightFile, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode, encode
-from schemas.subjects import WEIGHTS_BUCKET, Subjects
+from schemas.subjects import WEIGHT_SYNC_STREAM, WEIGHTS_BUCKET, Subjects
 from services.common.nats_server import free_port
 from services.rollout.engine import InferenceClientSettings, InferenceEngine, ModelRequest
 from services.status.weights import weights_status
@@ -224,3 +224,45 @@ async def publish_corrupted(nc: nats.aio.client.Client, run: str, version: int, 
     await objstore.put_file(js, WEIGHTS_BUCKET, f"{prefix}/model.safetensors", ckpt / "bad.bin")
     msg = WeightsPublished(run=run, version=version, uri=object_uri(WEIGHTS_BUCKET, prefix), files=files, step=version)
     await js.publish(Subjects(run).weights_published, encode(msg))
+
+
+async def test_reports_survive_a_nats_server_restart_and_a_lost_one_never_stops_the_agent(tmp_path: Path) -> None:
+    # The agent's side of a nats-server restart, without inference servers: its report is published
+    # while the server is down, retried, and recorded once the server is back on the same store.
+    from services.common.bus import connect
+    from services.common.metrics import MetricsPublisher
+    from services.common.nats_server import NatsServer
+    from services.weights.agent import WeightsAgent
+    from services.weights.server_client import ServerClient
+    from services.weights.settings import WeightsSettings
+
+    server = NatsServer(tmp_path / "nats", port=free_port()).start()
+    settings = WeightsSettings(run="wrestart", server="http://127.0.0.1:9", report_retry_s=60)
+    subject = Subjects("wrestart").weights_loaded(settings.server_name)
+    conn = await connect(server.url, "agent-under-test")  # reconnects forever, as the agent's does
+    http = ServerClient(settings.server, 1.0)
+    try:
+        await ensure_weight_sync_stream(conn)
+        agent = WeightsAgent(conn, http, settings, MetricsPublisher(conn, "wrestart", "weights", "s0"))
+        server.stop()
+        report = WeightsLoaded(run="wrestart", server=settings.server_name, version=7, seconds=1.5)
+        pending = asyncio.create_task(agent.report(subject, report))
+        while agent.metrics.counters["report_retries"] < 1:  # an attempt failed while the server was down
+            assert not pending.done(), "the report gave up (or raised) while the server was down"
+            await asyncio.sleep(0.05)
+        server.start()  # the same port and store: the restart the agent must ride out
+        assert await asyncio.wait_for(pending, 60) is True
+        stored = await conn.jetstream().get_last_msg(WEIGHT_SYNC_STREAM, subject)
+        assert decode(WeightsLoaded, stored.data) == report  # what `jetrl status` and the trainer read
+        assert agent.metrics.counters["report_failures"] == 0
+
+        # down for longer than report_retry_s: given up, logged and counted - never raised
+        server.stop()
+        brief = WeightsAgent(conn, http, settings.model_copy(update={"report_retry_s": 1.0}), agent.metrics)
+        failed = WeightsLoadFailed(run="wrestart", server=settings.server_name, version=8, reason="x")
+        assert await asyncio.wait_for(brief.report(Subjects("wrestart").weights_failed(settings.server_name), failed), 15) is False
+        assert agent.metrics.counters["report_failures"] == 1
+    finally:
+        await http.aclose()
+        await conn.close()
+        server.stop()
