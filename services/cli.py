@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("services.trainer", "DeepSpeed ZeRO trainer with the prompt feeder"),
     "weights": ("services.weights", "weights agent beside an inference server"),
     "make-model": ("services.inference.make_model", "build the default tiny model and tokenizer locally"),
-    "prompts": ("services.trainer.prompts_cli", "push a prompt dataset onto the PROMPTS work queue"),
+    "prompts": ("services.trainer.prompts_cli", "`prompts push FILE`: push a prompt dataset onto the PROMPTS work queue"),
     "status": ("services.status", "streams, consumer lag, versions per server, worker liveness"),
     "plot": ("services.plot", "redraw a run's curves from the METRICS stream"),
     "replay": ("services.replay", "train offline from a recorded trajectory stream"),

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
+import nats
 import pytest
 
+from schemas.messages import PromptTask, decode
+from schemas.subjects import PROMPTS_STREAM
 from services.cli import COMMANDS
 
 
@@ -65,3 +70,31 @@ def test_bad_setting_exits_2_naming_it() -> None:
     out = jetrl(SERVICES[0], "no_such_key=1")
     assert out.returncode == 2
     assert "no_such_key: unknown key" in out.stderr
+
+
+def test_prompts_push_as_documented_and_the_short_form_both_fill_the_work_queue(nats_url: str, tmp_path: Path) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i:03d}=", "answer": "{i:03d}"}}\n' for i in range(3)))
+    helped = jetrl("prompts", "--help")
+    assert helped.returncode == 0 and "jetrl prompts push DATASET" in helped.stdout
+    assert "prompts push FILE" in jetrl("--help").stdout
+    pushed = jetrl("prompts", "push", str(data), "--nats-url", nats_url, "--run", "cli")  # DESIGN.md's spelling
+    assert pushed.returncode == 0, pushed.stderr
+    assert "published 3 prompts to jetrl.cli.prompts.train" in pushed.stdout
+    short = jetrl("prompts", str(data), "--nats-url", nats_url, "--run", "cli", "--prefix", "old", "--limit", "2")
+    assert short.returncode == 0, short.stderr
+    missing = jetrl("prompts", "push", str(tmp_path / "nope.jsonl"), "--nats-url", nats_url)
+    assert missing.returncode == 1 and "nope.jsonl does not exist" in missing.stderr and "Traceback" not in missing.stderr
+
+    async def queued() -> list[tuple[str, str]]:
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        n = (await js.stream_info(PROMPTS_STREAM)).state.messages
+        got = [await js.get_msg(PROMPTS_STREAM, seq) for seq in range(1, n + 1)]
+        await nc.close()
+        return [((m.headers or {})["Nats-Msg-Id"], decode(PromptTask, m.data or b"").data["prompt"]) for m in got]
+
+    assert asyncio.run(queued()) == [
+        ("cli/prompt/push-0", "000="), ("cli/prompt/push-1", "001="), ("cli/prompt/push-2", "002="),
+        ("cli/prompt/old-0", "000="), ("cli/prompt/old-1", "001="),
+    ]
