@@ -2,7 +2,8 @@
 or Parquet exports) instead of the live consumer. No feeder, no inference, no weight agents.
 
 It ends when the range is exhausted (or after `total_steps`), with a checkpoint; SIGTERM finishes the
-current step, checkpoints and exits. `resume=auto` continues after the checkpoint's last sequence.
+current step, checkpoints and exits. It always connects to NATS, Parquet input included: the trainer
+publishes its metrics there (and its weights, with `publish_weights`). `resume=auto` continues after the checkpoint's last sequence.
 Launch: `jetrl replay ...` (1 rank) or `torchrun --nproc_per_node N -m services.replay ...`.
 """
 
@@ -58,7 +59,17 @@ async def run_service(settings: ReplaySettings) -> None:
 async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
     from services.weights.publisher import WeightPublisher
 
-    nc = await connect(settings.nats_url, f"jetrl-replay-{settings.run}", connect_timeout_s=settings.connect_timeout_s)
+    try:
+        nc = await connect(settings.nats_url, f"jetrl-replay-{settings.run}", connect_timeout_s=settings.connect_timeout_s)
+    except ConnectionError as exc:
+        if not settings.parquet:
+            raise
+        # the groups come from files, but the trainer's metrics (and published weights) go to NATS
+        raise ConnectionError(
+            f"{exc}. jetrl replay needs a NATS server even for Parquet input: its step metrics (and its "
+            "weights, with publish_weights) are published there. Start one, e.g. `jetrl nats --store-dir "
+            ".jetrl/nats-offline`, and pass nats_url=nats://127.0.0.1:4222"
+        ) from exc
     try:
         publish = None
         if settings.publish_weights:

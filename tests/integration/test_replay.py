@@ -139,3 +139,17 @@ async def test_jetrl_replay_of_a_seq_range_trains_exactly_that_range(nats_url: s
     assert [s for r in steps for s in r["seqs"]] == [seq for seq, _ in window]
     # it ended with a checkpoint of its own
     assert (out / "checkpoints" / "latest").read_text().strip() == "v00000002"
+
+
+def test_a_parquet_replay_without_a_nats_server_says_it_needs_one(tiny_model: Path, tmp_path: Path) -> None:
+    # Parquet input still publishes metrics on NATS: with no server the error must say so, not just time out.
+    from services.common.nats_server import free_port
+
+    out = subprocess.run(
+        [sys.executable, "-m", "services.replay", "run=offline", f"parquet=[{tmp_path / 'demo.parquet'}]",
+         f"nats_url=nats://127.0.0.1:{free_port()}", "connect_timeout_s=1", f"model_path={tiny_model}",
+         f"output_dir={tmp_path / 'out'}", "log_format=json"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
+    )
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "needs a NATS server even for Parquet input" in out.stdout + out.stderr
