@@ -53,6 +53,13 @@ async def record(js: Any, model: Path, n: int, *, corrupt_at: int | None = None)
     return out
 
 
+def fresh_process_env() -> dict[str, str]:
+    """For a `jetrl replay` process: a torch.distributed group of its own, not the one an in-process
+    engine of this test session set up (its MASTER_PORT is taken)."""
+    dist_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in dist_vars} | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+
+
 def replay_settings(tmp: Path, model: Path, nats_url: str, name: str, **kw: Any) -> ReplaySettings:
     return ReplaySettings(run=name, source_run=LIVE, nats_url=nats_url, model_path=str(model), output_dir=str(tmp / name),
                           zero_stage=2, batch_groups=2, seed=3, checkpoint_every=0, fetch_timeout_s=0.2, **kw)
@@ -123,10 +130,7 @@ async def test_jetrl_replay_of_a_seq_range_trains_exactly_that_range(nats_url: s
     cmd = [sys.executable, "-m", "services.replay", "run=ranged", "source_run=live", f"nats_url={nats_url}",
            f"model_path={tiny_model}", f"output_dir={out}", "batch_groups=2", "checkpoint_every=0",
            "--from-seq", str(window[0][0]), f"--to-seq={window[-1][0]}", "log_format=json"]
-    # a fresh process group of its own: not the one an in-process engine of this test session set up
-    dist_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in dist_vars} | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=fresh_process_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=100)
     finally:
@@ -149,7 +153,7 @@ def test_a_parquet_replay_without_a_nats_server_says_it_needs_one(tiny_model: Pa
         [sys.executable, "-m", "services.replay", "run=offline", f"parquet=[{tmp_path / 'demo.parquet'}]",
          f"nats_url=nats://127.0.0.1:{free_port()}", "connect_timeout_s=1", f"model_path={tiny_model}",
          f"output_dir={tmp_path / 'out'}", "log_format=json"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
+        capture_output=True, text=True, timeout=300, env=fresh_process_env(),
     )
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "needs a NATS server even for Parquet input" in out.stdout + out.stderr
