@@ -3,20 +3,31 @@
 
 At version v with B groups per step and staleness budget eta, a prompt is issued only while
     issued - rejected <= (eta + v + 1) * B     and     issued - accepted - rejected <= max_in_flight
-hold after issuing it. A rejected prompt (rejection marker, stale or zero-variance group, dead letter)
-is re-issued under a new prompt_id `<epoch>-<index>-r<k>`. The whole state is JSON, saved in checkpoints.
+hold after issuing it. A rejected prompt (rejection marker, stale group, dead letter, no answer within
+`in_flight_timeout_s`) is re-issued under a new prompt_id `<epoch>-<index>-r<k>`, at most
+`max_attempts` issues per row; then the row is dropped and counted. A group removed by dynamic filtering
+(all rewards equal: nothing to learn) frees its slot but is not re-issued, as in AReaL. The whole state
+is JSON, saved in checkpoints.
+
+Prompt ids end in `.<tag>` when the trainer was given a tag (a fresh start on a run name that was used
+before): results of the earlier incarnation's prompts then never match ours, and JetStream's
+de-duplication by `Nats-Msg-Id` cannot drop our results as repeats of theirs.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from schemas.messages import PromptTask
+from services.common.logging import get_logger
+
+log = get_logger("trainer.feeder")
 
 
 def load_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -52,6 +63,12 @@ class FeederCounters:
     rejected: int = 0
     reissued: int = 0
     eval_issued: int = 0
+    filtered: int = 0
+    """Groups removed by dynamic filtering (counted in `rejected` too; not re-issued)."""
+    dropped: int = 0
+    """Rows given up after `max_attempts` issues without a trainable answer."""
+    timed_out: int = 0
+    """Prompts unanswered for `in_flight_timeout_s`, treated as rejected."""
 
     @property
     def in_flight(self) -> int:
@@ -69,6 +86,10 @@ class Feeder:
     epochs: int = 0
     shuffle: bool = True
     eval_rows: list[dict[str, Any]] = field(default_factory=list)
+    max_attempts: int = 3
+    in_flight_timeout_s: float = 1800.0
+    tag: str = ""
+    """Appended to every training prompt id as `.<tag>` (empty: nothing appended); saved in checkpoints."""
     counters: FeederCounters = field(default_factory=FeederCounters)
     epoch: int = 0
     index: int = 0
@@ -79,6 +100,10 @@ class Feeder:
     def __post_init__(self) -> None:
         self._order_epoch = -1
         self._order: list[int] = []
+        self._issued_at: dict[str, float] = {}
+        """prompt_id -> monotonic time of issue; not saved: a resume restarts every clock."""
+        self._unconfirmed: set[str] = set()
+        """Issued prompts whose publish is not acknowledged yet; saved as not issued."""
 
     # -------------------------------------------------------------------------------- admission
 
@@ -106,13 +131,22 @@ class Feeder:
             self._order_epoch = epoch
         return self._order
 
+    def prompt_id(self, epoch: int, row: int, attempt: int) -> str:
+        return f"{epoch}-{row}" + (f"-r{attempt}" if attempt else "") + (f".{self.tag}" if self.tag else "")
+
+    def owns(self, prompt_id: str) -> bool:
+        """Whether `prompt_id` can be one of ours (always, unless a tag sets ours apart)."""
+        return not self.tag or prompt_id.endswith(f".{self.tag}")
+
     def next_task(self, version: int) -> PromptTask | None:
-        """The next prompt to publish if the admission rule allows one, counted as issued."""
+        """The next prompt to publish if the admission rule allows one, counted as issued. Until
+        `confirm`, a checkpoint saves it as not issued; `put_back` undoes the issue."""
         if not self.admissible(version):
             return None
         if self.reissue:
             epoch, row, attempt = self.reissue.popleft()
-            self.counters.reissued += 1
+            if attempt:  # attempt 0: a put-back first issue
+                self.counters.reissued += 1
         elif not self.dataset_done:
             epoch, row, attempt = self.epoch, self._row_order(self.epoch)[self.index], 0
             self.index += 1
@@ -120,47 +154,104 @@ class Feeder:
                 self.epoch, self.index = self.epoch + 1, 0
         else:
             return None
-        prompt_id = f"{epoch}-{row}" + (f"-r{attempt}" if attempt else "")
+        prompt_id = self.prompt_id(epoch, row, attempt)
         self.in_flight[prompt_id] = [epoch, row, attempt]
+        self._issued_at[prompt_id] = time.monotonic()
+        self._unconfirmed.add(prompt_id)
         self.counters.issued += 1
         return PromptTask(run=self.run, prompt_id=prompt_id, data=self.rows[row], issued_version=version)
 
+    def confirm(self, prompt_id: str) -> None:
+        """The prompt's publish was acknowledged: it is in the work queue."""
+        self._unconfirmed.discard(prompt_id)
+
+    def put_back(self, prompt_id: str) -> None:
+        """The publish failed: undo the issue; the row goes out next, under the same id."""
+        entry = self.in_flight.pop(prompt_id, None)
+        self._issued_at.pop(prompt_id, None)
+        self._unconfirmed.discard(prompt_id)
+        if entry is None:
+            return
+        self.counters.issued -= 1
+        if entry[2]:
+            self.counters.reissued -= 1
+        self.reissue.appendleft(entry)
+
     # -------------------------------------------------------------------------------- answers
+
+    def _close(self, prompt_id: str) -> list[int] | None:
+        self._issued_at.pop(prompt_id, None)
+        self._unconfirmed.discard(prompt_id)
+        return self.in_flight.pop(prompt_id, None)
 
     def on_accepted(self, prompt_id: str) -> bool:
         """A group of this prompt was trained on. False if the prompt was not ours or already answered."""
-        if self.in_flight.pop(prompt_id, None) is None:
+        if self._close(prompt_id) is None:
             return False
         self.counters.accepted += 1
         return True
 
     def on_rejected(self, prompt_id: str) -> bool:
-        """The prompt yielded nothing trainable: count it and queue the row again under a new id."""
-        entry = self.in_flight.pop(prompt_id, None)
+        """The prompt yielded nothing trainable: count it and queue the row again under a new id,
+        unless it was issued `max_attempts` times already."""
+        entry = self._close(prompt_id)
         if entry is None:
             return False
         self.counters.rejected += 1
         epoch, row, attempt = entry
-        self.reissue.append([epoch, row, attempt + 1])
+        if attempt + 1 < self.max_attempts:
+            self.reissue.append([epoch, row, attempt + 1])
+        else:
+            self.counters.dropped += 1
+            log.warning("row dropped: no trainable answer", prompt_id=prompt_id, row=row, attempts=attempt + 1)
         return True
 
-    def eval_tasks(self, step: int, size: int, version: int) -> list[PromptTask]:
+    def on_filtered(self, prompt_id: str) -> bool:
+        """The group had nothing to learn from (all rewards equal): free the slot, do not re-issue."""
+        if self._close(prompt_id) is None:
+            return False
+        self.counters.rejected += 1
+        self.counters.filtered += 1
+        return True
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Treat prompts unanswered for `in_flight_timeout_s` as rejected (a dead-letter advisory sent
+        while the trainer was down, a prompt lost with the server's store, ...); returns their ids."""
+        now = time.monotonic() if now is None else now
+        expired = [pid for pid, t in self._issued_at.items() if now - t >= self.in_flight_timeout_s]
+        for pid in expired:
+            log.warning("in-flight prompt timed out; treated as rejected", prompt_id=pid, timeout_s=self.in_flight_timeout_s)
+            self.counters.timed_out += 1
+            self.on_rejected(pid)
+        return expired
+
+    def eval_tasks(self, step: int, size: int, version: int, nonce: str) -> list[PromptTask]:
+        """The eval round after `step`: ids `eval<step>-<i>.<nonce>`, with a nonce per trainer process,
+        so a round issued again after a resume is not de-duplicated against the earlier one's results."""
         rows = self.eval_rows[:size]
         self.counters.eval_issued += len(rows)
         return [
-            PromptTask(run=self.run, prompt_id=f"eval{step}-{i}", data=row, is_eval=True, issued_version=version)
+            PromptTask(run=self.run, prompt_id=f"eval{step}-{i}.{nonce}", data=row, is_eval=True, issued_version=version)
             for i, row in enumerate(rows)
         ]
 
     # -------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
+        """The state as if every unconfirmed publish had failed: a prompt that may never have reached
+        the work queue is not saved as in flight (it would hold its slot forever after a resume)."""
+        saved = Feeder(self.run, self.rows, self.batch_groups, self.eta, self.max_in_flight, tag=self.tag)
+        saved.counters = FeederCounters(**vars(self.counters))
+        saved.in_flight, saved.reissue = dict(self.in_flight), deque(self.reissue)
+        for pid in self._unconfirmed:
+            saved.put_back(pid)
         return {
-            "counters": vars(self.counters).copy(),
+            "counters": vars(saved.counters).copy(),
             "epoch": self.epoch,
             "index": self.index,
-            "in_flight": dict(self.in_flight),
-            "reissue": list(self.reissue),
+            "in_flight": saved.in_flight,
+            "reissue": list(saved.reissue),
+            "tag": self.tag,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -168,3 +259,7 @@ class Feeder:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self.in_flight = {k: list(v) for k, v in state["in_flight"].items()}
         self.reissue = deque(list(x) for x in state["reissue"])
+        self.tag = str(state.get("tag", ""))
+        now = time.monotonic()
+        self._issued_at = dict.fromkeys(self.in_flight, now)
+        self._unconfirmed = set()

@@ -1,5 +1,6 @@
 """What the trainer does with each trajectory message: decode, then accept it into the next step, or
-count it as rejected (marker, stale, zero-variance) so the feeder re-issues, or skip a duplicate, or
+count it as rejected (marker, stale) so the feeder re-issues, or as filtered (zero-variance: freed, not
+re-issued), or skip a duplicate or a foreign one (a prompt of an earlier incarnation of the run), or
 terminate a malformed one. Pure bookkeeping: the bus loop lives in `loop.py`."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Group:
 @dataclass
 class Verdict:
     outcome: str
-    """accepted | rejected | stale | filtered | duplicate | malformed"""
+    """accepted | rejected | stale | filtered | duplicate | foreign | malformed"""
     prompt_id: str | None = None
     group: Group | None = None
     error: str = ""
@@ -54,7 +55,9 @@ class Intake:
             self.trained.add(pid)
             if self.feeder is not None:
                 self.feeder.on_accepted(pid)
-        elif verdict.outcome in ("rejected", "stale", "filtered", "malformed") and pid is not None:
+        elif verdict.outcome == "filtered" and pid is not None and self.feeder is not None:
+            self.feeder.on_filtered(pid)
+        elif verdict.outcome in ("rejected", "stale", "malformed") and pid is not None:
             # Each of these yields nothing trainable for the prompt: the feeder issues it again.
             if self.feeder is not None:
                 self.feeder.on_rejected(pid)
@@ -68,6 +71,8 @@ class Intake:
                 marker = decode(RejectionMarker, data)
             except MessageError as exc:
                 return Verdict("malformed", header_pid, error=str(exc))
+            if not self._ours(marker.prompt_id):
+                return Verdict("foreign", marker.prompt_id)
             if marker.prompt_id in self.trained:
                 return Verdict("duplicate", marker.prompt_id)
             return Verdict("rejected", marker.prompt_id)
@@ -78,6 +83,8 @@ class Intake:
         except (TrajectoryError, ValueError, KeyError) as exc:
             return Verdict("malformed", header_pid, error=str(exc))
         pid = group.meta.prompt_id
+        if not self._ours(pid):
+            return Verdict("foreign", pid)
         if pid in self.trained:
             return Verdict("duplicate", pid)
         head = group.meta.head_version
@@ -87,6 +94,9 @@ class Intake:
         if self.dynamic_filtering and rewards.size > 0 and np.all(rewards == rewards.flat[0]):
             return Verdict("filtered", pid)
         return Verdict("accepted", pid, Group(pid, group.tensors, head, seq))
+
+    def _ours(self, prompt_id: str) -> bool:
+        return self.feeder is None or self.feeder.owns(prompt_id)
 
     def state_dict(self) -> dict[str, Any]:
         return {"trained": sorted(self.trained), "counts": dict(self.counts)}

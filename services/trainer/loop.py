@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -57,6 +58,9 @@ class Trainer:
         self.publish = publish
         self.version = 0
         self.last_seq = 0
+        self.resumed = False
+        self.nonce = secrets.token_hex(3)
+        """Tells this trainer process's prompts apart from earlier ones' (eval ids)."""
         self.feeder: Feeder | None = None
         if settings.feeder.enabled:
             f = settings.feeder
@@ -64,6 +68,7 @@ class Trainer:
                 run=settings.run, rows=load_rows(f.dataset_path), batch_groups=settings.batch_groups, eta=settings.eta,
                 max_in_flight=f.max_in_flight, seed=settings.seed, epochs=f.epochs, shuffle=f.shuffle,
                 eval_rows=load_rows(f.eval_dataset_path) if f.eval_dataset_path else [],
+                max_attempts=f.max_attempts, in_flight_timeout_s=f.in_flight_timeout_s,
             )
         self.intake = Intake(settings.eta, settings.ppo.dynamic_filtering, self.feeder)
         self.out = Path(settings.output_dir)
@@ -89,6 +94,7 @@ class Trainer:
                 execute, self.engine, self.actor, scatter(self._all(Command("load", directory=str(root), tag=tag)))
             )
             self._restore(res.client_state)
+            self.resumed = True
             log.info("resumed", checkpoint=str(root / tag), version=self.version, last_seq=self.last_seq)
         self._record({"event": "start", "version": self.version, "last_seq": self.last_seq, "resumed": found is not None})
         if self.source is None:
@@ -120,12 +126,23 @@ class Trainer:
     # ------------------------------------------------------------------------------ the feeder
 
     async def feed_once(self) -> int:
-        """Publish every prompt the admission rule allows now; returns how many."""
+        """Time out unanswered prompts, then publish every prompt the admission rule allows now;
+        returns how many. A publish that fails puts its row back and raises."""
         if self.feeder is None or self.nc is None:
             return 0
+        self.feeder.expire()
         js, n = self.nc.jetstream(), 0
         while (task := self.feeder.next_task(self.version)) is not None:
-            await self._publish_prompt(js, self.subjects.prompts_train, task)
+            if task.prompt_id in self.intake.trained:
+                # re-issued after a resume, but its answer was already read from the recording
+                self.feeder.on_accepted(task.prompt_id)
+                continue
+            try:
+                await self._publish_prompt(js, self.subjects.prompts_train, task)
+            except BaseException:
+                self.feeder.put_back(task.prompt_id)
+                raise
+            self.feeder.confirm(task.prompt_id)
             n += 1
         return n
 
@@ -161,7 +178,7 @@ class Trainer:
                 self.metrics.count("dead_letters")
             if not task.is_eval and self.feeder is not None and self.feeder.on_rejected(task.prompt_id):
                 self._wake_feeder.set()
-            log.warning("prompt dead-lettered; re-issuing", prompt_id=task.prompt_id, stream_seq=seq)
+            log.warning("prompt dead-lettered; treated as rejected", prompt_id=task.prompt_id, stream_seq=seq)
             try:
                 await js.delete_msg(PROMPTS_STREAM, seq)
             except NotFoundError:
@@ -248,6 +265,7 @@ class Trainer:
             "duplicate_groups": float(counts["duplicate"]),
             "rejected_groups": float(counts["rejected"]),
             "filtered_groups": float(counts["filtered"]),
+            "foreign_groups": float(counts["foreign"]),
             "malformed_groups": float(counts["malformed"]),
             "step_time_s": t_end - t0,
             "train_time_s": t_train - t_data,
@@ -262,13 +280,15 @@ class Trainer:
             c = self.feeder.counters
             values.update({"feeder_issued": float(c.issued), "feeder_accepted": float(c.accepted),
                            "feeder_rejected": float(c.rejected), "feeder_in_flight": float(c.in_flight),
+                           "feeder_reissued": float(c.reissued), "feeder_filtered": float(c.filtered),
+                           "feeder_dropped": float(c.dropped), "feeder_timed_out": float(c.timed_out),
                            "feeder_bound": float(self.feeder.bound(self.version)), "epoch": float(self.feeder.epoch)})
         return values
 
     async def _issue_eval(self) -> None:
         assert self.feeder is not None and self.nc is not None
         js = self.nc.jetstream()
-        tasks = self.feeder.eval_tasks(self.version, self.s.feeder.eval_size, self.version)
+        tasks = self.feeder.eval_tasks(self.version, self.s.feeder.eval_size, self.version, self.nonce)
         if self.evals is not None:
             self.evals.expect(self.version, [t.prompt_id for t in tasks])
         for task in tasks:

@@ -35,7 +35,8 @@ class PPOSettings(Section):
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
     """token-mean: mean over all loss tokens of the mini-batch; seq-mean: mean per sequence, then over sequences."""
     dynamic_filtering: bool = False
-    """Drop groups whose rewards are all equal (zero advantage); they count as rejected and are re-issued."""
+    """Drop groups whose rewards are all equal (zero advantage); counted as filtered and not re-issued
+    (their slot goes to the next row), as in AReaL."""
 
 
 class FeederSettings(Section):
@@ -57,6 +58,13 @@ class FeederSettings(Section):
     """Shuffle each epoch with `seed + epoch`."""
     max_in_flight: int = Field(64, ge=1)
     """Most training prompts issued and not yet answered (accepted or rejected)."""
+    max_attempts: int = Field(3, ge=1)
+    """Issues per row at most: a row rejected (marker, stale, dead letter, timed out) this many times is
+    dropped and counted (`feeder_dropped`) instead of re-issued."""
+    in_flight_timeout_s: float = Field(1800.0, gt=0)
+    """A training prompt unanswered this long (counted from its issue, or from a resume) is treated as
+    rejected: counted (`feeder_timed_out`) and re-issued. Catches answers that can never come, e.g. a
+    dead-letter advisory sent while the trainer was down."""
     enabled: bool = True
     """Run the feeder; False when prompts come from elsewhere (`jetrl prompts`, replay)."""
 

@@ -58,13 +58,14 @@ async def test_trainer_reports_an_eval_round_once_every_prompt_is_answered(nats_
         assert await trainer.step() is not None and trainer.version == 1
 
         evals = await take_prompts(js, S.prompts_eval, "eval-test", 5)
-        assert sorted(t.prompt_id for t in evals) == ["eval1-0", "eval1-1", "eval1-2"]
+        ids = [f"eval1-{i}.{trainer.nonce}" for i in range(3)]
+        assert sorted(t.prompt_id for t in evals) == ids
         assert all(t.is_eval for t in evals)
         await js.publish(S.trajectories_eval, b"not arrow", headers={"Jetrl-Prompt-Id": "eval9-0"}, stream=TRAJECTORIES_STREAM)
-        await _answer(js, tiny_model, "eval1-0", [1.0, 1.0, 0.0, 0.5])
-        await _answer(js, tiny_model, "eval1-1", [1.0, 0.0, 0.0, 0.0])
-        await _answer(js, tiny_model, "eval1-1", [1.0, 1.0, 1.0, 1.0])  # a redelivered episode: not counted twice
-        await _reject(js, "eval1-2")
+        await _answer(js, tiny_model, ids[0], [1.0, 1.0, 0.0, 0.5])
+        await _answer(js, tiny_model, ids[1], [1.0, 0.0, 0.0, 0.0])
+        await _answer(js, tiny_model, ids[1], [1.0, 1.0, 1.0, 1.0])  # a redelivered episode: not counted twice
+        await _reject(js, ids[2])
 
         event = decode(MetricsEvent, (await events.next_msg(timeout=10)).data)
         assert (event.service, event.step) == ("eval", 1)
@@ -75,6 +76,44 @@ async def test_trainer_reports_an_eval_round_once_every_prompt_is_answered(nats_
         assert trainer.evals is not None and not trainer.evals.rounds
     finally:
         await trainer.close()
+        await nc.close()
+
+
+@pytest.mark.timeout(180)
+async def test_an_eval_round_issued_again_after_a_resume_is_answered(nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
+    """Resumed from a checkpoint before step 1, the trainer issues step 1's eval round again within
+    JetStream's de-duplication window: its answers must not be dropped as repeats of the first round's."""
+    settings = TrainerSettings(
+        run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), batch_groups=1,
+        checkpoint_every=0, publish_weights=False, fetch_timeout_s=0.2, resume="auto",
+        feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1,
+                "eval_dataset_path": str(write_dataset(tmp_path / "e.jsonl", 5)), "eval_every": 1, "eval_size": 2,
+                "eval_timeout_s": 20},
+    )
+    nc = await connect(nats_url, "test")
+    js = nc.jetstream()
+    events = await nc.subscribe(S.metrics("eval"))
+    try:
+        for incarnation in range(2):
+            trainer = Trainer(settings, TrainEngine(settings))
+            try:
+                await trainer.start(nc)
+                assert trainer.version == 0 and trainer.resumed == bool(incarnation)
+                if not incarnation:
+                    await trainer.checkpoint()  # version 0: the second incarnation trains step 1 again
+                    await trainer.feed_once()
+                    [task] = await take_prompts(js, S.prompts_train, S.rollout_consumer, 1)
+                    await publish_group(js, RUN, task.prompt_id, make_group(tiny_model, task.data["answer"]))
+                assert await trainer.step() is not None and trainer.version == 1
+                evals = await take_prompts(js, S.prompts_eval, "eval-test", 5)
+                assert len(evals) == 2
+                for t in evals:  # answered as a worker does: Nats-Msg-Id derived from the prompt id
+                    await _answer(js, tiny_model, t.prompt_id, [1.0, 0.0])
+                event = decode(MetricsEvent, (await events.next_msg(timeout=15)).data)
+                assert event.step == 1 and event.values["eval_complete"] == 1 and event.values["eval_groups"] == 2
+            finally:
+                await trainer.close()
+    finally:
         await nc.close()
 
 

@@ -1,13 +1,21 @@
-"""The feeder: seeded epochs, the admission rule at every version, re-issue under new ids, state."""
+"""The feeder: seeded epochs, the admission rule at every version, re-issue under new ids with an
+attempt cap, filtered groups not re-issued, timeouts, unacknowledged publishes, state; and the intake's
+verdicts as the feeder sees them (rejection markers, foreign prompts)."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from schemas.headers import rejection_headers, trajectory_headers
+from schemas.messages import RejectionMarker, encode
+from schemas.trajectory import encode_group_with_meta
 from services.trainer.feeder import Feeder, load_rows
+from services.trainer.intake import Intake
 
 ROWS = [{"id": i, "prompt": f"{i:03d}=", "answer": f"{i:03d}"} for i in range(10)]
 
@@ -19,10 +27,31 @@ def _feeder(**kw: object) -> Feeder:
 
 
 def _drain(f: Feeder, version: int) -> list[str]:
+    """Issue what the admission rule allows, each publish acknowledged."""
     out = []
     while (t := f.next_task(version)) is not None:
+        f.confirm(t.prompt_id)
         out.append(t.prompt_id)
     return out
+
+
+def _group(prompt_id: str, rewards: list[float], *, version: int = 0) -> tuple[bytes, dict[str, str]]:
+    """A trajectory message as a rollout worker publishes it."""
+    n = len(rewards)
+    ids = np.tile(np.arange(1, 7, dtype=np.int64), (n, 1))
+    loss_mask = np.zeros_like(ids)
+    loss_mask[:, 3:] = 1
+    tensors = {"input_ids": ids, "attention_mask": np.ones_like(ids), "loss_mask": loss_mask,
+               "logprobs": np.where(loss_mask > 0, -1.0, 0.0).astype(np.float32), "rewards": np.array(rewards, dtype=np.float32),
+               "versions": np.where(loss_mask > 0, version, -1).astype(np.int64)}
+    body, meta = encode_group_with_meta(tensors, run="r", prompt_id=prompt_id, worker="w")
+    return body, trajectory_headers(meta)
+
+
+def _marker(prompt_id: str) -> tuple[bytes, dict[str, str]]:
+    """The rejection marker a worker publishes for a prompt it gives up on (failed episodes, a poison prompt)."""
+    body = encode(RejectionMarker(run="r", prompt_id=prompt_id, worker="w", reason="terminated: does not decode"))
+    return body, rejection_headers("r", prompt_id)
 
 
 def test_admission_bound_holds_at_every_version() -> None:
@@ -80,3 +109,94 @@ def test_load_rows_names_the_bad_line(tmp_path: Path) -> None:
         load_rows(path)
     with pytest.raises(FileNotFoundError):
         load_rows(tmp_path / "missing.jsonl")
+
+
+def test_a_row_is_dropped_after_max_attempts() -> None:
+    f = _feeder(max_attempts=3, epochs=1, eta=100)
+    first = _drain(f, 0)[0]
+    for attempt in range(3):
+        pid = first + (f"-r{attempt}" if attempt else "")
+        assert pid in f.in_flight
+        assert f.on_rejected(pid)
+        _drain(f, 0)  # the re-issue goes out first, before new rows
+    assert f.counters.dropped == 1 and f.counters.rejected == 3 and f.counters.reissued == 2
+    assert first + "-r3" not in f.in_flight and not f.reissue
+    for pid in list(f.in_flight):
+        f.on_accepted(pid)
+    assert f.exhausted  # a dropped row does not hold the end of training
+
+
+def test_rejection_marker_from_the_worker_reissues_then_drops_the_row() -> None:
+    f = _feeder(max_attempts=2, eta=100)
+    intake = Intake(eta=100, feeder=f)
+    pid = _drain(f, 0)[0]
+    assert intake.judge(*_marker(pid), seq=1, version=0).outcome == "rejected"
+    assert list(f.reissue) == [[0, int(pid.split("-")[1]), 1]] and f.counters.rejected == 1
+    retry = f.next_task(0)
+    assert retry is not None and retry.prompt_id == pid + "-r1"
+    assert intake.judge(*_marker(retry.prompt_id), seq=2, version=0).outcome == "rejected"
+    assert not f.reissue and f.counters.dropped == 1 and retry.prompt_id not in f.in_flight
+
+
+def test_filtered_groups_free_their_slot_and_are_not_reissued() -> None:
+    """Prompts the model always solves (dynamic filtering drops every group) must not pile up as
+    re-issues and stall the feeder: each frees its slot for the next new row."""
+    f = _feeder(max_in_flight=2, eta=100, epochs=0)
+    intake = Intake(eta=100, dynamic_filtering=True, feeder=f)
+    seen: set[str] = set()
+    for seq in range(20):
+        issued = _drain(f, 0)
+        assert issued, "the feeder stalled"
+        seen.update(issued)
+        verdict = intake.judge(*_group(issued[0], [1.0, 1.0, 1.0]), seq=seq, version=0)
+        assert verdict.outcome == "filtered"
+        for pid in issued[1:]:
+            f.on_accepted(pid)
+    assert not f.reissue and not any("-r" in pid for pid in seen)
+    assert f.counters.filtered == 20 and f.counters.rejected == 20 and f.counters.dropped == 0
+    assert intake.judge(*_group(_drain(f, 0)[0], [1.0, 0.0]), seq=99, version=0).outcome == "accepted"
+
+
+def test_an_unanswered_prompt_times_out_and_is_reissued() -> None:
+    f = _feeder(in_flight_timeout_s=60.0, eta=100, max_in_flight=3)
+    issued = _drain(f, 0)
+    assert f.expire(time.monotonic() + 30) == []
+    assert sorted(f.expire(time.monotonic() + 61)) == sorted(issued)
+    assert f.counters.timed_out == 3 and f.counters.in_flight == 0
+    assert _drain(f, 0) == [pid + "-r1" for pid in issued]
+    # a resume restarts the clocks: the downtime does not count against the prompts in flight
+    g = _feeder(in_flight_timeout_s=60.0, eta=100, max_in_flight=3)
+    g.load_state_dict(json.loads(json.dumps(f.state_dict())))
+    assert g.expire(time.monotonic() + 30) == [] and len(g.expire(time.monotonic() + 61)) == 3
+
+
+def test_a_failed_publish_puts_the_row_back_and_an_unacknowledged_one_is_not_saved_as_issued() -> None:
+    f = _feeder(eta=100, max_in_flight=5)
+    done = _drain(f, 0)[:2]
+    for pid in done:
+        f.on_rejected(pid)
+    before = json.loads(json.dumps(f.state_dict()))
+    task = f.next_task(0)
+    assert task is not None and task.prompt_id == done[0] + "-r1"
+    # a checkpoint while the publish is in flight saves the state as if it had not been issued
+    assert f.state_dict() == before
+    f.put_back(task.prompt_id)  # the publish failed for good
+    assert f.state_dict() == before and f.counters.in_flight == 3
+    again = f.next_task(0)
+    assert again is not None and again.prompt_id == task.prompt_id
+
+
+def test_a_tag_sets_this_incarnations_prompts_apart() -> None:
+    f = _feeder(eta=100, tag="ab12cd")
+    intake = Intake(eta=100, feeder=f)
+    ours = _drain(f, 0)
+    assert all(pid.endswith(".ab12cd") for pid in ours)
+    # the same row's answer to the earlier incarnation's prompt: not ours, not trained, no slot freed
+    old_id = ours[0].removesuffix(".ab12cd")
+    assert intake.judge(*_group(old_id, [1.0, 0.0], version=40), seq=1, version=0).outcome == "foreign"
+    assert intake.judge(*_marker(old_id), seq=2, version=0).outcome == "foreign"
+    assert f.counters.in_flight == len(ours) and old_id not in intake.trained
+    assert intake.judge(*_group(ours[0], [1.0, 0.0]), seq=3, version=0).outcome == "accepted"
+    g = _feeder(eta=100)
+    g.load_state_dict(json.loads(json.dumps(f.state_dict())))
+    assert g.tag == "ab12cd"
