@@ -4,6 +4,9 @@ One step: gather B accepted groups from TRAJECTORIES (rejections, stale, zero-va
 malformed messages are counted and handled on the way), collate and compute advantages, scatter each
 rank's share, run the decoupled PPO update on every rank, version += 1, gather and publish the
 weights, emit metrics, checkpoint every K steps. The feeder publishes prompts concurrently.
+
+NATS calls are retried through a server restart (`busretry`); if the bus stays away longer than
+`bus_retry_timeout_s`, `run` checkpoints and raises `BusUnavailable`.
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from schemas.messages import MessageError, PromptTask, decode, encode
-from schemas.subjects import HDR_MSG_ID, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
+from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from services.common.bus import declare_streams
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
@@ -30,10 +32,12 @@ from services.common.poison import terminate_poison
 from services.trainer import checkpoint as ckpt
 from services.trainer.actor import PPOActor
 from services.trainer.batch import collate, shard
+from services.trainer.busretry import Backoff, BusUnavailable, retryable, with_retries
 from services.trainer.collective import Command, execute, scatter
 from services.trainer.engine import TrainEngine
 from services.trainer.evaluation import EvalRounds
 from services.trainer.feeder import Feeder, load_rows
+from services.trainer.feeding import Feeding
 from services.trainer.intake import Group, Intake
 from services.trainer.settings import TrainerSettings
 
@@ -45,7 +49,7 @@ trainer writes a fresh `hf_dir` per version and removes whatever is left of it a
 publisher may take it over."""
 
 
-class Trainer:
+class Trainer(Feeding):
     def __init__(self, settings: TrainerSettings, engine: TrainEngine, *, publish: Publish | None = None,
                  source: Any = None) -> None:
         self.s = settings
@@ -123,89 +127,30 @@ class Trainer:
     def _all(self, cmd: Command) -> list[Command]:
         return [cmd] * self.engine.world_size
 
-    # ------------------------------------------------------------------------------ the feeder
-
-    async def feed_once(self) -> int:
-        """Time out unanswered prompts, then publish every prompt the admission rule allows now;
-        returns how many. A publish that fails puts its row back and raises."""
-        if self.feeder is None or self.nc is None:
-            return 0
-        self.feeder.expire()
-        js, n = self.nc.jetstream(), 0
-        while (task := self.feeder.next_task(self.version)) is not None:
-            if task.prompt_id in self.intake.trained:
-                # re-issued after a resume, but its answer was already read from the recording
-                self.feeder.on_accepted(task.prompt_id)
-                continue
-            try:
-                await self._publish_prompt(js, self.subjects.prompts_train, task)
-            except BaseException:
-                self.feeder.put_back(task.prompt_id)
-                raise
-            self.feeder.confirm(task.prompt_id)
-            n += 1
-        return n
-
-    async def _publish_prompt(self, js: Any, subject: str, task: PromptTask) -> None:
-        headers = {HDR_MSG_ID: f"{self.s.run}/prompt/{task.prompt_id}"}
-        await js.publish(subject, encode(task), headers=headers, stream=PROMPTS_STREAM)
-
-    async def feed_forever(self, stopping: asyncio.Event) -> None:
-        while not stopping.is_set():
-            await self.feed_once()
-            self._wake_feeder.clear()
-            waiters = [asyncio.ensure_future(self._wake_feeder.wait()), asyncio.ensure_future(stopping.wait())]
-            await asyncio.wait(waiters, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            for w in waiters:
-                w.cancel()
-
-    async def watch_dead_letters(self) -> None:
-        """A prompt that exhausted the rollout consumer's max_deliver is a dead letter: count it as
-        rejected (so it is re-issued) and delete it, or it would sit in the work queue forever."""
-        assert self.nc is not None
-        js = self.nc.jetstream()
-        subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{PROMPTS_STREAM}.{self.subjects.rollout_consumer}"
-
-        async def on_advisory(msg: Any) -> None:
-            try:
-                seq = int(json.loads(msg.data)["stream_seq"])
-                stored = await js.get_msg(PROMPTS_STREAM, seq)
-                task = decode(PromptTask, stored.data or b"")  # no payload: MessageError below
-            except (MessageError, KeyError, ValueError, NotFoundError) as exc:
-                log.warning("dead-letter advisory not usable", error=repr(exc))
-                return
-            if self.metrics is not None:
-                self.metrics.count("dead_letters")
-            if not task.is_eval and self.feeder is not None and self.feeder.on_rejected(task.prompt_id):
-                self._wake_feeder.set()
-            log.warning("prompt dead-lettered; treated as rejected", prompt_id=task.prompt_id, stream_seq=seq)
-            try:
-                await js.delete_msg(PROMPTS_STREAM, seq)
-            except NotFoundError:
-                pass
-
-        self._sub_dead = await self.nc.subscribe(subject, cb=on_advisory)
-
     # ------------------------------------------------------------------------------ consuming
 
     async def collect(self, stopping: asyncio.Event | None = None) -> list[Group] | None:
         """Pull until B groups are accepted; None if stopping first."""
         groups: list[Group] = []
+        backoff = Backoff("fetch trajectories", self.s.bus_retry_timeout_s)
         while len(groups) < self.s.batch_groups:
             if stopping is not None and stopping.is_set():
                 return None
             try:
                 # Never pull more than the step needs: later groups must be judged at a later version.
                 msgs = await self._sub.fetch(min(self.s.fetch_batch, self.s.batch_groups - len(groups)), timeout=self.s.fetch_timeout_s)
-            except TimeoutError:
+            except TimeoutError:  # nothing arrived (or the server is away and the pull request waits)
                 continue
+            except Exception as exc:
+                if not retryable(exc):
+                    raise
+                await backoff.failed(exc)
+                continue
+            backoff.reset()
             for msg in msgs:
                 seq = msg.metadata.sequence.stream
                 verdict = self.intake.judge(msg.data, msg.headers, seq, self.version)
-                if verdict.outcome == "malformed":
-                    await terminate_poison(msg, ValueError(verdict.error), self.metrics)
-                else:
-                    await msg.ack()
+                await self._settle(msg, verdict.outcome, verdict.error)
                 self.last_seq = max(self.last_seq, seq)
                 if verdict.group is not None:
                     groups.append(verdict.group)
@@ -213,7 +158,38 @@ class Trainer:
                     self._wake_feeder.set()
         return groups
 
-    # ------------------------------------------------------------------------------ one step
+    async def _settle(self, msg: Any, outcome: str, error: str) -> None:
+        """Ack (or terminate) a judged message; if that fails the message comes back after ack_wait
+        and the intake skips it as a duplicate."""
+        try:
+            if outcome == "malformed":
+                await terminate_poison(msg, ValueError(error), self.metrics)
+            else:
+                await msg.ack()
+        except Exception as exc:
+            if not retryable(exc):
+                raise
+            log.warning("ack failed; the message will be redelivered", error=repr(exc))
+
+    # ------------------------------------------------------------------------------ the steps
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Step until done or `stopping`, then checkpoint. If NATS stays away past
+        `bus_retry_timeout_s`, checkpoint the steps trained since the last one, then raise `BusUnavailable`."""
+        saved_at = self.version
+        try:
+            while not stopping.is_set() and not self.done:
+                if await self.step(stopping) is not None and self.s.checkpoint_every:
+                    if self.version % self.s.checkpoint_every == 0:
+                        saved_at = self.version
+        except BusUnavailable as exc:
+            if self.version != saved_at:
+                log.error("NATS unavailable; checkpointing before exiting", version=self.version, error=str(exc))
+                await self.checkpoint()
+            raise
+        if self.version != saved_at or self.done:
+            await self.checkpoint()
+        log.info("training finished" if self.done else "stopped; checkpoint saved", version=self.version)
 
     async def step(self, stopping: asyncio.Event | None = None) -> dict[str, float] | None:
         """Collect, train, publish, report, maybe checkpoint. None if stopping before a full batch."""
@@ -232,8 +208,10 @@ class Trainer:
         self._wake_feeder.set()
         t_train = time.monotonic()
         if res.weights_dir is not None and self.publish is not None:
-            await self.publish(self.version, self.version, res.weights_dir)
-            _remove(res.weights_dir)
+            try:
+                await self._publish_weights(res.weights_dir)
+            finally:
+                _remove(res.weights_dir)
         t_end = time.monotonic()
         values = self._step_values(batch, groups, res.stats, before, t0, t_data, t_train, t_end)
         self._record({"version": self.version, "prompt_ids": [g.prompt_id for g in groups],
@@ -246,6 +224,18 @@ class Trainer:
         if self.feeder is not None and self.s.feeder.eval_every and self.version % self.s.feeder.eval_every == 0:
             await self._issue_eval()
         return values
+
+    async def _publish_weights(self, weights_dir: Path) -> None:
+        publish, version = self.publish, self.version
+        assert publish is not None
+
+        async def attempt() -> Any:
+            if not await asyncio.to_thread(Path(weights_dir).is_dir):
+                # a shared directory on our filesystem: the failed attempt moved it before announcing
+                raise BusUnavailable(f"weights v{version}: {weights_dir} was taken over by a failed publish; cannot publish it again")
+            return await publish(version, version, weights_dir)
+
+        await with_retries(f"publish weights v{version}", attempt, self.s.bus_retry_timeout_s)
 
     def _step_values(self, batch: dict[str, Any], groups: list[Group], stats: dict[str, float], before: Counter[str],
                      t0: float, t_data: float, t_train: float, t_end: float) -> dict[str, float]:
@@ -284,15 +274,6 @@ class Trainer:
                            "feeder_dropped": float(c.dropped), "feeder_timed_out": float(c.timed_out),
                            "feeder_bound": float(self.feeder.bound(self.version)), "epoch": float(self.feeder.epoch)})
         return values
-
-    async def _issue_eval(self) -> None:
-        assert self.feeder is not None and self.nc is not None
-        js = self.nc.jetstream()
-        tasks = self.feeder.eval_tasks(self.version, self.s.feeder.eval_size, self.version, self.nonce)
-        if self.evals is not None:
-            self.evals.expect(self.version, [t.prompt_id for t in tasks])
-        for task in tasks:
-            await self._publish_prompt(js, self.subjects.prompts_eval, task)
 
     # ------------------------------------------------------------------------------ checkpoints
 

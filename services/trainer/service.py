@@ -80,15 +80,8 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine) -> None:
 
 
 async def _train(trainer: Trainer, sup: Supervisor) -> None:
-    saved_at = trainer.version
     try:
-        while not sup.stopping.is_set() and not trainer.done:
-            if await trainer.step(sup.stopping) is not None and trainer.s.checkpoint_every:
-                if trainer.version % trainer.s.checkpoint_every == 0:
-                    saved_at = trainer.version
-        if trainer.version != saved_at or trainer.done:
-            await trainer.checkpoint()
-        log.info("training finished" if trainer.done else "stopped; checkpoint saved", version=trainer.version)
+        await trainer.run(sup.stopping)
         # Only on success: after a failure inside a collective the other ranks cannot take a command;
         # rank 0 exits and they die with the broken process group.
         await trainer.stop_followers()

@@ -115,6 +115,9 @@ class TrainerSettings(ServiceSettings):
     """Trajectory messages per pull request."""
     fetch_timeout_s: float = Field(1.0, gt=0)
     """How long one pull waits for trajectories before the loop checks for shutdown."""
+    bus_retry_timeout_s: float = Field(300.0, gt=0)
+    """How long a NATS publish or pull that fails with a retryable error (server restarting,
+    reconnecting, timeout) is retried with capped backoff; then the trainer checkpoints and exits non-zero."""
     ppo: PPOSettings = PPOSettings()
     feeder: FeederSettings = FeederSettings()
 

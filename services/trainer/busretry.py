@@ -1,0 +1,93 @@
+"""Retrying the trainer's NATS calls through a server restart (DESIGN.md "Failure semantics": clients
+reconnect and continue).
+
+nats-py reconnects by itself; a call made meanwhile fails with a timeout or a reconnecting/no-servers
+error, or JetStream answers 503 while it starts up again. Those are retried with capped, jittered
+backoff until `give_up_after_s` has passed since the first failure; then `BusUnavailable` says so.
+A closed connection (the client was shut down) and any other error are not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats.errors
+import nats.js.errors
+
+from services.common.logging import get_logger
+
+log = get_logger("trainer.bus")
+
+T = TypeVar("T")
+
+INITIAL_BACKOFF_S = 0.2
+MAX_BACKOFF_S = 5.0
+
+_RETRYABLE: tuple[type[BaseException], ...] = (
+    TimeoutError,  # includes nats.errors.TimeoutError and FlushTimeoutError
+    nats.errors.NoServersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,  # JetStream not (yet) answering after a restart
+    nats.js.errors.ServiceUnavailableError,  # 503
+)
+_FATAL: tuple[type[BaseException], ...] = (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)
+
+
+class BusUnavailable(ConnectionError):
+    """NATS calls kept failing with retryable errors for longer than the retry budget."""
+
+
+def retryable(exc: BaseException) -> bool:
+    return isinstance(exc, _RETRYABLE) and not isinstance(exc, _FATAL)
+
+
+class Backoff:
+    """Consecutive failures of one kind of call: `failed` waits the next backoff or raises
+    `BusUnavailable` once the budget is spent; `reset` after a success."""
+
+    def __init__(self, what: str, give_up_after_s: float) -> None:
+        self.what = what
+        self.give_up_after_s = give_up_after_s
+        self.attempt = 0
+        self._since: float | None = None
+
+    def reset(self) -> None:
+        if self._since is not None:
+            log.info("nats call succeeded again", what=self.what, attempts=self.attempt,
+                     outage_s=round(time.monotonic() - self._since, 1))
+        self.attempt, self._since = 0, None
+
+    async def failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        waited = now - self._since
+        if waited >= self.give_up_after_s:
+            raise BusUnavailable(f"{self.what}: NATS unavailable for {waited:.0f}s ({self.attempt + 1} attempts): {exc!r}") from exc
+        cap = min(MAX_BACKOFF_S, INITIAL_BACKOFF_S * 2**self.attempt)
+        delay = min(random.uniform(cap / 2, cap), self.give_up_after_s - waited)
+        self.attempt += 1
+        log.warning("nats call failed; retrying", what=self.what, attempt=self.attempt, delay_s=round(delay, 2), error=repr(exc))
+        await asyncio.sleep(delay)  # the backoff itself
+
+
+async def with_retries(what: str, call: Callable[[], Awaitable[T]], give_up_after_s: float) -> T:
+    """`await call()`, again after each retryable failure, until it succeeds or the budget is spent."""
+    backoff = Backoff(what, give_up_after_s)
+    while True:
+        try:
+            result = await call()
+        except Exception as exc:
+            if not retryable(exc):
+                raise
+            await backoff.failed(exc)
+            continue
+        backoff.reset()
+        return result
