@@ -38,6 +38,7 @@ from services.trainer.engine import TrainEngine
 from services.trainer.evaluation import EvalRounds
 from services.trainer.feeder import Feeder, load_rows
 from services.trainer.feeding import Feeding
+from services.trainer.fresh import clear_leftovers
 from services.trainer.intake import Group, Intake
 from services.trainer.settings import TrainerSettings
 
@@ -64,7 +65,7 @@ class Trainer(Feeding):
         self.last_seq = 0
         self.resumed = False
         self.nonce = secrets.token_hex(3)
-        """Tells this trainer process's prompts apart from earlier ones' (eval ids)."""
+        """Tells this trainer process's prompts apart from earlier ones' (eval ids; training ids on a reused run)."""
         self.feeder: Feeder | None = None
         if settings.feeder.enabled:
             f = settings.feeder
@@ -100,6 +101,8 @@ class Trainer(Feeding):
             self._restore(res.client_state)
             self.resumed = True
             log.info("resumed", checkpoint=str(root / tag), version=self.version, last_seq=self.last_seq)
+        elif self.feeder is not None and self.source is None:
+            await self._start_afresh(js)
         self._record({"event": "start", "version": self.version, "last_seq": self.last_seq, "resumed": found is not None})
         if self.source is None:
             await self._open_consumer(js)
@@ -107,9 +110,21 @@ class Trainer(Feeding):
                 self.evals = EvalRounds(nc, self.s.run, self.s.feeder.eval_timeout_s)
                 await self.evals.start()
 
+    async def _start_afresh(self, js: Any) -> None:
+        """No checkpoint, a feeder: the run starts now (`fresh.py`). The consumer starts after the
+        stream's current end and is created before the first prompt is issued, so no answer to one of
+        ours can be missed."""
+        assert self.feeder is not None
+        left = await clear_leftovers(js, self.subjects)
+        self.last_seq = left.start_seq
+        if left.used_before:
+            self.feeder.tag = self.nonce
+
     async def _open_consumer(self, js: Any) -> None:
         # The checkpoint, not the server, is the truth about what was trained: recreate the durable so
         # it delivers right after the checkpoint's sequence (messages acked after it are trained again).
+        # Without a checkpoint: every recorded trajectory (offline, no feeder), or after the stream's end
+        # at a fresh start with a feeder (`last_seq` set by `_start_afresh`).
         name = self.subjects.trainer_consumer
         try:
             await js.delete_consumer(TRAJECTORIES_STREAM, name)
