@@ -14,9 +14,9 @@ from nats.js.errors import NotFoundError
 
 from schemas.messages import MessageError, PromptTask, decode, encode
 from schemas.subjects import HDR_MSG_ID, PROMPTS_STREAM, Subjects
+from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
-from services.trainer.busretry import BusUnavailable, with_retries
 from services.trainer.evaluation import EvalRounds
 from services.trainer.feeder import Feeder
 from services.trainer.intake import Intake

@@ -26,13 +26,13 @@ from nats.js.errors import NotFoundError
 
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from services.common.bus import declare_streams
+from services.common.busretry import Backoff, BusUnavailable, retryable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
 from services.trainer import checkpoint as ckpt
 from services.trainer.actor import PPOActor
 from services.trainer.batch import collate, shard
-from services.trainer.busretry import Backoff, BusUnavailable, retryable, with_retries
 from services.trainer.collective import Command, execute, scatter
 from services.trainer.engine import TrainEngine
 from services.trainer.evaluation import EvalRounds

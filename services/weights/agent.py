@@ -14,7 +14,6 @@ counted: a lost report never stops the agent.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from nats.js.api import DeliverPolicy
 from schemas.messages import Message, MessageError, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode, encode
 from schemas.subjects import Subjects
 from services.common.bus import connect
+from services.common.busretry import BusUnavailable, with_retries
 from services.common.health import http_check, register_check
 from services.common.logging import bind_context, get_logger
 from services.common.metrics import MetricsPublisher
@@ -43,20 +43,6 @@ log = get_logger("weights.agent")
 RESUME_ATTEMPTS = 5
 REPORT_TIMEOUT_S = 5.0
 """Longest wait for the stream's ack of one report publish."""
-REPORT_BACKOFF_MAX_S = 2.0
-
-#: what a NATS server restarting (or a reconnecting client) looks like to a publish: worth retrying
-RETRYABLE_NATS_ERRORS: tuple[type[BaseException], ...] = (
-    TimeoutError,  # nats.errors.TimeoutError is one too
-    nats.errors.NoRespondersError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.OutboundBufferLimitError,
-    nats.errors.FlushTimeoutError,
-    nats.errors.StaleConnectionError,
-    nats.errors.UnexpectedEOF,
-    nats.js.errors.NoStreamResponseError,
-    nats.js.errors.ServiceUnavailableError,
-)
 
 
 class WeightsAgent:
@@ -208,33 +194,24 @@ class WeightsAgent:
 
     async def report(self, subject: str, message: Message) -> bool:
         """Publish a WeightsLoaded/WeightsLoadFailed report and wait for the stream's ack, retrying
-        what a NATS restart looks like (timeouts, no responders, reconnecting) with capped jittered
-        backoff for `report_retry_s`. False if it was given up: logged and counted
-        (`report_failures`), never raised - the server serves what it serves either way."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.report_retry_s
+        what a NATS restart looks like (`services.common.busretry`) for `report_retry_s`. False if it
+        was given up: logged and counted (`report_failures`), never raised - the server serves what it
+        serves either way."""
         data = encode(message)
-        attempt = 0
-        while True:
-            try:
-                timeout = max(0.5, min(REPORT_TIMEOUT_S, deadline - loop.time()))
-                # bounded twice: nats-py may never resolve a publish the server answered oddly
-                await asyncio.wait_for(self.js.publish(subject, data, timeout=timeout), timeout + 1.0)
-                return True
-            except RETRYABLE_NATS_ERRORS as exc:
-                error: BaseException = exc
-                retry = loop.time() < deadline
-            except nats.errors.Error as exc:  # the connection is closed, or the request refused: no retry helps
-                error, retry = exc, False
-            if not retry:
-                break
-            attempt += 1
-            self.metrics.count("report_retries")
-            log.warning("weights report not acknowledged; retrying", subject=subject, attempt=attempt, error=repr(error))
-            await asyncio.sleep(min(_backoff(attempt), max(0.0, deadline - loop.time())))
-        log.error("weights report lost", subject=subject, attempts=attempt + 1, error=repr(error))
-        self.metrics.count("report_failures")
-        return False
+        timeout = min(REPORT_TIMEOUT_S, max(0.5, self.settings.report_retry_s))  # one attempt never outlasts the budget
+
+        async def publish() -> None:
+            # bounded twice: nats-py may never resolve a publish the server answered oddly
+            await asyncio.wait_for(self.js.publish(subject, data, timeout=timeout), timeout + 1.0)
+
+        try:
+            await with_retries(f"weights report {subject}", publish, self.settings.report_retry_s,
+                               on_retry=lambda _: self.metrics.count("report_retries"))
+            return True
+        except (BusUnavailable, nats.errors.Error) as exc:  # gone too long, or refused: no retry helps
+            log.error("weights report lost", subject=subject, error=repr(exc))
+            self.metrics.count("report_failures")
+            return False
 
     def _clean_cache(self) -> None:
         """Drop local copies of old versions and partial fetches left by a crash."""
@@ -246,10 +223,6 @@ class WeightsAgent:
             for p in self.cache_dir.glob(".v*.partial"):
                 remove_tree(p)
 
-
-def _backoff(attempt: int) -> float:
-    """Full jitter, doubling from 0.2 s, capped."""
-    return random.uniform(0, min(REPORT_BACKOFF_MAX_S, 0.1 * 2**attempt))
 
 
 def _current_task_cancelling() -> bool:

@@ -1,4 +1,4 @@
-"""Retrying the trainer's NATS calls through a server restart (DESIGN.md "Failure semantics": clients
+"""Retrying NATS calls through a server restart (the trainer's, the weights agent's reports) (DESIGN.md "Failure semantics": clients
 reconnect and continue).
 
 nats-py reconnects by itself; a call made meanwhile fails with a timeout or a reconnecting/no-servers
@@ -29,6 +29,7 @@ MAX_BACKOFF_S = 5.0
 
 _RETRYABLE: tuple[type[BaseException], ...] = (
     TimeoutError,  # includes nats.errors.TimeoutError and FlushTimeoutError
+    nats.errors.UnexpectedEOF,  # the server went away mid-request
     nats.errors.NoServersError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError,
@@ -52,9 +53,11 @@ class Backoff:
     """Consecutive failures of one kind of call: `failed` waits the next backoff or raises
     `BusUnavailable` once the budget is spent; `reset` after a success."""
 
-    def __init__(self, what: str, give_up_after_s: float) -> None:
+    def __init__(self, what: str, give_up_after_s: float, on_retry: Callable[[BaseException], None] | None = None) -> None:
         self.what = what
         self.give_up_after_s = give_up_after_s
+        self.on_retry = on_retry
+        """Called before each wait for a retry (e.g. to count retries in the service's metrics)."""
         self.attempt = 0
         self._since: float | None = None
 
@@ -74,13 +77,18 @@ class Backoff:
         cap = min(MAX_BACKOFF_S, INITIAL_BACKOFF_S * 2**self.attempt)
         delay = min(random.uniform(cap / 2, cap), self.give_up_after_s - waited)
         self.attempt += 1
+        if self.on_retry is not None:
+            self.on_retry(exc)
         log.warning("nats call failed; retrying", what=self.what, attempt=self.attempt, delay_s=round(delay, 2), error=repr(exc))
         await asyncio.sleep(delay)  # the backoff itself
 
 
-async def with_retries(what: str, call: Callable[[], Awaitable[T]], give_up_after_s: float) -> T:
-    """`await call()`, again after each retryable failure, until it succeeds or the budget is spent."""
-    backoff = Backoff(what, give_up_after_s)
+async def with_retries(
+    what: str, call: Callable[[], Awaitable[T]], give_up_after_s: float, on_retry: Callable[[BaseException], None] | None = None
+) -> T:
+    """`await call()`, again after each retryable failure, until it succeeds or the budget is spent
+    (`BusUnavailable`); any other error is raised at once."""
+    backoff = Backoff(what, give_up_after_s, on_retry)
     while True:
         try:
             result = await call()
