@@ -18,6 +18,7 @@ import torch
 
 from services.common.logging import get_logger
 from services.trainer.settings import TrainerSettings
+from services.weights.files import shard_bytes
 
 log = get_logger("trainer.engine")
 
@@ -187,8 +188,9 @@ class TrainEngine:
         module = self.engine.module
         module.config.dtype = "float32"
         # transformers pops tensors out of the dict it is given: pass a copy.
-        module.save_pretrained(out, state_dict=dict(sd), safe_serialization=True,
-                               max_shard_size=int(self.settings.weights_shard_mb * 1e6))
+        mb = self.settings.weights_shard_mb
+        shard = int(mb * 1e6) if mb is not None else shard_bytes(sum(t.numel() * t.element_size() for t in sd.values()))
+        module.save_pretrained(out, state_dict=dict(sd), safe_serialization=True, max_shard_size=shard)
         src = Path(self.settings.model_path)
         for name in _SIDE_FILES:
             if (src / name).exists():

@@ -106,9 +106,9 @@ class TrainerSettings(ServiceSettings):
     """Publish into this shared directory instead of the WEIGHTS object store."""
     weights_keep_last: int = Field(3, ge=1)
     """Published versions kept; older ones are deleted."""
-    weights_shard_mb: float = Field(512, gt=0)
+    weights_shard_mb: float | None = Field(None, gt=0)
     """Largest safetensors file of published weights (MB): a model in several files is hashed,
-    copied and verified on every core."""
+    copied and verified on every core. Unset: an eighth of the model, within 32-512 MB."""
     record_steps: bool = True
     """Append each step's prompt ids, version and last stream sequence to output_dir/steps.jsonl (an audit log)."""
     fetch_batch: int = Field(16, ge=1)

@@ -40,7 +40,7 @@ async def _verify_in_place(root: Path, msg: WeightsPublished) -> None:
         verify_file(root / safe_name(f.name), f)
 
     try:
-        await asyncio.to_thread(parallel, verify, list(msg.files))
+        await asyncio.to_thread(parallel, verify, list(msg.files), lambda f: f.size)
     except (ChecksumError, FileNotFoundError, ValueError) as exc:
         raise FetchError(f"v{msg.version}: {exc}") from exc
 

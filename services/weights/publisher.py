@@ -125,11 +125,12 @@ class WeightPublisher:
         def move_and_hash() -> list[WeightFile]:
             partial.parent.mkdir(parents=True, exist_ok=True)
             hf_dir.rename(partial)
-            digests = parallel(sha256_file, [partial / name for name in names])
+            digests = parallel(sha256_file, [partial / name for name in names], cost=lambda p: p.stat().st_size)
             return [WeightFile(name=n, sha256=d, size=(partial / n).stat().st_size) for n, d in zip(names, digests, strict=True)]
 
         def copy_all() -> list[WeightFile]:
-            return parallel(lambda pair: copy_hashed(pair[0], partial / pair[1], pair[1]), list(zip(files, names, strict=True)))
+            return parallel(lambda pair: copy_hashed(pair[0], partial / pair[1], pair[1]), list(zip(files, names, strict=True)),
+                            cost=lambda pair: pair[0].stat().st_size)
 
         def publish() -> list[WeightFile]:
             move = consume and same_filesystem(hf_dir, self.shared_dir)  # type: ignore[arg-type]

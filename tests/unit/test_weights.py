@@ -17,8 +17,11 @@ from services.weights.files import (
     ChecksumError,
     checkpoint_files,
     copy_hashed,
+    parallel,
     parse_uri,
     safe_name,
+    shard_bytes,
+    sha256_file,
     verify_file,
     versions_to_drop,
 )
@@ -32,6 +35,38 @@ def test_copy_hashed_copies_and_hashes(tmp_path: Path) -> None:
     entry = copy_hashed(src, tmp_path / "out" / "sub" / "a.bin", "sub/a.bin")
     assert (tmp_path / "out" / "sub" / "a.bin").read_bytes() == src.read_bytes()
     assert entry == WeightFile(name="sub/a.bin", sha256=hashlib.sha256(src.read_bytes()).hexdigest(), size=5_000_001)
+
+
+def test_sha256_file_matches_hashlib_including_empty_files(tmp_path: Path) -> None:
+    for size in (0, 1, 3 * 2**18 + 5):
+        path = tmp_path / f"f{size}"
+        data = bytes(i % 251 for i in range(size))
+        path.write_bytes(data)
+        assert sha256_file(path) == hashlib.sha256(data).hexdigest()
+
+
+def test_shard_size_splits_small_models_for_every_core_and_caps_big_ones() -> None:
+    # a 100 MB model is four 32 MB shards (hashed on every core at both ends), a 1 GB one eight
+    assert shard_bytes(100_000_000) == 32_000_000
+    assert shard_bytes(1_000_000_000) == 125_000_000
+    # a 7B model in float32 is not cut into thousands of files, nor a tiny one below 32 MB
+    assert shard_bytes(28_000_000_000) == 512_000_000
+    assert shard_bytes(1_000_000) == 32_000_000
+
+
+def test_parallel_starts_the_costliest_first_and_keeps_the_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("services.weights.files.os.cpu_count", lambda: 1)  # one worker: start order is visible
+    started: list[int] = []
+
+    def work(size: int) -> int:
+        started.append(size)
+        return size * 10
+
+    assert parallel(work, [5, 50, 1, 20], cost=lambda size: size) == [50, 500, 10, 200]
+    assert started == [50, 20, 5, 1]
+    started.clear()
+    assert parallel(work, [5, 50, 1]) == [50, 500, 10]
+    assert started == [5, 50, 1]
 
 
 def test_verify_file_names_what_is_wrong(tmp_path: Path) -> None:
