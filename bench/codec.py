@@ -14,6 +14,11 @@ The copy baseline is the faster of two copies of the group, and both are printed
   machine's real copy speed.
 Taking the faster one keeps the score honest whichever way the allocator falls.
 
+`ipc ratio` times only the Arrow IPC part of the same round trip: writing the already-built record
+batch as a stream and reading it back, with no conversion from or to the padded tensors. It shows
+how much of the codec's cost is Arrow's and how much is the conversion (dropping padding, casting to
+the contract's column types with range checks, rebuilding the padded arrays).
+
 The last row (8 x 32k) is not part of the score: it shows how much of the codec's cost is per call
 rather than per byte.
 """
@@ -30,7 +35,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.trajectory import decode_group, encode_group
+import pyarrow as pa
+
+from schemas.trajectory import decode_group, encode_group, group_to_table
 
 
 def make_group(rng: np.random.Generator, batch: int, seqlen: int, full: bool) -> dict[str, np.ndarray]:
@@ -82,6 +89,20 @@ def round_trip(group: dict[str, np.ndarray]) -> Callable[[], object]:
     return lambda: decode_group(encode_group(group, run="b", prompt_id="p", worker="w"))
 
 
+def ipc_only(group: dict[str, np.ndarray]) -> Callable[[], object]:
+    """Only the Arrow IPC part: the group's table written as a stream and read back."""
+    table, _ = group_to_table(group, run="b", prompt_id="p", worker="w")
+    batch = table.to_batches()[0]
+
+    def round_trip() -> object:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        return list(pa.ipc.open_stream(sink.getvalue()))
+
+    return round_trip
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
@@ -93,22 +114,26 @@ def main() -> None:
         into_s = best_of(copy_into(group), 7, 50)
         copy_s = min(fresh_s, into_s)
         codec_s = best_of(round_trip(group), 7, 50)
+        ipc_s = best_of(ipc_only(group), 7, 50)
         wire = len(encode_group(group, run="b", prompt_id="p", worker="w"))
         rows.append((label, nbytes, wire, nbytes / fresh_s / 1e9, nbytes / into_s / 1e9, nbytes / codec_s / 1e9,
-                     copy_s / codec_s))
+                     copy_s / codec_s, copy_s / ipc_s))
 
     print(f"{'group':<22}{'tensor MB':>10}{'wire MB':>9}{'a.copy() GB/s':>15}{'copyto GB/s':>13}{'codec GB/s':>12}"
-          f"{'ratio':>8}")
-    for label, nbytes, wire, fresh_gbs, into_gbs, codec_gbs, ratio in rows:
+          f"{'ratio':>8}{'ipc ratio':>11}")
+    for label, nbytes, wire, fresh_gbs, into_gbs, codec_gbs, ratio, ipc_ratio in rows:
         print(f"{label:<22}{nbytes / 1e6:>10.2f}{wire / 1e6:>9.2f}{fresh_gbs:>15.2f}{into_gbs:>13.2f}{codec_gbs:>12.2f}"
-              f"{ratio:>8.2f}")
+              f"{ratio:>8.2f}{ipc_ratio:>11.2f}")
     print("ratio = (encode+decode throughput) / (the faster copy's throughput) of the padded tensor bytes;"
           " target >= 0.3 for 8 x 4k")
+    print("ipc ratio = the same for only writing and reading the Arrow stream of an already-built batch (no conversion)")
     figures = {
         "score": round(min(r[6] for r in rows[:2]), 3),
         "ratio_full": round(rows[0][6], 3),
         "ratio_ragged": round(rows[1][6], 3),
         "ratio_32k_ragged": round(rows[2][6], 3),
+        "ipc_only_ratio_full": round(rows[0][7], 3),
+        "ipc_only_ratio_ragged": round(rows[1][7], 3),
         "codec_gbs_full": round(rows[0][5], 3),
         "copy_gbs_full": round(max(rows[0][3], rows[0][4]), 3),
         "fresh_copy_gbs_full": round(rows[0][3], 3),
