@@ -20,8 +20,8 @@ from services.weights.files import (
     parallel,
     parse_uri,
     safe_name,
-    shard_bytes,
     sha256_file,
+    shard_bytes,
     verify_file,
     versions_to_drop,
 )
