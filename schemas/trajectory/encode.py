@@ -118,13 +118,18 @@ def encode_group_with_meta(
 ) -> tuple[bytes, TrajectoryMeta]:
     """`encode_group`, also returning the metadata (for the message headers)."""
     batch, meta = group_to_batch(tensors, run=run, prompt_id=prompt_id, worker=worker, is_eval=is_eval)
-    # The IPC stream format is the schema message, the batch messages, then an end-of-stream marker:
-    # the same bytes as pa.ipc.new_stream's writer gives, at half its fixed cost. (No dictionary
-    # columns here, which the writer would also have to emit.)
-    return b"".join((batch.schema.serialize(), batch.serialize(), _END_OF_STREAM)), meta
+    return batch_to_bytes(batch), meta
 
 
 _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def batch_to_bytes(batch: pa.RecordBatch) -> bytes:
+    """One record batch -> the bytes of an Arrow IPC stream holding it. The stream format is the schema
+    message, the batch messages, then an end-of-stream marker: the same bytes as pa.ipc.new_stream's
+    writer gives, at half its fixed cost. (No dictionary columns here, which the writer would also
+    have to emit.)"""
+    return b"".join((batch.schema.serialize(), batch.serialize(), _END_OF_STREAM))
 
 
 def encode_table(table: pa.Table) -> bytes:
