@@ -166,7 +166,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         nats.stop()
         (run_dir / URL_FILE).unlink(missing_ok=True)
     wall = time.time() - started
-    write_metrics(run_dir, view.steps, {"outcome": outcome, "wall_s": wall, "servers": view.servers, "evals": view.evals})
+    extra = {"outcome": outcome, "wall_s": wall, "started_at": started, "servers": view.servers, "evals": view.evals}
+    write_metrics(run_dir, view.steps, extra)
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
     summary = [f"run {s.run}: {outcome}", *summary_lines(view.steps, view.servers, wall)]
     if kept is not None:
