@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prompts": ("services.trainer.prompts_cli", "`prompts push FILE`: push a prompt dataset onto the PROMPTS work queue"),
     "status": ("services.status", "streams, consumer lag, versions per server, worker liveness"),
     "plot": ("services.plot", "redraw a run's curves from the METRICS stream"),
+    "track": ("services.track", "write a run's metrics to TensorBoard and/or Weights & Biases"),
     "replay": ("services.replay", "train offline from a recorded trajectory stream"),
     "export": ("services.replay.export", "write a recorded trajectory range to Parquet"),
     "import": ("services.replay.import_", "load Parquet trajectories back into a stream"),

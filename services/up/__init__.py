@@ -11,7 +11,7 @@ import sys
 from services.common.entry import settings_help
 from services.common.settings import SettingsError, load_settings, read_yaml
 
-SERVICE_SECTIONS = ("inference", "rollout", "reward", "trainer", "weights")
+SERVICE_SECTIONS = ("inference", "rollout", "reward", "trainer", "weights", "track")
 
 
 def main(argv: list[str] | None = None) -> int:

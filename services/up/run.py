@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ from services.common.logging import configure_logging, get_logger
 from services.common.nats_server import NatsServer, free_port
 from services.common.settings import SettingsError
 from services.runs import URL_FILE
+from services.up import SERVICE_SECTIONS
 from services.up.display import Display
 from services.up.monitor import REWARD_KEYS, RunView, watch
 from services.up.report import plot_curves, summary_lines, write_metrics
@@ -131,6 +133,11 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1)
             trainer["feeder"] |= {"eval_dataset_path": str(eval_set), "eval_every": 10, "eval_size": 32}
         trainer_proc = stack.start("trainer", "services.trainer", to_env("trainer", deep_merge(trainer, sec("trainer"))))
+        if "track" in sections:  # experiment trackers: a follower of the METRICS stream; losing it loses no training
+            config = run_dir / "config.json"
+            config.write_text(json.dumps({"up": s.model_dump(), **{n: sec(n) for n in SERVICE_SECTIONS if n != "track"}}, default=str))
+            track = {**common, "config_path": str(config)}
+            stack.start("track", "services.track", to_env("track", deep_merge(track, sections["track"])), required=False)
 
         with display:
             while not stop.is_set():

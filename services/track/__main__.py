@@ -1,0 +1,3 @@
+from services.track import main
+
+raise SystemExit(main())
