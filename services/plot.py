@@ -14,8 +14,9 @@ from schemas.messages import MessageError, MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, Subjects
 from services.common.bus import connect
 from services.runs import run_directory, run_nats
+from services.up.curves import plot_curves
 from services.up.monitor import RunView
-from services.up.report import plot_curves, summary_lines, write_metrics
+from services.up.report import summary_lines, write_metrics
 
 
 async def read_metrics(url: str, run: str) -> RunView:

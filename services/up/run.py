@@ -20,9 +20,10 @@ from services.common.nats_server import NatsServer, free_port
 from services.common.settings import SettingsError
 from services.runs import URL_FILE
 from services.up import SERVICE_SECTIONS
+from services.up.curves import plot_curves
 from services.up.display import Display
 from services.up.monitor import REWARD_KEYS, RunView, watch
-from services.up.report import plot_curves, summary_lines, write_metrics
+from services.up.report import summary_lines, write_metrics
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
 from services.up.stack import Stack, settings_class, to_env
