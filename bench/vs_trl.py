@@ -73,7 +73,7 @@ def make_inputs(work: Path) -> tuple[Path, Path]:
 
 def trl_child(model: str, dataset: str, seed: int, steps: int, target: float, launched: float, out: str) -> None:
     import torch
-    from datasets import Dataset  # type: ignore[import-untyped]
+    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 

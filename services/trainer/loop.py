@@ -34,9 +34,10 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.actor import PPOActor
 from services.trainer.batch import collate, shard
 from services.trainer.collective import Command, execute, scatter
+from services.trainer.dataset import load_rows
 from services.trainer.engine import TrainEngine
 from services.trainer.evaluation import EvalRounds
-from services.trainer.feeder import Feeder, load_rows
+from services.trainer.feeder import Feeder
 from services.trainer.feeding import Feeding
 from services.trainer.fresh import clear_leftovers
 from services.trainer.intake import Group, Intake
@@ -70,9 +71,9 @@ class Trainer(Feeding):
         if settings.feeder.enabled:
             f = settings.feeder
             self.feeder = Feeder(
-                run=settings.run, rows=load_rows(f.dataset_path), batch_groups=settings.batch_groups, eta=settings.eta,
+                run=settings.run, rows=load_rows(f.dataset_path, f.dataset), batch_groups=settings.batch_groups, eta=settings.eta,
                 max_in_flight=f.max_in_flight, seed=settings.seed, epochs=f.epochs, shuffle=f.shuffle,
-                eval_rows=load_rows(f.eval_dataset_path) if f.eval_dataset_path else [],
+                eval_rows=load_rows(f.eval_dataset_path, f.eval_dataset) if f.eval_dataset_path else [],
                 max_attempts=f.max_attempts, in_flight_timeout_s=f.in_flight_timeout_s,
             )
         self.intake = Intake(settings.eta, settings.ppo.dynamic_filtering, self.feeder)

@@ -18,7 +18,7 @@ from schemas.subjects import HDR_MSG_ID, PROMPTS_STREAM, Subjects
 
 async def push(nats_url: str, run: str, path: str, *, is_eval: bool = False, limit: int = 0, prefix: str = "push") -> int:
     from services.common.bus import connect, declare_streams
-    from services.trainer.feeder import load_rows
+    from services.trainer.dataset import load_rows
 
     rows = load_rows(path)[: limit or None]
     subjects = Subjects(run)

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from services.common.settings import Section, ServiceSettings
+from services.trainer.dataset import DatasetOptions
 
 
 class PPOSettings(Section):
@@ -43,9 +44,14 @@ class FeederSettings(Section):
     """The prompt feeder: dataset, epochs, admission under the staleness budget, eval prompts."""
 
     dataset_path: str = ".jetrl/data/copy3.jsonl"
-    """Training prompts: a JSONL or Parquet file of rows ({"id", "prompt", "answer", ...})."""
+    """Training prompts: a JSONL or Parquet file of rows ({"id", "prompt", "answer", ...}), a 🤗 datasets
+    directory written by `save_to_disk`, or a hub dataset name (with `dataset.config` and `dataset.split`)."""
+    dataset: DatasetOptions = DatasetOptions()
+    """How rows of `dataset_path` are read: split, hub config, key mappings, a row transform."""
     eval_dataset_path: str | None = None
-    """Eval prompts (JSONL/Parquet); None: no eval prompts are issued."""
+    """Eval prompts (any source `dataset_path` takes); None: no eval prompts are issued."""
+    eval_dataset: DatasetOptions = DatasetOptions(split="test")
+    """How rows of `eval_dataset_path` are read (its split defaults to "test"; a file has no splits)."""
     eval_every: int = Field(0, ge=0)
     """Issue the eval set every this many steps (0: never)."""
     eval_size: int = Field(64, ge=1)
