@@ -33,6 +33,7 @@ async def export_range(js: object, settings: ExportSettings, stopping: asyncio.E
     """Write the range of `settings.run` to `settings.output`; returns what was written and skipped."""
     from schemas.trajectory import TrajectoryError, decode_group
     from services.common.logging import get_logger
+    from services.common.progress import Progress
     from services.replay.parquet import ExportWriter, group_rows
     from services.replay.reader import StreamReader
     from services.replay.source import skip_reason
@@ -43,8 +44,12 @@ async def export_range(js: object, settings: ExportSettings, stopping: asyncio.E
     result = ExportResult(out)
     writer = ExportWriter(tmp, settings.row_group_rows, settings.compression)
     reader = StreamReader(js, settings.run, settings.range, batch=settings.fetch_batch)  # type: ignore[arg-type]
+    progress: Progress | None = None
     try:
         async for record in reader:
+            if progress is None:  # the reader knows the range's end once it has started
+                progress = Progress("export", "messages", reader.end_seq - record.seq + 1, output=str(out))
+            progress.advance(last_seq=record.seq)
             result.last_seq = record.seq
             reason = skip_reason(record, settings.range)
             if reason is not None:

@@ -28,10 +28,12 @@ class ImportResult:
 async def import_files(js: object, settings: ImportSettings, stopping: asyncio.Event | None = None) -> ImportResult:
     from schemas.headers import msg_id
     from schemas.subjects import HDR_MSG_ID, HDR_PROMPT_ID, TRAJECTORIES_STREAM, Subjects
+    from services.common.progress import Progress
     from services.replay.parquet import iter_records
 
     subjects = Subjects(settings.run)
     result = ImportResult()
+    progress = Progress("import", "groups", run=settings.run)
     for record in iter_records(settings.input, settings.range, run=settings.source_run):
         headers = dict(record.headers or {})
         headers[HDR_MSG_ID] = msg_id(settings.run, headers[HDR_PROMPT_ID])
@@ -41,6 +43,7 @@ async def import_files(js: object, settings: ImportSettings, stopping: asyncio.E
         result.duplicates += int(bool(ack.duplicate))
         result.first_seq = result.first_seq or ack.seq
         result.last_seq = ack.seq
+        progress.advance(last_seq=ack.seq)
         if stopping is not None and stopping.is_set():
             break
     return result
