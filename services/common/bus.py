@@ -7,6 +7,7 @@ import contextlib
 import ssl
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import nats
 import nats.errors
@@ -80,7 +81,8 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0, auth:
         )
     )
     try:
-        done, _ = await asyncio.wait({attempt, refused}, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        racers: set[asyncio.Future[Any]] = {attempt, refused}
+        done, _ = await asyncio.wait(racers, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if attempt in done:
             nc = attempt.result()
             pending.set_result(weakref.ref(nc))
