@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ssl
 import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import nats
 import nats.errors
@@ -16,6 +19,7 @@ from nats.js.errors import NotFoundError
 from schemas.subjects import StreamSpec, stream_specs
 from services.common.health import register_check, unregister_check
 from services.common.logging import get_logger
+from services.common.nats_auth import NatsAuth
 
 log = get_logger("bus")
 
@@ -23,11 +27,27 @@ log = get_logger("bus")
 DEFAULT_PENDING_BYTES = 256 * 1024 * 1024
 
 
-async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0) -> NATS:
+_default_auth: NatsAuth | None = None
+
+
+def set_default_auth(auth: NatsAuth | None) -> None:
+    """The credentials `connect` uses when none are passed: a service's `nats_auth` settings, set once
+    by its entry point (so every connection of the process authenticates the same way)."""
+    global _default_auth
+    _default_auth = auth
+
+
+async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0, auth: NatsAuth | None = None) -> NATS:
     """Connect with unlimited reconnects; retry the first connect until `connect_timeout_s` (services
-    do not depend on start order)."""
+    do not depend on start order). A server that refuses the credentials, or a TLS handshake that
+    fails, ends the attempt at once with the server's own error: retrying cannot fix either."""
+    auth = auth if auth is not None else _default_auth
+    loop = asyncio.get_running_loop()
+    refused: asyncio.Future[BaseException] = loop.create_future()
 
     async def error_cb(exc: Exception) -> None:
+        if not refused.done() and _is_refusal(exc):
+            refused.set_result(exc)
         log.warning("nats error", error=repr(exc))
 
     async def disconnected_cb() -> None:
@@ -38,32 +58,59 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0) -> NA
 
     # Readiness (the side port's /readyz) fails from the first attempt until connected, and again
     # while disconnected; the check drops itself once the client is gone.
-    pending = asyncio.get_running_loop().create_future()
+    pending = loop.create_future()
     register_check(f"nats:{name}", _nats_check(pending))
+    options = auth.connect_options() if auth is not None else {}
+    servers = [u.strip() for u in url.split(",")]
+    if options.get("tls") is not None:
+        servers = [u.replace("nats://", "tls://", 1) for u in servers]
     # With unlimited reconnects nats-py also retries the first connect forever: bound it here.
-    try:
-        nc = await asyncio.wait_for(
-            nats.connect(
-                servers=[u.strip() for u in url.split(",")],
-                name=name,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                connect_timeout=2,
-                allow_reconnect=True,
-                error_cb=error_cb,
-                disconnected_cb=disconnected_cb,
-                reconnected_cb=reconnected_cb,
-                pending_size=DEFAULT_PENDING_BYTES,
-            ),
-            timeout=connect_timeout_s,
+    attempt = asyncio.create_task(
+        nats.connect(
+            servers=servers,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=2,
+            allow_reconnect=True,
+            error_cb=error_cb,
+            disconnected_cb=disconnected_cb,
+            reconnected_cb=reconnected_cb,
+            pending_size=DEFAULT_PENDING_BYTES,
+            **options,
         )
-        pending.set_result(weakref.ref(nc))
-    except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise ConnectionError(f"cannot connect to NATS at {url} within {connect_timeout_s:.0f}s: {exc!r}") from exc
+    )
+    try:
+        racers: set[asyncio.Future[Any]] = {attempt, refused}
+        done, _ = await asyncio.wait(racers, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if attempt in done:
+            nc = attempt.result()
+            pending.set_result(weakref.ref(nc))
+            return nc
+        attempt.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await attempt
+        if refused.done():
+            exc = refused.result()
+            raise ConnectionRefusedError(f"NATS at {url} refused {name!r}: {exc} (check the nats_auth settings)") from exc
+        raise ConnectionError(f"cannot connect to NATS at {url} within {connect_timeout_s:.0f}s")
+    except (OSError, nats.errors.Error) as exc:
+        if isinstance(exc, ConnectionError):
+            raise
+        raise ConnectionError(f"cannot connect to NATS at {url}: {exc!r}") from exc
     finally:
         if not pending.done():  # failed or cancelled: nothing left to report on
             unregister_check(f"nats:{name}")
-    return nc
+        if not attempt.done():
+            attempt.cancel()
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """Errors no retry can fix: the server refused the credentials, or TLS could not be agreed."""
+    if isinstance(exc, nats.errors.AuthorizationError | ssl.SSLError):
+        return True
+    text = str(exc).lower()
+    return "authorization violation" in text or "authentication" in text or "user authentication expired" in text
 
 
 def _nats_check(pending: asyncio.Future[weakref.ref[NATS]]) -> Callable[[], bool | None]:

@@ -139,7 +139,7 @@ def mirror_metrics(service: str, worker: str, values: dict[str, float], registry
 class HealthServer:
     """aiohttp server for /healthz, /readyz and /metrics on `host:port` (port 0 picks a free one)."""
 
-    def __init__(self, port: int, host: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, port: int, host: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY) -> None:
         self.host = host
         self.port = port
         self.registry = registry
@@ -182,12 +182,12 @@ class HealthServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def run_with_health(port: int, coro: Awaitable[None]) -> None:
-    """Serve the side port on `port` (0 = no side port) while `coro` runs."""
+async def run_with_health(port: int, coro: Awaitable[None], host: str = "127.0.0.1") -> None:
+    """Serve the side port on `host:port` (port 0 = no side port) while `coro` runs."""
     if not port:
         await coro
         return
-    server = HealthServer(port)
+    server = HealthServer(port, host)
     await server.start()
     try:
         await coro

@@ -69,6 +69,7 @@ class NatsServer:
         max_mem: str = "1GB",
         max_file: str = "20GB",
         log_file: str | Path | None = None,
+        extra_conf: str = "",
     ) -> None:
         self.store_dir = Path(store_dir).resolve()
         self.host = host
@@ -77,6 +78,8 @@ class NatsServer:
         self.monitor_port = monitor_port or free_port(host)
         self.max_payload, self.max_mem, self.max_file = max_payload, max_mem, max_file
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self.extra_conf = extra_conf
+        """Appended to the generated config: `authorization`, `accounts`, `tls` blocks (tests, `jetrl nats`)."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -111,6 +114,7 @@ class NatsServer:
                 max_mem=self.max_mem,
                 max_file=self.max_file,
             )
+            + self.extra_conf
         )
         log = open(self.log_file, "ab")
         self.proc = subprocess.Popen([find_binary(), "-c", str(conf), "-l", str(self.log_file)], stdout=log, stderr=log)

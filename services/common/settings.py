@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from schemas.subjects import check_run
+from services.common.nats_auth import NatsAuth
 
 
 class SettingsError(ValueError):
@@ -55,6 +56,11 @@ class ServiceSettings(BaseSettings):
     """After SIGTERM, how long draining may take before the service exits anyway."""
     health_port: int = 0
     """Port of the HTTP side port (/healthz, /readyz, /metrics); 0 disables it."""
+    health_host: str = "127.0.0.1"
+    """Address the side port binds: loopback by default; in a container or pod, its own address (or
+    0.0.0.0) so probes and Prometheus reach it."""
+    nats_auth: NatsAuth = NatsAuth()
+    """How this service authenticates to NATS (user/password, token, NKey, .creds, TLS, mutual TLS)."""
 
     @field_validator("run")
     @classmethod
