@@ -11,6 +11,7 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
@@ -28,6 +29,7 @@ DEFAULT_PENDING_BYTES = 256 * 1024 * 1024
 
 
 _default_auth: NatsAuth | None = None
+_default_replicas = 1
 
 
 def set_default_auth(auth: NatsAuth | None) -> None:
@@ -35,6 +37,19 @@ def set_default_auth(auth: NatsAuth | None) -> None:
     by its entry point (so every connection of the process authenticates the same way)."""
     global _default_auth
     _default_auth = auth
+
+
+def set_default_replicas(replicas: int) -> None:
+    """The replica count `declare_streams` (and the WEIGHTS bucket) use when none is passed: a
+    service's `nats_replicas` setting, set once by its entry point."""
+    global _default_replicas
+    if replicas < 1:
+        raise ValueError(f"nats_replicas must be at least 1, got {replicas}")
+    _default_replicas = replicas
+
+
+def default_replicas() -> int:
+    return _default_replicas
 
 
 async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0, auth: NatsAuth | None = None) -> NATS:
@@ -125,8 +140,9 @@ def _nats_check(pending: asyncio.Future[weakref.ref[NATS]]) -> Callable[[], bool
     return check
 
 
-def _config(spec: StreamSpec) -> StreamConfig:
+def _config(spec: StreamSpec, replicas: int) -> StreamConfig:
     return StreamConfig(
+        num_replicas=replicas,
         name=spec.name,
         subjects=list(spec.subjects),
         retention=RetentionPolicy.WORK_QUEUE if spec.retention == "workqueue" else RetentionPolicy.LIMITS,
@@ -140,27 +156,42 @@ def _config(spec: StreamSpec) -> StreamConfig:
     )
 
 
-_COMPARED = ("subjects", "retention", "max_msgs_per_subject", "max_age", "max_bytes", "max_msg_size", "duplicate_window")
+_COMPARED = ("subjects", "retention", "max_msgs_per_subject", "max_age", "max_bytes", "max_msg_size", "duplicate_window",
+             "num_replicas")
 
 
-async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | None = None) -> dict[str, str]:
+async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | None = None, *,
+                          replicas: int | None = None) -> dict[str, str]:
     """Create each stream, or update it if its config differs; a stream that matches is left alone.
-    Returns {name: "created" | "updated" | "unchanged"}."""
+    `replicas` (default: the process's `nats_replicas`) is part of the config: a stream found with
+    another replica count is scaled to it (NATS moves the data); a cluster too small for it is an
+    error naming the stream and both counts. Returns {name: "created" | "updated" | "unchanged"}."""
+    replicas = replicas or _default_replicas
     result: dict[str, str] = {}
     for spec in specs if specs is not None else stream_specs():
-        want = _config(spec)
+        want = _config(spec, replicas)
         try:
             info = await js.stream_info(spec.name)
         except NotFoundError:
-            await js.add_stream(want)
+            try:
+                await js.add_stream(want)
+            except nats.js.errors.APIError as exc:
+                raise RuntimeError(f"stream {spec.name}: cannot create it with {replicas} replica(s): {exc}") from exc
             result[spec.name] = "created"
             continue
         have = info.config
+        have.num_replicas = have.num_replicas or 1
         if all(_same(getattr(have, f), getattr(want, f)) for f in _COMPARED):
             result[spec.name] = "unchanged"
             continue
+        if (have.num_replicas or 1) != replicas:
+            log.warning("stream has another replica count than asked; scaling it", stream=spec.name,
+                        replicas_found=have.num_replicas or 1, replicas_wanted=replicas)
         want.subjects = sorted(set(have.subjects or []) | set(want.subjects or []))
-        await js.update_stream(want)
+        try:
+            await js.update_stream(want)
+        except nats.js.errors.APIError as exc:
+            raise RuntimeError(f"stream {spec.name}: cannot update it (replicas {have.num_replicas or 1} -> {replicas}): {exc}") from exc
         result[spec.name] = "updated"
     return result
 

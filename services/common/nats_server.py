@@ -102,6 +102,12 @@ class NatsServer:
         raise AssertionError("unreachable")
 
     def _start_once(self, timeout_s: float) -> NatsServer:
+        self.start_detached()
+        self.wait_ready(timeout_s)
+        return self
+
+    def start_detached(self) -> NatsServer:
+        """Write the config and launch the process without waiting (cluster nodes start together)."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
         conf.write_text(
@@ -119,8 +125,17 @@ class NatsServer:
         log = open(self.log_file, "ab")
         self.proc = subprocess.Popen([find_binary(), "-c", str(conf), "-l", str(self.log_file)], stdout=log, stderr=log)
         log.close()
-        self.wait_ready(timeout_s)
         return self
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: the store stays; `restart()` brings the same node back."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self, timeout_s: float = 30.0) -> NatsServer:
+        """Start again on the same ports and store (after `kill()` or `stop()`)."""
+        return self._start_once(timeout_s)
 
     def wait_ready(self, timeout_s: float) -> None:
         url = f"http://{self.host}:{self.monitor_port}/healthz?js-enabled-only=true"
@@ -165,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=4222, help="client port")
     parser.add_argument("--monitor-port", type=int, default=8222, help="HTTP monitoring port (/healthz)")
     parser.add_argument("--max-payload", default="8MB", help="largest message (JetStream caps at 32MB)")
+    parser.add_argument("--cluster", type=int, default=0, metavar="N",
+                        help="run a JetStream cluster of N nodes on free loopback ports instead (stores under --store-dir)")
     args = parser.parse_args(argv)
+    if args.cluster:
+        return _run_cluster(args.store_dir, args.cluster, args.host)
     server = NatsServer(args.store_dir, args.port, args.host, args.monitor_port, args.max_payload)
     server.start()
     print(f"nats-server ready at {server.url} (store {server.store_dir}, log {server.log_file})", flush=True)
@@ -183,4 +202,26 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             pass
     server.stop()
+    return 0
+
+
+def _run_cluster(store_dir: str, size: int, host: str) -> int:
+    from services.common.nats_cluster import NatsCluster
+
+    cluster = NatsCluster(store_dir, size, host).start()
+    print(f"JetStream cluster of {size} ready; give every service nats_url={cluster.url} nats_replicas={min(size, 3)}", flush=True)
+    for i, node in enumerate(cluster.nodes):
+        monitor = f"http://{host}:{node.monitor_port}"
+        print(f"  node n{i}: {node.url} (store {node.store_dir}, log {node.log_file}, monitor {monitor})", flush=True)
+    stop = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    while not stop:
+        time.sleep(0.5)
+    cluster.stop()
     return 0

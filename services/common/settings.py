@@ -61,6 +61,9 @@ class ServiceSettings(BaseSettings):
     0.0.0.0) so probes and Prometheus reach it."""
     nats_auth: NatsAuth = NatsAuth()
     """How this service authenticates to NATS (user/password, token, NKey, .creds, TLS, mutual TLS)."""
+    nats_replicas: int = Field(1, ge=1, le=5)
+    """Replicas of every stream (and so of their consumers) and of the WEIGHTS bucket this service
+    declares: 1 on a single server (the embedded one), 3 on a cluster."""
 
     @field_validator("run")
     @classmethod
