@@ -203,7 +203,7 @@ def kustomize(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(result.stdout) if d]
 
 
-@pytest.mark.parametrize("overlay", ["base", "overlays/keda"])
+@pytest.mark.parametrize("overlay", ["base", "overlays/keda", "overlays/cluster"])
 def test_kustomize_output_validates_strictly(overlay: str, tmp_path: Path) -> None:
     docs = kustomize(INFRA / "k8s" / overlay)
     out = tmp_path / "rendered.yaml"
