@@ -150,6 +150,8 @@ class ScoringPool:
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self._release(waiter.result())  # handed over just as we were cancelled: pass it on
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
             raise
 
     def _release(self, proc: PoolProcess) -> None:

@@ -5,11 +5,14 @@ exit sentinel), and killed with everything it started when it runs past its time
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from multiprocessing.context import BaseContext
 from typing import Any
 
 from services.reward import proctree, worker
+
+_STARTING = threading.Lock()
 
 
 class ProcessDied(RuntimeError):
@@ -40,11 +43,15 @@ class PoolProcess:
 
     async def start(self, timeout_s: float) -> None:
         """Start it and wait for its "ready" (it has imported the allowed modules)."""
-        await asyncio.to_thread(self.proc.start)  # talks to the fork server: not in the event loop
+        await asyncio.to_thread(self._start)  # talks to the fork server: not in the event loop
         self._child.close()
         reply = await self._receive(timeout_s)
         if not (isinstance(reply, tuple) and reply[:1] == ("ready",)):
             raise RuntimeError(f"a new scoring process sent {reply!r:.80} instead of ready")
+
+    def _start(self) -> None:
+        with _STARTING:  # multiprocessing's bookkeeping of started processes is not thread-safe
+            self.proc.start()
 
     async def call(self, op: str, args: tuple[Any, ...], timeout_s: float) -> Any:
         """Send one request and wait for its reply: `TimeoutError` past `timeout_s`, `ProcessDied`
@@ -67,13 +74,19 @@ class PoolProcess:
             if not readable.done():
                 readable.set_result(None)
 
+        def expire() -> None:
+            if not readable.done():
+                readable.set_exception(TimeoutError(f"no reply within {timeout_s:g} s"))
+
         # the sentinel too: a child the function forked may hold the pipe open after the process died
         fds = (self.conn.fileno(), self.proc.sentinel)
         for fd in fds:
             loop.add_reader(fd, wake)
+        timer = loop.call_later(timeout_s, expire)  # cheaper per item than wait_for
         try:
-            await asyncio.wait_for(readable, timeout_s)
+            await readable
         finally:
+            timer.cancel()
             for fd in fds:
                 loop.remove_reader(fd)
         try:
