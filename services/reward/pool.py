@@ -4,7 +4,7 @@ An item that runs past its timeout has its process killed with everything it sta
 and descendants); a process that dies (os._exit, a segfault, the OOM killer) fails only its item; in
 both cases a new process takes its place. A slow item does not hold the queue: an item that has run
 longer than `slow_item_s` no longer counts against the pool, and a waiting item gets an extra process
-(at most `max_extra_processes`, stopped again once idle with nothing waiting). Processes start from a
+(at most `max_extra_processes`, stopped again once idle and the slow items are gone). Processes start from a
 fork server ("forkserver", or "spawn"), never fork: forking a process that runs an asyncio loop and
 threads can copy held locks into the child.
 """
@@ -16,6 +16,7 @@ import contextlib
 import multiprocessing
 import time
 from collections import deque
+from functools import partial
 from typing import Any
 
 from schemas.messages import RewardResult
@@ -59,6 +60,7 @@ class ScoringPool:
         self._waiters: deque[asyncio.Future[PoolProcess]] = deque()
         self._starting = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._spawning: set[asyncio.Task[PoolProcess]] = set()
         self._closed = False
         ctx = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
@@ -74,9 +76,14 @@ class ScoringPool:
         """Processes running now (extras included)."""
         return len(self._procs)
 
+    @property
+    def busy(self) -> int:
+        """Processes running an item now."""
+        return sum(1 for p in self._procs if p.busy_since is not None)
+
     async def start(self) -> None:
         """Start every process and have each answer once, so the first request is fast."""
-        procs = await asyncio.gather(*(self._spawn() for _ in range(self.processes)))
+        procs = await asyncio.gather(*(self._launch() for _ in range(self.processes)))
         for proc in procs:
             await proc.call("ping", (), START_TIMEOUT_S)
             self._release(proc)
@@ -141,7 +148,7 @@ class ScoringPool:
         if self._idle:
             return self._idle.pop()
         if self._room() and not self._waiters:
-            return await self._spawn()
+            return await self._launch()
         waiter: asyncio.Future[PoolProcess] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._kick()
@@ -155,17 +162,22 @@ class ScoringPool:
             raise
 
     def _release(self, proc: PoolProcess) -> None:
-        """`proc` is idle: to the first waiter, else back to the pool (an extra one is stopped)."""
+        """`proc` is idle: to the first waiter, else back to the pool."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(proc)
                 return
-        if len(self._procs) > self.processes or self._closed:
+        self._idle.append(proc)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Stop idle processes the pool has beyond its capacity: extras started for items behind slow
+        ones stay while those are still slow (the next item reuses them), and go once they are not."""
+        while self._idle and (self._closed or len(self._procs) > self._capacity()):
+            proc = self._idle.pop(0)
             self._procs.discard(proc)
             proc.kill()
-        else:
-            self._idle.append(proc)
 
     def _discard(self, proc: PoolProcess, why: BaseException | None) -> None:
         self._procs.discard(proc)
@@ -174,6 +186,8 @@ class ScoringPool:
             self.restarts += 1
             log.warning("scoring process replaced", pid=proc.pid, why=str(why) or "timeout", killed_descendants=others)
         self._kick()  # its place is free: a waiting item may start a process now
+        self._trim()
+        self._replenish()
 
     def _kick(self) -> None:
         """Start processes for waiting items while there is room; while items still wait, look again
@@ -181,7 +195,7 @@ class ScoringPool:
         while self._waiters and self._room():
             waiter = self._waiters.popleft()
             if not waiter.done():
-                asyncio.get_running_loop().create_task(self._spawn_for(waiter))
+                self._launch().add_done_callback(partial(self._hand_over, waiter))
         if self._timer is not None or not self._waiters or self._closed:
             return
         now = time.monotonic()
@@ -193,13 +207,13 @@ class ScoringPool:
         self._timer = None
         self._kick()
 
-    async def _spawn_for(self, waiter: asyncio.Future[PoolProcess]) -> None:
-        try:
-            proc = await self._spawn()
-        except Exception as exc:
+    def _hand_over(self, waiter: asyncio.Future[PoolProcess], task: asyncio.Task[PoolProcess]) -> None:
+        """A process started for `waiter` is ready (or failed to start)."""
+        if task.cancelled() or task.exception() is not None:
             if not waiter.done():
-                waiter.set_exception(exc)
+                waiter.set_exception(task.exception() or PoolClosed("the scoring pool is closed"))
             return
+        proc = task.result()
         if len(self._procs) > self.processes:
             self.extra_started += 1
         if waiter.done():  # the item was cancelled meanwhile
@@ -207,19 +221,43 @@ class ScoringPool:
         else:
             waiter.set_result(proc)
 
-    async def _spawn(self) -> PoolProcess:
+    def _replenish(self) -> None:
+        """Keep `processes` warm: a killed or lost process is replaced now, not by the next item."""
+        for _ in range(self.processes - len(self._procs) - self._starting):
+            self._launch().add_done_callback(self._to_pool)
+
+    def _to_pool(self, task: asyncio.Task[PoolProcess]) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            log.warning("could not start a scoring process; the next item tries again", error=repr(task.exception()))
+            return
+        self._release(task.result())
+
+    def _launch(self) -> asyncio.Task[PoolProcess]:
+        """Start a process in the background; counted in `_starting` at once, so `_room` sees it."""
         self._starting += 1
+        task = asyncio.get_running_loop().create_task(self._spawn())
+        self._spawning.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._spawned)
+        return task
+
+    def _spawned(self, task: asyncio.Task[PoolProcess]) -> None:
+        self._starting -= 1
+        self._spawning.discard(task)
+
+    async def _spawn(self) -> PoolProcess:
+        proc = PoolProcess(self._ctx, self.preload)
         try:
-            proc = PoolProcess(self._ctx, self.preload)
-            try:
-                await proc.start(START_TIMEOUT_S)
-            except BaseException:
-                proc.kill()
-                raise
-            self._procs.add(proc)
-            return proc
-        finally:
-            self._starting -= 1
+            await proc.start(START_TIMEOUT_S)
+        except BaseException:
+            proc.kill()
+            raise
+        if self._closed:
+            proc.kill()
+            raise PoolClosed("the scoring pool is closed")
+        self._procs.add(proc)
+        return proc
 
     async def close(self) -> None:
         self._closed = True
@@ -229,6 +267,8 @@ class ScoringPool:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(PoolClosed("the scoring pool is closed"))
+        for task in list(self._spawning):
+            task.cancel()
         for proc in list(self._procs):
             with contextlib.suppress(Exception):
                 proc.kill()

@@ -29,8 +29,8 @@ class PoolProcess:
         self.conn, child = ctx.Pipe(duplex=True)
         self._child = child
         # not daemonic: a reward function may start processes of its own (multiprocessing refuses
-        # that in a daemon); the service kills pool processes itself, and an orphaned one exits
-        # when its pipe closes with the service
+        # that in a daemon); the service kills pool processes itself, and one whose service died
+        # kills itself (the worker's lifeline thread)
         self.proc = ctx.Process(target=worker.serve, args=(child, preload), name="jetrl-reward-pool")  # type: ignore[attr-defined]
         self.tasks = 0
         """Requests answered, for `max_tasks_per_process`."""
@@ -103,6 +103,7 @@ class PoolProcess:
     def kill(self) -> int:
         """SIGKILL it, its process group and its descendants; returns how many of those it had."""
         self.conn.close()
+        self._child.close()  # already closed once started; not if it never started
         if self.proc.pid is None:
             return 0
         killed = proctree.kill_tree(self.proc.pid)
