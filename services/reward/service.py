@@ -66,6 +66,8 @@ class RewardService:
             start_method=settings.start_method,
             preload=sorted(set(self.allow.preload_modules()) | set(settings.preload)),
             max_tasks=settings.max_tasks_per_process,
+            max_extra=settings.max_extra_processes,
+            slow_item_s=settings.slow_item_s,
         )
         self.stats = RewardStats()
         self.metrics = MetricsPublisher(nc, settings.run, "reward", worker=self.instance)
@@ -129,7 +131,7 @@ class RewardService:
         return len(self._tasks)
 
     def metrics_values(self) -> dict[str, float]:
-        return self.stats.snapshot(self.pool.restarts, self.pool.rebuilds, self.in_flight)
+        return self.stats.snapshot(self.pool.restarts, self.pool.extra_started, self.pool.size, self.in_flight)
 
     async def metrics_loop(self, stopping: asyncio.Event) -> None:
         interval = self.settings.metrics_interval_s
@@ -143,7 +145,13 @@ class RewardService:
             return
 
     def _stats_data(self, _: EndpointStats) -> dict[str, Any]:
-        return {**dict(self.stats.totals), "pool_restarts": self.pool.restarts, "in_flight": self.in_flight}
+        return {
+            **dict(self.stats.totals),
+            "pool_restarts": self.pool.restarts,
+            "pool_extra_started": self.pool.extra_started,
+            "pool_processes": self.pool.size,
+            "in_flight": self.in_flight,
+        }
 
     async def _on_request(self, req: Request) -> None:
         await self._slots.acquire()  # back-pressure: the next message waits in the subscription

@@ -34,6 +34,12 @@ class RewardSettings(ServiceSettings):
     """Most items one request may carry; a larger request is refused."""
     max_concurrent_requests: int = 64
     """Requests scored at once by this replica; further requests wait in the subscription."""
+    slow_item_s: float = 1.0
+    """An item running longer than this no longer counts against the pool: an item waiting behind it
+    gets an extra process (see `max_extra_processes`), so hanging reward code does not hold the queue."""
+    max_extra_processes: int = 4
+    """Most processes started beyond `processes` for items waiting behind slow ones; each is stopped
+    once idle with nothing waiting. 0 = a fixed pool (slow items then hold the queue up to their timeout)."""
     max_tasks_per_process: int = 0
     """Recycle a pool process after this many items (guards against leaky reward code); 0 = never."""
     metrics_interval_s: float = 10.0
@@ -51,6 +57,10 @@ class RewardSettings(ServiceSettings):
             )
         if self.max_items < 1 or self.max_concurrent_requests < 1:
             raise ValueError("max_items and max_concurrent_requests must be >= 1")
+        if self.slow_item_s <= 0 or self.max_extra_processes < 0:
+            raise ValueError(
+                f"slow_item_s must be > 0 and max_extra_processes >= 0, got {self.slow_item_s} and {self.max_extra_processes}"
+            )
         if self.metrics_interval_s <= 0:
             raise ValueError(f"metrics_interval_s must be > 0, got {self.metrics_interval_s}")
         _ = self.allow_list  # parse the patterns now, so a bad one fails at start-up

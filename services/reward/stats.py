@@ -39,7 +39,7 @@ class RewardStats:
         """A request answered with a request-level error: `malformed` or `refused` (not allowed, too big)."""
         self.totals[f"requests_{reason}"] += 1
 
-    def snapshot(self, pool_restarts: int, pool_rebuilds: int, in_flight: int) -> dict[str, float]:
+    def snapshot(self, pool_restarts: int, pool_extra_started: int, pool_processes: int, in_flight: int) -> dict[str, float]:
         """The values of one metrics event; starts a new window."""
         now = time.monotonic()
         elapsed = max(now - self._window_start, 1e-9)
@@ -52,7 +52,8 @@ class RewardStats:
             "timeouts": float(self.totals["items_timeout"]),
             "errors": float(self.totals["items_error"]),
             "pool_restarts": float(pool_restarts),
-            "pool_rebuilds": float(pool_rebuilds),
+            "pool_extra_started": float(pool_extra_started),
+            "pool_processes": float(pool_processes),
             "in_flight_requests": float(in_flight),
             **{k: float(v) for k, v in self.totals.items()},
         }

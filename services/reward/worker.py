@@ -1,26 +1,67 @@
-"""What runs inside a pool process: resolve a reward function once, call it on one item, and turn
-whatever happens into ("ok", value) or ("error", message). Exceptions never leave this module, so
-any exception the pool reports comes from the pool itself (a timeout, a dead process)."""
+"""What runs inside a pool process: resolve a reward function once, call it on one item by its
+signature, and turn whatever happens into ("ok", value) or ("error", message). Nothing the function
+raises leaves this module, not even SystemExit or KeyboardInterrupt: `sys.exit(0)` in reward code is
+that item's error, never the end of the process (let alone, re-raised by a pool, of the service).
+After each item, the processes the function started are killed (see `proctree`)."""
 
 from __future__ import annotations
 
 import importlib
 import math
+import multiprocessing
 import numbers
 import os
+import signal
+import threading
 import traceback
-from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
-_cache: dict[str, Callable[..., Any]] = {}
+from services.reward import proctree
+from services.reward.calling import Caller, CallError, caller
+
+_cache: dict[str, Caller] = {}
 
 Outcome = tuple[str, float | str]
 
 
+def serve(conn: Connection, modules: list[str]) -> None:
+    """A pool process's life: its own process group, the imports, ("ready", pid), then one reply per
+    request until the service closes the pipe (or dies: the pipe closes with it)."""
+    proctree.become_group_leader_and_subreaper()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the service, which stops us
+    threading.Thread(target=_die_with_the_service, name="lifeline", daemon=True).start()
+    initialize(modules)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            op, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        conn.send(handle(op, args))
+
+
+def _die_with_the_service() -> None:
+    """If the service dies (even SIGKILL), end this process and what it started: a function stuck
+    in reward code never reads the pipe again, so its EOF alone would not stop us."""
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    wait([parent.sentinel])
+    proctree.kill_descendants_and_self()
+
+
+def handle(op: str, args: tuple[Any, ...]) -> Any:
+    if op == "score":
+        return score(*args)
+    if op == "check":
+        return check(*args)
+    return ping()
+
+
 def initialize(modules: list[str]) -> None:
-    """Pool initializer: import what the allowed functions need. It must never raise: pebble treats a
-    process that dies in its initializer as a broken pool. An import that fails here fails again,
-    with its message, when a request names the function."""
+    """Import what the allowed functions need. It never raises: an import that fails here fails
+    again, with its message, when a request names the function."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name in modules:
         try:
@@ -29,22 +70,22 @@ def initialize(modules: list[str]) -> None:
             pass
 
 
-def resolve(ref: str) -> Callable[..., Any]:
-    fn = _cache.get(ref)
-    if fn is not None:
-        return fn
+def resolve(ref: str) -> Caller:
+    found = _cache.get(ref)
+    if found is not None:
+        return found
     module_name, _, func_name = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:
+    except BaseException as exc:  # a module may even sys.exit() at import
         raise LookupError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, func_name, None)
     if fn is None:
         raise LookupError(f"module {module_name!r} has no attribute {func_name!r}")
     if not callable(fn):
         raise LookupError(f"{ref} is a {type(fn).__name__}, not a function")
-    _cache[ref] = fn
-    return fn
+    found = _cache[ref] = caller(fn)
+    return found
 
 
 def ping() -> int:
@@ -57,15 +98,20 @@ def check(ref: str) -> str:
         resolve(ref)
     except LookupError as exc:
         return str(exc)
+    except BaseException as exc:  # e.g. a module-level __getattr__ that raises
+        return f"cannot load {ref}: {_describe(exc)}"
     return ""
 
 
 def score(ref: str, kwargs: dict[str, Any]) -> Outcome:
     try:
-        value = resolve(ref)(**kwargs)
-    except Exception as exc:
+        return to_outcome(ref, resolve(ref)(kwargs))
+    except CallError as exc:
+        return "error", f"{ref} cannot be called with this item: {exc}"
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt, anything: this item's error only
         return "error", f"{ref} raised {_describe(exc)}"
-    return to_outcome(ref, value)
+    finally:
+        proctree.reap_children()
 
 
 def to_outcome(ref: str, value: Any) -> Outcome:
@@ -83,4 +129,8 @@ def _describe(exc: BaseException) -> str:
     """The error and where it happened in the reward code (the last frame), without the whole trace."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
+    try:
+        text = str(exc)
+    except BaseException:  # an exception whose __str__ raises must not escape either
+        text = "(its message could not be read)"
+    return f"{type(exc).__name__}: {text}{where}"

@@ -5,12 +5,14 @@ discoverable (PING, STATS); SIGTERM lets a request in flight finish, then the se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from schemas.messages import RewardItem, RewardReply, decode
 from schemas.subjects import REWARD_SUBJECT
 from services.common.bus import connect
 from services.reward.client import RewardClient
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE = "jetrl-reward"
@@ -164,3 +167,100 @@ async def test_two_replicas_share_requests_and_drain_on_sigterm(nc: NATS, replic
     assert all(r[0].status == "ok" and r[0].value == 3.0 for r in results)
     for proc in (first, second):
         assert await asyncio.to_thread(proc.wait, 40) == 0, replicas.log_text()
+
+
+def gone(pid: int) -> bool:
+    """The process no longer runs (no such pid, or a zombie waiting to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+async def test_exit_and_interrupt_in_a_function_are_errors_and_the_service_goes_on(nc: NATS, replicas: Replicas) -> None:
+    proc = replicas.start()
+    await wait_for_instances(nc, replicas, 1)
+    client = RewardClient(nc, timeout_s=30)
+    cases = [("exits_zero", "SystemExit"), ("interrupts", "KeyboardInterrupt"), ("raises_base", "ShoutError")]
+    cases.append(("exits_hard_zero", "exit code 0"))  # os._exit(0): a "clean" exit mid-item is an error too
+    for fn, name in cases:
+        [res] = await client.score(f"tests.reward_fns:{fn}", [item()])
+        assert res.status == "error" and name in res.message and res.value is None, res
+        [ok] = await client.score("tests.reward_fns:length", [item("abcd")])
+        assert (ok.status, ok.value) == ("ok", 4.0)
+    assert proc.poll() is None, replicas.log_text()
+
+
+async def test_children_of_a_function_do_not_outlive_its_item(nc: NATS, replicas: Replicas, tmp_path: Path) -> None:
+    replicas.start()
+    await wait_for_instances(nc, replicas, 1)
+    client = RewardClient(nc, timeout_s=60)
+    pids: list[int] = []
+    try:
+        for hang_s, timeout_s, status in ((0.0, 30.0, "ok"), (600.0, 1.0, "timeout")):
+            pid_file = tmp_path / f"pids-{status}"
+            [res] = await client.score("tests.reward_fns:spawns", [item(pid_file=str(pid_file), hang_s=hang_s)], item_timeout_s=timeout_s)
+            assert res.status == status, res
+            children = [int(p) for p in pid_file.read_text().split()][1:]
+            pids += children
+            all_gone = partial(lambda pids: all(map(gone, pids)), children)
+            await asyncio.to_thread(wait_until, f"children {children} of a {status} item gone", all_gone, timeout_s=20)
+        [ok] = await client.score("tests.reward_fns:length", [item("ab")])
+        assert (ok.status, ok.value) == ("ok", 2.0)
+    finally:
+        for pid in pids:  # a failed run must not leave sleeps behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_good_item_is_answered_while_others_hang(nc: NATS, replicas: Replicas) -> None:
+    # one pool process and four items that hang until their 30 s timeout: the good item, sent once
+    # all four are being scored, must not wait for them
+    replicas.start()
+    await wait_for_instances(nc, replicas, 1)
+    client = RewardClient(nc, timeout_s=90)
+    hanging = [
+        asyncio.create_task(client.score("tests.reward_fns:sleepy", [item("x", sleep_s=600)], item_timeout_s=30)) for _ in range(4)
+    ]
+    while sum(s["endpoints"][0]["data"]["in_flight"] for s in await gather_replies(nc, f"$SRV.STATS.{SERVICE}", 1)) < 4:
+        assert not any(t.done() for t in hanging), [t.result() for t in hanging if t.done()]
+    good = asyncio.create_task(client.score("tests.reward_fns:length", [item("abc")]))
+    done, _ = await asyncio.wait({good, *hanging}, return_when=asyncio.FIRST_COMPLETED)
+    assert good in done, "a hanging item was answered before the good one"
+    assert [(r.status, r.value) for r in good.result()] == [("ok", 3.0)]
+    for task in hanging:
+        task.cancel()
+    await asyncio.gather(*hanging, return_exceptions=True)
+
+
+async def test_an_areal_signature_function_scores(nc: NATS, replicas: Replicas) -> None:
+    replicas.start()
+    await wait_for_instances(nc, replicas, 1)
+    client = RewardClient(nc, timeout_s=30)
+    areal = RewardItem(prompt="q", completion="abcd", prompt_ids=[1], completion_ids=[5, 6], data={"bonus": 10})
+    [res] = await client.score("tests.reward_fns:areal_style", [areal])
+    assert (res.status, res.value) == ("ok", 16.0), res
+    narrow = await client.score("tests.reward_fns:only_what_it_needs", [item("7", answer="7", extra="x"), item("8", answer="7")])
+    assert [(r.status, r.value) for r in narrow] == [("ok", 1.0), ("ok", 0.0)]
+
+
+async def test_killing_the_service_ends_its_pool_and_what_reward_code_started(nc: NATS, replicas: Replicas, tmp_path: Path) -> None:
+    proc = replicas.start()
+    await wait_for_instances(nc, replicas, 1)
+    client = RewardClient(nc, timeout_s=90)
+    pid_file = tmp_path / "pids"
+    hanging = asyncio.create_task(client.score("tests.reward_fns:spawns", [item(pid_file=str(pid_file), hang_s=600)], item_timeout_s=60))
+    pids: list[int] = []
+    try:
+        await asyncio.to_thread(wait_until, "the item's pid file", pid_file.exists, timeout_s=30, proc=proc)
+        pids = [int(p) for p in pid_file.read_text().split()]
+        proc.kill()  # SIGKILL: the service cleans up nothing itself
+        await asyncio.to_thread(proc.wait)
+        await asyncio.to_thread(wait_until, f"pool process and children {pids} gone", lambda: all(map(gone, pids)), timeout_s=20)
+    finally:
+        hanging.cancel()
+        await asyncio.gather(hanging, return_exceptions=True)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -17,6 +17,7 @@ from services.common.health import evaluate_checks
 from services.reward.client import RewardClient, RewardRequestError, RewardUnavailableError
 from services.reward.service import RewardService
 from services.reward.settings import RewardSettings
+from tests.waiting import wait_until
 
 RUN = "rwd"
 
@@ -147,3 +148,25 @@ async def test_ready_once_started_and_check_gone_after_stop(service: RewardServi
     assert (await evaluate_checks())[name]["ok"] is True
     await service.stop(timeout_s=1.0)
     assert name not in await evaluate_checks()
+
+
+async def test_extra_processes_serve_items_behind_slow_ones_and_stop_when_idle(nats_url: str, nc: NATS) -> None:
+    settings = RewardSettings(
+        run=RUN, nats_url=nats_url, processes=1, allow=["tests.reward_fns:*"], slow_item_s=0.2, max_extra_processes=2
+    )
+    svc = RewardService(settings, nc)
+    await svc.start()
+    try:
+        client = RewardClient(nc, timeout_s=60)
+        hanging = asyncio.create_task(
+            client.score("tests.reward_fns:sleepy", [item("a", sleep_s=600), item("b", sleep_s=600)], item_timeout_s=10)
+        )
+        await asyncio.to_thread(wait_until, "both hanging items running", lambda: svc.pool.busy == 2, timeout_s=30, ignore=(RuntimeError,))
+        good = await client.score("tests.reward_fns:length", [item("abc")])
+        assert [(r.status, r.value) for r in good] == [("ok", 3.0)] and not hanging.done()
+        assert [r.status for r in await hanging] == ["timeout", "timeout"]
+        # both hanging items ran at once (the second in an extra process), then the good item got a
+        # third one; the extras stop once idle, the pool is back to its size
+        assert svc.pool.extra_started == 2 and svc.pool.size == 1
+    finally:
+        await svc.stop(timeout_s=2.0)

@@ -1,9 +1,13 @@
-"""Reward service pieces without a server: the allow-list, the built-in rewards, how a function's
-return value becomes a result, settings validation, percentiles."""
+"""Reward service pieces without a server: the allow-list, the built-in rewards, how a function is
+called (by its signature) and how what it returns or raises becomes a result, finding the processes
+below one, settings validation, percentiles."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +16,8 @@ from schemas.messages import RewardItem
 from services.common.settings import SettingsError, load_settings
 from services.reward import builtin
 from services.reward.allowlist import BUILTIN_REFS, AllowList, NotAllowedError
+from services.reward.calling import CallError, caller
+from services.reward.proctree import descendants
 from services.reward.service import item_kwargs
 from services.reward.settings import RewardSettings
 from services.reward.stats import percentile
@@ -101,3 +107,66 @@ def test_percentile_nearest_rank() -> None:
     assert percentile(samples, 99) == 99.0
     assert percentile([3.0], 99) == 3.0
     assert percentile([], 50) == 0.0
+
+
+ITEM = {"prompt": "q", "completion": "abc", "prompt_ids": [1], "completion_ids": [7, 8], "answer": "abc", "extra": 1}
+
+
+def test_functions_are_called_by_their_signature() -> None:
+    def ours(completion: str = "", **row: Any) -> Any:
+        return completion, sorted(row)
+
+    def areal(prompt: str, completions: str, prompt_ids: list[int], completion_ids: list[int], **data: Any) -> Any:
+        return completions, sorted(data)
+
+    def narrow(completion: str, answer: str) -> Any:
+        return completion, answer
+
+    def only_kwargs(**kw: Any) -> Any:
+        return kw["completion"], kw["completions"]
+
+    def positional(prompt: str, completion: str, /, **kw: Any) -> Any:
+        return prompt, completion
+
+    assert caller(ours)(ITEM) == ("abc", ["answer", "completion_ids", "extra", "prompt", "prompt_ids"])
+    assert caller(areal)(ITEM) == ("abc", ["answer", "extra"])
+    assert caller(narrow)(ITEM) == ("abc", "abc")
+    assert caller(only_kwargs)(ITEM) == ("abc", "abc")
+    assert caller(positional)(ITEM) == ("q", "abc")
+
+
+def test_a_parameter_the_item_lacks_is_named() -> None:
+    def needs_label(completion: str, label: str) -> float:
+        return 0.0
+
+    with pytest.raises(CallError, match="needs 'label'"):
+        caller(needs_label)(ITEM)
+    status, message = score("tests.reward_fns:only_what_it_needs", {"completion": "a"})
+    assert status == "error" and "cannot be called with this item" in str(message) and "'answer'" in str(message)
+
+
+def test_base_exceptions_are_errors_of_the_item() -> None:
+    for fn, name in (("exits_zero", "SystemExit"), ("interrupts", "KeyboardInterrupt"), ("raises_base", "ShoutError")):
+        status, message = score(f"tests.reward_fns:{fn}", {})
+        assert status == "error" and name in str(message) and "reward_fns.py" in str(message)
+
+
+def test_descendants_sees_grandchildren() -> None:
+    proc = subprocess.Popen(["sh", "-c", "sleep 600 & wait"])
+    try:
+        while len(descendants(proc.pid)) < 1:  # the shell starts its sleep
+            assert proc.poll() is None
+        mine = descendants(os.getpid())
+        assert proc.pid in mine and set(descendants(proc.pid)) < set(mine)
+    finally:
+        for pid in descendants(proc.pid):
+            os.kill(pid, 9)
+        proc.kill()
+        proc.wait()
+
+
+def test_pool_settings_are_checked() -> None:
+    with pytest.raises(SettingsError, match="slow_item_s"):
+        load_settings(RewardSettings, overrides=["slow_item_s=0"])
+    with pytest.raises(SettingsError, match="max_extra_processes"):
+        load_settings(RewardSettings, overrides=["max_extra_processes=-1"])
