@@ -16,6 +16,7 @@ from services.rollout.service import build_workflow, worker_config
 from services.rollout.settings import RolloutSettings
 from services.rollout.tensors import concat_padded, sample_tensors, turn_tensors
 from services.rollout.workflow import GroupedRolloutWorkflow
+from services.rollout.versions import CheckedWorkflow
 from services.rollout.workflows.synthetic import SyntheticWorkflow
 
 
@@ -81,7 +82,8 @@ def test_build_workflow_injects_standard_arguments_and_groups_single_sample_work
     standard = {"group_size": lambda: 5, "tokenizer": lambda: made.append("tok")}
     s = RolloutSettings(workflow="services.rollout.workflows.synthetic:SyntheticWorkflow", workflow_kwargs={"delay_s": 0.1})
     wf = build_workflow(s, standard)
-    assert isinstance(wf, SyntheticWorkflow) and wf.group_size == 5 and wf.delay_s == 0.1
+    assert isinstance(wf, CheckedWorkflow) and isinstance(wf.workflow, SyntheticWorkflow)  # versions checked
+    assert wf.group_size == 5 and wf.delay_s == 0.1
     assert made == []  # the tokenizer is never loaded for a workflow that does not take one
     s2 = RolloutSettings(workflow="tests.unit.test_workflow:LengthWorkflow", group_size=3)
     grouped = build_workflow(s2, standard)
