@@ -14,6 +14,7 @@ import itertools
 import json
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -64,6 +65,14 @@ class ModelRequest:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # what `apply_chat_template(tokenize=True)` returns under transformers 5 (a BatchEncoding) or a
+        # tensor: AReaL workflows pass either straight through
+        if isinstance(self.input_ids, Mapping) or hasattr(self.input_ids, "keys"):
+            self.input_ids = self.input_ids["input_ids"]
+        if hasattr(self.input_ids, "tolist"):
+            self.input_ids = self.input_ids.tolist()
+        elif not isinstance(self.input_ids, list):
+            self.input_ids = list(self.input_ids)
         if self.gconfig is not None:
             try:
                 sampling = self.gconfig.sampling(len(self.input_ids))
