@@ -13,12 +13,15 @@ the workflow stays as written. docs/compat.md maps every name.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.rollout.engine import InferenceEngine, ModelRequest, ModelResponse
 from services.rollout.gconfig import GenerationHyperparameters
 from services.rollout.tensors import concat_padded
 from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, workflow_context
+
+if TYPE_CHECKING:
+    from services.rollout.agent.direct import ArealOpenAI
 
 __all__ = [
     "ArealOpenAI",

@@ -67,12 +67,14 @@ class ModelRequest:
     def __post_init__(self) -> None:
         # what `apply_chat_template(tokenize=True)` returns under transformers 5 (a BatchEncoding) or a
         # tensor: AReaL workflows pass either straight through
-        if isinstance(self.input_ids, Mapping) or hasattr(self.input_ids, "keys"):
-            self.input_ids = self.input_ids["input_ids"]
-        if hasattr(self.input_ids, "tolist"):
-            self.input_ids = self.input_ids.tolist()
-        elif not isinstance(self.input_ids, list):
-            self.input_ids = list(self.input_ids)
+        raw: Any = self.input_ids
+        if isinstance(raw, Mapping) or hasattr(raw, "keys"):
+            raw = raw["input_ids"]
+        if hasattr(raw, "tolist"):
+            raw = raw.tolist()
+        elif not isinstance(raw, list):
+            raw = list(raw)
+        self.input_ids = raw
         if self.gconfig is not None:
             try:
                 sampling = self.gconfig.sampling(len(self.input_ids))

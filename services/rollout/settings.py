@@ -55,7 +55,7 @@ class RolloutSettings(ServiceSettings):
     worker: str = Field(default_factory=_default_worker)
     """This worker's name in trajectories and metrics (default hostname-pid)."""
     dump_to_file: bool = False
-    """Write each trajectory as JSONL under {fileroot}/{experiment}/{trial}/{rollout|eval-rollout}/{version}/{task_id}.jsonl (AReaL's setting)."""
+    """Write each trajectory as JSONL under {fileroot}/{experiment}/{trial}/{rollout|eval-rollout}/{version}/{task_id}.jsonl."""
     fileroot: str | None = None
     """Root directory of the trajectory dump (required with dump_to_file)."""
     dump_dir: str | None = None

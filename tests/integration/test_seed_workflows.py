@@ -92,7 +92,8 @@ async def push(nc: NATS, data: list[dict[str, Any]]) -> None:
     js = nc.jetstream()
     for row in data:
         pid = str(row["id"])
-        await js.publish(S.prompts_train, encode(PromptTask(run=RUN, prompt_id=pid, data=row)), headers={"Nats-Msg-Id": f"{RUN}/prompt/{pid}"})
+        task = encode(PromptTask(run=RUN, prompt_id=pid, data=row))
+        await js.publish(S.prompts_train, task, headers={"Nats-Msg-Id": f"{RUN}/prompt/{pid}"})
 
 
 # ------------------------------------------------------------------------------- with the trainer
@@ -108,7 +109,9 @@ SEEDS = {
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seed", list(SEEDS))
-async def test_seed_workflows_train_past_eta(seed: str, nc: NATS, nats_url: str, server: str, tiny_model: Path, tmp_path: Path) -> None:
+async def test_seed_workflows_train_past_eta(
+    seed: str, nc: NATS, nats_url: str, server: str, tiny_model: Path, tmp_path: Path
+) -> None:
     """eta=1 and weights loaded into the server after every step: at version 2 a group whose oldest
     token (prompt included) is version 0 would be stale; judged on its trained tokens it is fresh."""
     from services.trainer.engine import TrainEngine

@@ -15,8 +15,8 @@ from services.rollout.dump import TrajectoryDumper
 from services.rollout.service import build_workflow, worker_config
 from services.rollout.settings import RolloutSettings
 from services.rollout.tensors import concat_padded, sample_tensors, turn_tensors
-from services.rollout.workflow import GroupedRolloutWorkflow
 from services.rollout.versions import CheckedWorkflow
+from services.rollout.workflow import GroupedRolloutWorkflow
 from services.rollout.workflows.synthetic import SyntheticWorkflow
 
 

@@ -7,9 +7,9 @@ worker's event loop, and serves every episode of this worker.
 
 - `mode="inline"`: `await agent.run(data, base_url=<session>/v1, http_client=<httpx.AsyncClient>)` in
   the worker's loop; the agent builds `AsyncOpenAI(base_url=base_url, http_client=http_client)`.
-- `mode="subproc"` (AReaL's name; "subprocess" is accepted too): the agent runs in a process pool with `OPENAI_BASE_URL`/`OPENAI_API_KEY` (and
-  `ANTHROPIC_BASE_URL`/`ANTHROPIC_API_KEY`) set to its session, so blocking code (`OpenAI()`) works;
-  `run` may then be synchronous. The agent must be importable ("module:Class") or picklable.
+- `mode="subproc"` (AReaL's name; "subprocess" is accepted too): the agent runs in a process pool
+  with `OPENAI_BASE_URL`/`OPENAI_API_KEY` (and `ANTHROPIC_BASE_URL`/`ANTHROPIC_API_KEY`) set to its
+  session, so blocking code (`OpenAI()`) works; `run` may then be synchronous. The agent must be importable ("module:Class") or picklable.
 
 `run` returns a float (the reward of the session's last completion), a dict of completion id ->
 reward, or None when it set its rewards itself through `POST /{session}/rl/set_reward`. An episode
