@@ -192,3 +192,28 @@ async def test_invented_versions_are_an_error_naming_the_workflow(nc: NATS, serv
         assert "version 99, newer than any version the inference servers reported (0)" in reason
         assert "attempt 1 of" in reason  # a permanent error: not retried into the same result
     assert workflow.workflow.impossible >= 2
+
+
+async def test_direct_client_links_turns_and_discounts_rewards_back(server: str, tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from services.rollout.api import ArealOpenAI
+
+    engine = InferenceEngine(InferenceClientSettings(servers=[server]))
+    try:
+        client = ArealOpenAI(engine=engine, tokenizer=AutoTokenizer.from_pretrained(tiny_model), max_new_tokens=3)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "123="}]
+        first = await client.chat.completions.create(model="default", messages=messages)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "again"}]
+        second = await client.chat.completions.create(model="default", messages=messages, temperature=0.5)
+    finally:
+        await engine.aclose()
+    assert client.session.cache.get(second.id).parent is client.session.cache.get(first.id)  # one tree, as through the proxy
+    client.set_last_reward(1.0)
+    client.apply_reward_discount(turn_discount=0.5)
+    samples = client.export_interactions(style="individual")
+    assert {k: s.reward for k, s in samples.items()} == {first.id: 0.5, second.id: 1.0}
+    for reply in (first, second):
+        prompt_ids, generated = samples[reply.id].segments
+        assert generated[1] and len(generated[0]) == reply.usage.completion_tokens and len(prompt_ids[0]) == reply.usage.prompt_tokens
+        assert samples[reply.id].to_tensor_dict()["versions"][0, -1] == 0
