@@ -5,15 +5,16 @@ Standard workflow arguments: a workflow class's constructor gets, for each of th
 accepts and `workflow_kwargs` does not set, the worker's value: `tokenizer` (loaded from
 `model_path`), `reward` (a RewardClient on this worker's NATS connection), `reward_fn`,
 `reward_timeout_s`, `group_size`, `max_new_tokens`, `temperature`, `gconfig` (AReaL's
-`GenerationHyperparameters`, `n_samples=1`). A workflow whose constructor does not name `group_size`
-(a `**kwargs` catch-all does not count) is wrapped in `GroupedRolloutWorkflow(group_size)`. The
-weight versions of every group are checked (`versions.CheckedWorkflow`).
+`GenerationHyperparameters`, `n_samples=1`; `workflow_kwargs.gconfig.<field>=...` changes it). A
+workflow whose constructor does not name `group_size` (a `**kwargs` catch-all does not count) is
+wrapped in `GroupedRolloutWorkflow(group_size)`. The weight versions of every group are checked
+(`versions.CheckedWorkflow`).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from services.common.bus import connect
@@ -53,6 +54,11 @@ def standard_kwargs(settings: RolloutSettings, tokenizer: Callable[[], Any], rew
 def build_workflow(settings: RolloutSettings, standard: dict[str, Callable[[], Any]]) -> RolloutWorkflow:
     cls = import_ref(settings.workflow)
     kwargs = dict(settings.workflow_kwargs)
+    if isinstance(kwargs.get("gconfig"), Mapping):  # from a config file: changes to the standard gconfig
+        try:
+            kwargs["gconfig"] = settings.gconfig.new(**kwargs["gconfig"])
+        except TypeError as exc:
+            raise WorkflowError(f"workflow_kwargs.gconfig: {exc}") from exc
     groups_itself = False
     if isinstance(cls, type) and issubclass(cls, RolloutWorkflow):
         params = inspect.signature(cls).parameters
