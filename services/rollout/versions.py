@@ -22,13 +22,16 @@ import numpy as np
 
 from services.common.logging import get_logger
 from services.rollout.tensors import TensorDict
-from services.rollout.workflow import RolloutWorkflow, WorkflowError, as_tensor_dict
+from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError, as_tensor_dict
 
 log = get_logger("rollout.workflow")
 
 
 def workflow_name(workflow: Any) -> str:
-    """"module.Class" of a workflow; of the agent for an agent workflow (what the user wrote)."""
+    """"module.Class" of what the user wrote: through the wrappers (`GroupedRolloutWorkflow`,
+    `CheckedWorkflow`) to their workflow, and to the agent of an agent workflow."""
+    while isinstance(workflow, (GroupedRolloutWorkflow, CheckedWorkflow)):
+        workflow = workflow.workflow
     target = getattr(workflow, "agent_spec", None) or workflow
     if isinstance(target, str):
         return target

@@ -76,6 +76,14 @@ def test_dump_versions_count_trained_tokens_only(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- the version check
 
 
+def test_workflow_name_is_what_the_user_wrote_through_the_wrappers() -> None:
+    from services.rollout.versions import CheckedWorkflow, workflow_name
+    from services.rollout.workflow import GroupedRolloutWorkflow
+
+    wrapped = GroupedRolloutWorkflow(CheckedWorkflow(SyntheticWorkflow()), 2)
+    assert workflow_name(wrapped) == "services.rollout.workflows.synthetic.SyntheticWorkflow"
+
+
 def test_check_versions_names_the_workflow_for_missing_and_invented_versions() -> None:
     check_versions(seed_example(0), "pkg.W", newest_seen=1)
     check_versions(seed_example(0), "pkg.W", newest_seen=-1)  # no reply seen: nothing to compare with
