@@ -45,9 +45,14 @@ class TrajectoryMeta:
     prompt_id: str
     worker: str
     head_version: int
-    """Oldest weight version that produced a token of the group (-1 if no token was generated)."""
+    """Oldest weight version among the group's trained tokens (loss_mask != 0), -1 if none is trained.
+    Prompt and feedback tokens do not count, whatever version they are tagged with."""
     tail_version: int
+    """Newest weight version among the trained tokens."""
     is_eval: bool = False
+    workflow: str = ""
+    """The workflow that produced the group (schema metadata `workflow`; "" when the producer did not
+    say), so a consumer that finds the group impossible can name who made it."""
 
 
 @dataclass(frozen=True)

@@ -103,9 +103,10 @@ def encode_group(
     prompt_id: str,
     worker: str,
     is_eval: bool = False,
+    workflow: str = "",
 ) -> bytes:
     """Encode a padded tensor dict (one group) as one Arrow IPC stream message."""
-    return encode_group_with_meta(tensors, run=run, prompt_id=prompt_id, worker=worker, is_eval=is_eval)[0]
+    return encode_group_with_meta(tensors, run=run, prompt_id=prompt_id, worker=worker, is_eval=is_eval, workflow=workflow)[0]
 
 
 def encode_group_with_meta(
@@ -115,9 +116,10 @@ def encode_group_with_meta(
     prompt_id: str,
     worker: str,
     is_eval: bool = False,
+    workflow: str = "",
 ) -> tuple[bytes, TrajectoryMeta]:
     """`encode_group`, also returning the metadata (for the message headers)."""
-    batch, meta = group_to_batch(tensors, run=run, prompt_id=prompt_id, worker=worker, is_eval=is_eval)
+    batch, meta = group_to_batch(tensors, run=run, prompt_id=prompt_id, worker=worker, is_eval=is_eval, workflow=workflow)
     return batch_to_bytes(batch), meta
 
 
@@ -147,9 +149,10 @@ def group_to_table(
     prompt_id: str,
     worker: str,
     is_eval: bool = False,
+    workflow: str = "",
 ) -> tuple[pa.Table, TrajectoryMeta]:
     """A padded tensor dict (one group) -> its Arrow table (one row per sample) and metadata."""
-    batch, meta = group_to_batch(tensors, run=run, prompt_id=prompt_id, worker=worker, is_eval=is_eval)
+    batch, meta = group_to_batch(tensors, run=run, prompt_id=prompt_id, worker=worker, is_eval=is_eval, workflow=workflow)
     return pa.Table.from_batches([batch]), meta
 
 
@@ -160,6 +163,7 @@ def group_to_batch(
     prompt_id: str,
     worker: str,
     is_eval: bool = False,
+    workflow: str = "",
 ) -> tuple[pa.RecordBatch, TrajectoryMeta]:
     """`group_to_table`, as the one record batch a trajectory message carries."""
     missing = [k for k in REQUIRED_KEYS if k not in tensors]
@@ -227,8 +231,10 @@ def group_to_batch(
                 f"{key}: extra keys must be per-sample ({batch},) or per-token {(batch, seqlen)}, got {arr.shape}"
             )
 
-    head, tail = _version_span(columns["versions"].values.to_numpy())
-    meta = TrajectoryMeta(run=run, prompt_id=prompt_id, worker=worker, head_version=head, tail_version=tail, is_eval=is_eval)
+    head, tail = _version_span(columns["versions"].values.to_numpy(), columns["loss_mask"].values.to_numpy())
+    meta = TrajectoryMeta(
+        run=run, prompt_id=prompt_id, worker=worker, head_version=head, tail_version=tail, is_eval=is_eval, workflow=workflow
+    )
     metadata = {
         "jetrl.schema": SCHEMA_TEXT,
         "run": run,
@@ -240,6 +246,8 @@ def group_to_batch(
         "jetrl.dtypes": json.dumps(dtypes),
         "jetrl.seqlen": str(seqlen),
     }
+    if workflow:
+        metadata["workflow"] = workflow
     return pa.RecordBatch.from_arrays(list(columns.values()), names=list(columns), metadata=metadata), meta
 
 
@@ -254,12 +262,19 @@ def _row_lengths(mask: np.ndarray) -> np.ndarray:
     return lengths
 
 
-def _version_span(versions: np.ndarray) -> tuple[int, int]:
-    """(oldest, newest) weight version among generated tokens (>= 0); (-1, -1) if there are none.
-    Seen as unsigned, the prompt tokens' negative versions sort after every real one: one pass each."""
-    if not versions.size:
+def _version_span(versions: np.ndarray, loss_mask: np.ndarray) -> tuple[int, int]:
+    """(oldest, newest) weight version among the trained tokens (loss_mask != 0); (-1, -1) if none is
+    trained. Staleness is about the tokens the loss sees: what a prompt or feedback token is tagged
+    with (-1 here, 0 in AReaL's examples) does not count. A trained token without a version (< 0)
+    would make the group look infinitely stale, so it is refused here, by name."""
+    trained = versions[loss_mask != 0]
+    if not trained.size:
         return -1, -1
-    tail = int(versions.max())
-    if tail < 0:
-        return -1, -1
-    return int(versions.view(np.uint32).min()), tail
+    head, tail = int(trained.min()), int(trained.max())
+    if head < 0:
+        missing = int((trained < 0).sum())
+        raise TrajectoryError(
+            f"versions: {missing} trained tokens (loss_mask != 0) have no weight version ({head}); every "
+            "generated token needs the version of the weights that produced it (ModelResponse.output_versions)"
+        )
+    return head, tail

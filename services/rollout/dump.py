@@ -1,7 +1,10 @@
 """`dump_to_file`: one JSONL line per sample of each trajectory, for reading what the model wrote.
 
-Path: `{fileroot}/{experiment}/{trial}/{rollout|eval-rollout}/{version}/{task_id}.jsonl`, where
-`version` is the group's head version (the oldest weights that produced a token; 0 if none did).
+AReaL's `dump_to_file` / `fileroot`, same layout and fields. Path:
+`{fileroot}/{experiment_name}/{trial_name}/{rollout|eval-rollout}/{version}/{task_id}.jsonl`, where
+`version` is the group's head version (the oldest weights that produced a trained token; 0 if none
+did). One line per sample: `task_id`, `sample_idx`, `seqlen`, `prompt_len`, `head_version`,
+`tail_version` (over the trained tokens, as staleness is judged), `reward`, `prompt`, `completion`.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ def _ids_as_text(ids: Sequence[int]) -> str:
     return " ".join(str(i) for i in ids)
 
 
-def _version_span(versions: np.ndarray) -> tuple[int, int]:
-    generated = versions[versions >= 0]
+def _version_span(versions: np.ndarray, trained: np.ndarray) -> tuple[int, int]:
+    """Over the trained tokens only: a prompt tagged 0 (AReaL's examples) or -1 does not count."""
+    generated = versions[trained]
     return (int(generated.min()), int(generated.max())) if generated.size else (-1, -1)
 
 
@@ -48,7 +52,7 @@ def dump_records(task_id: str, tensors: dict[str, Any], decode: Decode | None = 
             prompt_len = int(prompt_lens[i])
         else:
             prompt_len = int(loss[i].argmax()) if loss[i].any() else seqlen
-        head, tail = _version_span(versions[i, :seqlen])
+        head, tail = _version_span(versions[i, :seqlen], loss[i, :seqlen])
         records.append(
             {
                 "task_id": task_id,

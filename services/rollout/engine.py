@@ -14,6 +14,7 @@ import itertools
 import json
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ import aiohttp
 
 from services.common.logging import get_logger
 from services.common.settings import Section
+from services.rollout.gconfig import GenerationHyperparameters
 from services.rollout.sglang_protocol import (
     ProtocolError,
     build_generate_payload,
@@ -56,6 +58,30 @@ class ModelRequest:
     ignore_eos: bool = False
     seed: int | None = None
     rid: str | None = None
+    gconfig: GenerationHyperparameters | None = None
+    """AReaL's way to give the sampling settings; when set, its values replace the flat fields above."""
+    tokenizer: Any = None
+    """Carried for AReaL workflows that pass it; generation works on token ids and never uses it."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # what `apply_chat_template(tokenize=True)` returns under transformers 5 (a BatchEncoding) or a
+        # tensor: AReaL workflows pass either straight through
+        raw: Any = self.input_ids
+        if isinstance(raw, Mapping) or hasattr(raw, "keys"):
+            raw = raw["input_ids"]
+        if hasattr(raw, "tolist"):
+            raw = raw.tolist()
+        elif not isinstance(raw, list):
+            raw = list(raw)
+        self.input_ids = raw
+        if self.gconfig is not None:
+            try:
+                sampling = self.gconfig.sampling(len(self.input_ids))
+            except ValueError as exc:  # a setting no retry can honour: the caller's bug
+                raise BadRequestError(str(exc)) from exc
+            for name, value in sampling.items():
+                setattr(self, name, value)
 
 
 @dataclass
@@ -69,6 +95,39 @@ class ModelResponse:
     server: str
     passes: int = 1
     """How many `/generate` passes it took (more than 1 when aborts were continued)."""
+
+    # AReaL's names for the same fields (aliases: reading or setting one is reading or setting the other)
+    @property
+    def input_tokens(self) -> list[int]:
+        return self.input_ids
+
+    @input_tokens.setter
+    def input_tokens(self, value: list[int]) -> None:
+        self.input_ids = value
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.output_ids
+
+    @output_tokens.setter
+    def output_tokens(self, value: list[int]) -> None:
+        self.output_ids = value
+
+    @property
+    def latency(self) -> float:
+        return self.latency_s
+
+    @latency.setter
+    def latency(self, value: float) -> None:
+        self.latency_s = value
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_ids)
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,17 @@ under the supervisor until SIGTERM, then drain.
 Standard workflow arguments: a workflow class's constructor gets, for each of these names it
 accepts and `workflow_kwargs` does not set, the worker's value: `tokenizer` (loaded from
 `model_path`), `reward` (a RewardClient on this worker's NATS connection), `reward_fn`,
-`reward_timeout_s`, `group_size`, `max_new_tokens`, `temperature`. A workflow that takes no
-`group_size` is wrapped in `GroupedRolloutWorkflow(group_size)`.
+`reward_timeout_s`, `group_size`, `max_new_tokens`, `temperature`, `gconfig` (AReaL's
+`GenerationHyperparameters`, `n_samples=1`; `workflow_kwargs.gconfig.<field>=...` changes it). A
+workflow whose constructor does not name `group_size` (a `**kwargs` catch-all does not count) is
+wrapped in `GroupedRolloutWorkflow(group_size)`. The weight versions of every group are checked
+(`versions.CheckedWorkflow`).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from services.common.bus import connect
@@ -21,6 +24,7 @@ from services.common.metrics import MetricsPublisher
 from services.common.runner import Supervisor, supervise
 from services.rollout.dump import TrajectoryDumper
 from services.rollout.settings import RolloutSettings
+from services.rollout.versions import CheckedWorkflow
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflow import (
     GroupedRolloutWorkflow,
@@ -43,21 +47,28 @@ def standard_kwargs(settings: RolloutSettings, tokenizer: Callable[[], Any], rew
         "group_size": lambda: settings.group_size,
         "max_new_tokens": lambda: settings.max_new_tokens,
         "temperature": lambda: settings.temperature,
+        "gconfig": lambda: settings.gconfig,
     }
 
 
 def build_workflow(settings: RolloutSettings, standard: dict[str, Callable[[], Any]]) -> RolloutWorkflow:
     cls = import_ref(settings.workflow)
     kwargs = dict(settings.workflow_kwargs)
-    accepted: set[str] = set()
+    if isinstance(kwargs.get("gconfig"), Mapping):  # from a config file: changes to the standard gconfig
+        try:
+            kwargs["gconfig"] = settings.gconfig.new(**kwargs["gconfig"])
+        except TypeError as exc:
+            raise WorkflowError(f"workflow_kwargs.gconfig: {exc}") from exc
+    groups_itself = False
     if isinstance(cls, type) and issubclass(cls, RolloutWorkflow):
         params = inspect.signature(cls).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         accepted = set(standard) if takes_any else set(params) & set(standard)
         for name in accepted - set(kwargs):
             kwargs[name] = standard[name]()
-    workflow = resolve_workflow(cls, kwargs)
-    if "group_size" not in accepted and settings.group_size > 1:
+        groups_itself = "group_size" in params
+    workflow: RolloutWorkflow = CheckedWorkflow(resolve_workflow(cls, kwargs))
+    if not groups_itself and settings.group_size > 1:
         workflow = GroupedRolloutWorkflow(workflow, settings.group_size)
     return workflow
 
@@ -93,12 +104,12 @@ async def run(settings: RolloutSettings) -> None:
         except Exception as exc:
             raise WorkflowError(f"workflow {settings.workflow}: construction failed: {exc!r}") from exc
         dumper = None
-        if settings.dump_dir:
+        if settings.dump_root:
             decode = None
             if settings.model_path:
                 tok = tokenizer()
                 decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
-            dumper = TrajectoryDumper(settings.dump_dir, settings.experiment_name, settings.trial, decode)
+            dumper = TrajectoryDumper(settings.dump_root, settings.experiment_name, settings.trial, decode)
         metrics = MetricsPublisher(nc, settings.run, "rollout", settings.worker)
         worker = RolloutWorker(nc, settings.run, workflow, engine, worker_config(settings), metrics=metrics, dumper=dumper)
         log.info("rollout worker starting", workflow=type(workflow).__name__, max_concurrent=settings.max_concurrent)

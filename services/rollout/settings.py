@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from services.common.settings import ServiceSettings
 from services.rollout.engine import InferenceClientSettings
+from services.rollout.gconfig import GenerationHyperparameters
 
 
 def _default_worker() -> str:
@@ -24,7 +25,7 @@ class RolloutSettings(ServiceSettings):
     inference: InferenceClientSettings = InferenceClientSettings()
     """The inference servers and how to call them."""
     workflow: str = "services.rollout.workflows.rlvr:RLVRWorkflow"
-    """The workflow, "module:Class" (a RolloutWorkflow subclass)."""
+    """The workflow, "package.module:Class" or "package.module.Class" (a RolloutWorkflow subclass, or an agent with `async def run`)."""
     workflow_kwargs: dict[str, Any] = {}
     """Keyword arguments of the workflow's constructor (override the standard ones below)."""
     group_size: int = 8
@@ -53,8 +54,12 @@ class RolloutSettings(ServiceSettings):
     """Longest run of one episode; past it the attempt fails (retried after nak_delay_s, rejected at max_deliver). 0 = no limit."""
     worker: str = Field(default_factory=_default_worker)
     """This worker's name in trajectories and metrics (default hostname-pid)."""
+    dump_to_file: bool = False
+    """Write each trajectory as JSONL under {fileroot}/{experiment}/{trial}/{rollout|eval-rollout}/{version}/{task_id}.jsonl."""
+    fileroot: str | None = None
+    """Root directory of the trajectory dump (required with dump_to_file)."""
     dump_dir: str | None = None
-    """If set, write each trajectory as JSONL under {dump_dir}/{experiment}/{trial}/{rollout|eval-rollout}/{version}/{task_id}.jsonl."""
+    """Older name: dump_dir=X is dump_to_file=true fileroot=X."""
     experiment: str = ""
     """Experiment name in dump paths (default: the run name)."""
     trial: str = "trial0"
@@ -73,9 +78,27 @@ class RolloutSettings(ServiceSettings):
         for name in ("nak_delay_s", "episode_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if ":" not in self.workflow:
-            raise ValueError(f"workflow {self.workflow!r}: expected 'package.module:ClassName'")
+        module, _, name = self.workflow.rpartition(":") if ":" in self.workflow else self.workflow.rpartition(".")
+        if not module or not name:
+            raise ValueError(f"workflow {self.workflow!r}: expected 'package.module:ClassName' or 'package.module.ClassName'")
+        if self.dump_to_file and not self.fileroot:
+            raise ValueError("dump_to_file=true needs fileroot (the dump's root directory)")
+        if self.dump_dir and self.fileroot and self.dump_dir != self.fileroot:
+            raise ValueError(f"dump_dir ({self.dump_dir!r}) and fileroot ({self.fileroot!r}) disagree; set only fileroot")
         return self
+
+    @property
+    def dump_root(self) -> str | None:
+        """Where trajectories are dumped; None when they are not."""
+        if self.dump_dir:
+            return self.dump_dir
+        return self.fileroot if self.dump_to_file else None
+
+    @property
+    def gconfig(self) -> GenerationHyperparameters:
+        """The `gconfig` an AReaL workflow's constructor gets: one sample per request and per episode
+        (`n_samples=1`); the worker runs the episode `group_size` times, as AReaL's `group_size` does."""
+        return GenerationHyperparameters(n_samples=1, max_new_tokens=self.max_new_tokens, temperature=self.temperature)
 
     @property
     def experiment_name(self) -> str:

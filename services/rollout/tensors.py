@@ -3,7 +3,9 @@
 The contract (DESIGN.md "A trajectory message"): batch-first, right-padded, `input_ids` int64,
 `attention_mask` int64, `loss_mask` int64 (1 where the loss applies: generated tokens), `logprobs`
 float32 (0 on prompt tokens), `versions` int64 (-1 on prompt tokens), `rewards` float32 (one per
-sample), `prompt_len` int64 (one per sample). Padding is 0 everywhere.
+sample), `prompt_len` int64 (one per sample). Padding is 0 everywhere. Only the trained tokens'
+versions matter downstream (staleness): a workflow that tags its prompt tokens 0, as AReaL's
+examples do, builds an equally valid group.
 """
 
 from __future__ import annotations

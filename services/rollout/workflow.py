@@ -4,8 +4,8 @@
 - a padded tensor dict (`input_ids`, `attention_mask`, `loss_mask`, `logprobs`, `rewards`, `versions`;
   batch-first, one row per sample), which becomes one trajectory message,
 - `None`: the prompt is rejected (a rejection marker is published, so the feeder's count closes),
-- a dict of interactions (agent workflows through the proxy, issue #11): turned into a tensor dict by
-  `interactions_to_tensors`, the extension point that issue fills in.
+- a dict of interactions (agent workflows through the proxy, the direct client, or any objects with
+  AReaL's `to_tensor_dict()`): turned into a tensor dict by `interactions_to_tensors`.
 
 `workflow_context` tells a running episode whether it is an evaluation and which task it serves, as a
 context variable, so it follows the episode's task and every task it starts.
@@ -98,11 +98,28 @@ def is_interactions(result: Mapping[str, Any]) -> bool:
 
 
 def interactions_to_tensors(interactions: Mapping[str, Any]) -> TensorDict:
-    """Extension point for agent workflows (issue #11): turn the interactions recorded by the
-    OpenAI-compatible proxy into a padded tensor dict."""
+    """A dict of interactions as one padded tensor dict, one row each: the proxy's exported samples
+    (`to_tensors()`), or any object with AReaL's `to_tensor_dict()` (a batch-1 tensor dict, such as
+    AReaL's `InteractionWithTokenLogpReward`)."""
     from services.rollout.agent.export import interactions_to_tensors as agent_samples_to_tensors
 
-    return agent_samples_to_tensors(interactions)
+    if all(hasattr(v, "to_tensors") for v in interactions.values()):
+        return agent_samples_to_tensors(interactions)
+    rows = []
+    for key, item in interactions.items():
+        to_tensors = getattr(item, "to_tensors", None) or getattr(item, "to_tensor_dict", None)
+        if to_tensors is None:
+            raise WorkflowError(
+                f"interaction {key!r} is a {type(item).__name__}; a dict of interactions must hold exported samples "
+                "(services.rollout.agent.export.AgentSample) or objects with to_tensor_dict()"
+            )
+        row = to_tensors()
+        if not isinstance(row, Mapping) and not hasattr(row, "items"):
+            raise WorkflowError(f"interaction {key!r}: to_tensor_dict() returned {type(row).__name__}, not a tensor dict")
+        rows.append(dict(row.items()))
+    if not rows:
+        raise WorkflowError("the workflow returned an empty dict of interactions")
+    return concat_padded(rows)
 
 
 def as_tensor_dict(result: TensorDict | dict[str, Any] | None) -> TensorDict | None:
@@ -148,13 +165,41 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
 
 
 def import_ref(ref: str) -> Any:
-    module_name, sep, attr = ref.partition(":")
-    if not sep or not module_name or not attr:
-        raise WorkflowError(f"workflow {ref!r}: expected 'package.module:ClassName'")
+    """The object a reference names: "package.module:Name" (the part after ":" may be dotted:
+    "module:Outer.Inner") or AReaL's "package.module.Name" (the longest importable module prefix,
+    then attributes)."""
+    if ":" in ref:
+        module_name, _, attr = ref.partition(":")
+        if not module_name or not attr:
+            raise WorkflowError(f"workflow {ref!r}: expected 'package.module:ClassName' or 'package.module.ClassName'")
+        return _attribute(ref, _import(ref, module_name), module_name, attr)
+    parts = ref.split(".")
+    if len(parts) < 2 or not all(parts):
+        raise WorkflowError(f"workflow {ref!r}: expected 'package.module:ClassName' or 'package.module.ClassName'")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            # only "this prefix is not a module" moves on to a shorter one; a module that exists but
+            # fails to import (its own missing dependency) is reported as it is
+            if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+                continue
+            raise WorkflowError(f"workflow {ref!r}: cannot import module {module_name!r}: {exc}") from exc
+        except ImportError as exc:
+            raise WorkflowError(f"workflow {ref!r}: cannot import module {module_name!r}: {exc}") from exc
+        return _attribute(ref, module, module_name, ".".join(parts[cut:]))
+    raise WorkflowError(f"workflow {ref!r}: cannot import module {parts[0]!r} (no prefix of the name is a module)")
+
+
+def _import(ref: str, module_name: str) -> Any:
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ImportError as exc:
         raise WorkflowError(f"workflow {ref!r}: cannot import module {module_name!r}: {exc}") from exc
+
+
+def _attribute(ref: str, module: Any, module_name: str, attr: str) -> Any:
     obj: Any = module
     for part in attr.split("."):
         try:
@@ -181,7 +226,7 @@ def wrap_agent(agent: Any, kwargs: Mapping[str, Any]) -> RolloutWorkflow:
 
 
 def resolve_workflow(spec: Any, kwargs: Mapping[str, Any] | None = None) -> RolloutWorkflow:
-    """A workflow from an instance, a class (+ `kwargs`), or a `"module:Class"` string (+ `kwargs`)."""
+    """A workflow from an instance, a class (+ `kwargs`), or a "module:Class" / "module.Class" string (+ `kwargs`)."""
     kwargs = dict(kwargs or {})
     if isinstance(spec, str):
         spec = import_ref(spec)
@@ -202,5 +247,6 @@ def resolve_workflow(spec: Any, kwargs: Mapping[str, Any] | None = None) -> Roll
     if _is_agent(spec):
         return wrap_agent(spec, kwargs)
     raise WorkflowError(
-        f"workflow {spec!r} is not a RolloutWorkflow instance or subclass, nor a 'module:Class' string naming one"
+        f"workflow {spec!r} is not a RolloutWorkflow instance or subclass, an agent with `async def run`, "
+        "nor a 'module:Class' string naming one"
     )

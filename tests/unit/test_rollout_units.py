@@ -15,7 +15,8 @@ from services.rollout.dump import TrajectoryDumper
 from services.rollout.service import build_workflow, worker_config
 from services.rollout.settings import RolloutSettings
 from services.rollout.tensors import concat_padded, sample_tensors, turn_tensors
-from services.rollout.workflow import GroupedRolloutWorkflow
+from services.rollout.versions import CheckedWorkflow
+from services.rollout.workflow import GroupedRolloutWorkflow, WorkflowError
 from services.rollout.workflows.synthetic import SyntheticWorkflow
 
 
@@ -81,8 +82,23 @@ def test_build_workflow_injects_standard_arguments_and_groups_single_sample_work
     standard = {"group_size": lambda: 5, "tokenizer": lambda: made.append("tok")}
     s = RolloutSettings(workflow="services.rollout.workflows.synthetic:SyntheticWorkflow", workflow_kwargs={"delay_s": 0.1})
     wf = build_workflow(s, standard)
-    assert isinstance(wf, SyntheticWorkflow) and wf.group_size == 5 and wf.delay_s == 0.1
+    assert isinstance(wf, CheckedWorkflow) and isinstance(wf.workflow, SyntheticWorkflow)  # versions checked
+    assert wf.group_size == 5 and wf.delay_s == 0.1
     assert made == []  # the tokenizer is never loaded for a workflow that does not take one
     s2 = RolloutSettings(workflow="tests.unit.test_workflow:LengthWorkflow", group_size=3)
     grouped = build_workflow(s2, standard)
     assert isinstance(grouped, GroupedRolloutWorkflow) and grouped.group_size == 3
+
+
+def test_build_workflow_gives_areal_workflows_a_gconfig_the_config_can_change() -> None:
+    from services.rollout.gconfig import GenerationHyperparameters
+
+    s = RolloutSettings(workflow="tests.seed_workflows.rollout_workflow.MyWorkflow", group_size=4, max_new_tokens=7,
+                        workflow_kwargs={"gconfig": {"temperature": 0.3}})
+    wf = build_workflow(s, {"tokenizer": lambda: "tok", "group_size": lambda: 4})
+    # the seed's constructor takes **kwargs but not group_size by name: the worker makes the group
+    assert isinstance(wf, GroupedRolloutWorkflow) and wf.group_size == 4
+    inner = wf.workflow.workflow
+    assert inner.gconfig == GenerationHyperparameters(n_samples=1, max_new_tokens=7, temperature=0.3) and inner.tokenizer == "tok"
+    with pytest.raises(WorkflowError, match=r"workflow_kwargs\.gconfig: .*no field"):
+        build_workflow(RolloutSettings(workflow=s.workflow, workflow_kwargs={"gconfig": {"nsamples": 2}}), {})

@@ -43,6 +43,10 @@ class AgentSample:
     def to_tensors(self) -> TensorDict:
         return turn_tensors(self.segments, self.reward, self.prompt_len)
 
+    def to_tensor_dict(self) -> TensorDict:
+        """AReaL's name for `to_tensors` (`InteractionWithTokenLogpReward.to_tensor_dict`)."""
+        return self.to_tensors()
+
     def as_json(self) -> dict[str, Any]:
         ids: list[int] = []
         loss: list[int] = []

@@ -7,9 +7,9 @@ worker's event loop, and serves every episode of this worker.
 
 - `mode="inline"`: `await agent.run(data, base_url=<session>/v1, http_client=<httpx.AsyncClient>)` in
   the worker's loop; the agent builds `AsyncOpenAI(base_url=base_url, http_client=http_client)`.
-- `mode="subprocess"`: the agent runs in a process pool with `OPENAI_BASE_URL`/`OPENAI_API_KEY` (and
-  `ANTHROPIC_BASE_URL`/`ANTHROPIC_API_KEY`) set to its session, so blocking code (`OpenAI()`) works;
-  `run` may then be synchronous. The agent must be importable ("module:Class") or picklable.
+- `mode="subproc"` (AReaL's name; "subprocess" is accepted too): the agent runs in a process pool
+  with `OPENAI_BASE_URL`/`OPENAI_API_KEY` (and `ANTHROPIC_BASE_URL`/`ANTHROPIC_API_KEY`) set to its
+  session, so blocking code (`OpenAI()`) works; `run` may then be synchronous. The agent must be importable ("module:Class") or picklable.
 
 `run` returns a float (the reward of the session's last completion), a dict of completion id ->
 reward, or None when it set its rewards itself through `POST /{session}/rl/set_reward`. An episode
@@ -33,7 +33,9 @@ from services.rollout.workflow import RolloutWorkflow, WorkflowError, import_ref
 
 log = get_logger("rollout.agent")
 
-MODES = ("inline", "subprocess")
+MODES = ("inline", "subproc")
+#: other spellings of a mode
+MODE_ALIASES = {"subprocess": "subproc"}
 
 
 class AgentWorkflow(RolloutWorkflow):
@@ -68,6 +70,7 @@ class AgentWorkflow(RolloutWorkflow):
             raise WorkflowError(f"agent workflow: a numeric setting is not a number: {exc}") from exc
         if isinstance(agent_kwargs, str):
             agent_kwargs = json.loads(agent_kwargs)
+        mode = MODE_ALIASES.get(mode, mode)
         if mode not in MODES:
             raise WorkflowError(f"agent mode must be one of {MODES}, got {mode!r}")
         if export_style not in STYLES:
@@ -99,8 +102,8 @@ class AgentWorkflow(RolloutWorkflow):
         if run is None:
             raise WorkflowError(f"agent {spec!r} has no run(data, **extra_kwargs) method")
         if self.mode == "inline" and not inspect.iscoroutinefunction(run):
-            raise WorkflowError(f"agent {spec!r}: inline mode needs `async def run`; use mode='subprocess' for synchronous agents")
-        if self.mode == "subprocess":
+            raise WorkflowError(f"agent {spec!r}: inline mode needs `async def run`; use mode='subproc' for synchronous agents")
+        if self.mode == "subproc":
             return None  # built in the pool processes
         if isinstance(obj, type):
             try:

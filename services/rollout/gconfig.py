@@ -1,0 +1,80 @@
+"""`GenerationHyperparameters`: AReaL's sampling settings, as workflows pass them in `ModelRequest(gconfig=...)`.
+
+Same field names and defaults as AReaL (`top_k=100000000` means no limit: the inference server caps it
+at the vocabulary). One request asks for one completion: `n_samples` is how many times a workflow
+calls `agenerate` (AReaL's `gconfig.new(n_samples=1)` idiom), so a request with `n_samples != 1` is
+refused, as AReaL refuses it. Settings the inference servers cannot honour are refused when not at
+their default, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+#: fields jetrl's inference servers do not implement: only their default value is accepted
+_UNSUPPORTED: dict[str, Any] = {"frequency_penalty": 0.0, "lora_name": "", "use_beam_search": False, "min_new_tokens": 0}
+
+
+@dataclass
+class GenerationHyperparameters:
+    n_samples: int = 1
+    """Completions a workflow samples per prompt (it calls `agenerate` this many times)."""
+    max_new_tokens: int = 16384
+    """Longest completion."""
+    min_new_tokens: int = 0
+    """Only 0 is supported."""
+    max_tokens: int = 65536
+    """Longest prompt + completion: the completion budget is cut to `max_tokens - len(input_ids)`."""
+    greedy: bool = False
+    """Take the most likely token (temperature 0)."""
+    top_p: float = 1.0
+    top_k: int = 100_000_000
+    temperature: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end the completion (besides EOS)."""
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    """For decoding text only; token ids are never affected."""
+    stop: list[str] | None = None
+    """Strings that end the completion."""
+    frequency_penalty: float = 0.0
+    """Only 0.0 is supported."""
+    lora_name: str = ""
+    """Only "" is supported."""
+    use_beam_search: bool = False
+    """Only False is supported."""
+
+    def new(self, **kwargs: Any) -> GenerationHyperparameters:
+        """A copy with `kwargs` changed (AReaL's `gconfig.new(n_samples=1)`)."""
+        unknown = set(kwargs) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"GenerationHyperparameters has no field(s) {sorted(unknown)}")
+        return dataclasses.replace(self, **kwargs)
+
+    def check(self) -> None:
+        """Raise ValueError naming the first setting a request cannot carry."""
+        if self.n_samples != 1:
+            raise ValueError(
+                f"gconfig.n_samples={self.n_samples}: one request generates one completion; "
+                "call agenerate n_samples times with gconfig.new(n_samples=1)"
+            )
+        for name, default in _UNSUPPORTED.items():
+            if getattr(self, name) != default:
+                raise ValueError(f"gconfig.{name}={getattr(self, name)!r} is not supported by jetrl's inference servers")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"gconfig.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+
+    def sampling(self, prompt_len: int) -> dict[str, Any]:
+        """The flat `ModelRequest` fields these settings mean for a prompt of `prompt_len` tokens."""
+        self.check()
+        return {
+            "max_new_tokens": max(0, min(self.max_new_tokens, self.max_tokens - prompt_len)),
+            "temperature": 0.0 if self.greedy else self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop_token_ids": list(self.stop_token_ids),
+            "stop": list(self.stop or []),
+            "ignore_eos": self.ignore_eos,
+        }
