@@ -23,16 +23,11 @@ from services.common.logging import bind_context, get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.runner import Supervisor, supervise
 from services.rollout.dump import TrajectoryDumper
+from services.rollout.resolve import resolve_workflow
 from services.rollout.settings import RolloutSettings
 from services.rollout.versions import CheckedWorkflow
 from services.rollout.worker import RolloutWorker, WorkerConfig
-from services.rollout.workflow import (
-    GroupedRolloutWorkflow,
-    RolloutWorkflow,
-    WorkflowError,
-    import_ref,
-    resolve_workflow,
-)
+from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError, import_ref
 
 log = get_logger("rollout")
 

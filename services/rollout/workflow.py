@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import contextvars
 import importlib
-import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -101,10 +100,6 @@ def interactions_to_tensors(interactions: Mapping[str, Any]) -> TensorDict:
     """A dict of interactions as one padded tensor dict, one row each: the proxy's exported samples
     (`to_tensors()`), or any object with AReaL's `to_tensor_dict()` (a batch-1 tensor dict, such as
     AReaL's `InteractionWithTokenLogpReward`)."""
-    from services.rollout.agent.export import interactions_to_tensors as agent_samples_to_tensors
-
-    if all(hasattr(v, "to_tensors") for v in interactions.values()):
-        return agent_samples_to_tensors(interactions)
     rows = []
     for key, item in interactions.items():
         to_tensors = getattr(item, "to_tensors", None) or getattr(item, "to_tensor_dict", None)
@@ -207,46 +202,3 @@ def _attribute(ref: str, module: Any, module_name: str, attr: str) -> Any:
         except AttributeError as exc:
             raise WorkflowError(f"workflow {ref!r}: module {module_name!r} has no attribute {attr!r}") from exc
     return obj
-
-
-def _is_agent(obj: Any) -> bool:
-    run = getattr(obj, "run", None)
-    return run is not None and inspect.iscoroutinefunction(run)
-
-
-def wrap_agent(agent: Any, kwargs: Mapping[str, Any]) -> RolloutWorkflow:
-    """Extension point for agents (any object or class with `async def run()`, issue #11): wrap it in
-    a workflow that runs it against the OpenAI-compatible proxy and records its interactions."""
-    from services.rollout.agent.workflow import AgentWorkflow
-
-    try:
-        return AgentWorkflow(agent, **kwargs)
-    except TypeError as exc:
-        raise WorkflowError(f"agent {agent!r}: bad workflow_kwargs {sorted(kwargs)}: {exc}") from exc
-
-
-def resolve_workflow(spec: Any, kwargs: Mapping[str, Any] | None = None) -> RolloutWorkflow:
-    """A workflow from an instance, a class (+ `kwargs`), or a "module:Class" / "module.Class" string (+ `kwargs`)."""
-    kwargs = dict(kwargs or {})
-    if isinstance(spec, str):
-        spec = import_ref(spec)
-    if isinstance(spec, RolloutWorkflow):
-        if kwargs:
-            raise WorkflowError(
-                f"workflow {type(spec).__name__} is already an instance; workflow_kwargs {sorted(kwargs)} cannot apply"
-            )
-        return spec
-    if isinstance(spec, type) and issubclass(spec, RolloutWorkflow):
-        if inspect.isabstract(spec):
-            raise WorkflowError(f"workflow {spec.__name__} is abstract: implement arun_episode")
-        try:
-            inspect.signature(spec).bind(**kwargs)
-        except TypeError as exc:
-            raise WorkflowError(f"workflow {spec.__name__}: bad workflow_kwargs {sorted(kwargs)}: {exc}") from exc
-        return spec(**kwargs)
-    if _is_agent(spec):
-        return wrap_agent(spec, kwargs)
-    raise WorkflowError(
-        f"workflow {spec!r} is not a RolloutWorkflow instance or subclass, an agent with `async def run`, "
-        "nor a 'module:Class' string naming one"
-    )

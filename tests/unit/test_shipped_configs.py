@@ -23,7 +23,7 @@ def test_config_sections_validate(path: Path) -> None:
 
 
 def test_example_workflow_resolves() -> None:
-    from services.rollout.workflow import resolve_workflow
+    from services.rollout.resolve import resolve_workflow
 
     wf = resolve_workflow("examples.copy3:Copy3Workflow", {"tokenizer": object(), "reward": object(), "reward_fn": "examples.copy3:reward"})
     assert wf.group_size == 8

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 import torch
 
+from services.rollout.resolve import resolve_workflow
 from services.rollout.tensors import sample_tensors
 from services.rollout.workflow import (
     GroupedRolloutWorkflow,
     RolloutWorkflow,
     WorkflowError,
     as_tensor_dict,
-    resolve_workflow,
     workflow_context,
 )
 from services.rollout.workflows.synthetic import SyntheticWorkflow
