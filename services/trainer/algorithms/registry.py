@@ -31,7 +31,8 @@ def load_algorithm(settings: PPOSettings) -> Algorithm:
     if missing:
         raise AlgorithmError(f"ppo.algorithm {ref!r}: {type(obj).__name__} has no method {', '.join(missing)} "
                              "(subclass services.trainer.algorithms.Standard to keep the built-in one)")
-    return obj  # type: ignore[no-any-return]
+    algorithm: Algorithm = obj
+    return algorithm
 
 
 def import_object(ref: str) -> Any:
@@ -77,6 +78,7 @@ def _load_file(ref: str, path: Path) -> Any:
 
 
 def _make(ref: str, obj: Any, settings: PPOSettings, kwargs: dict[str, Any]) -> Any:
+    factory: Any = obj
     if not (inspect.isclass(obj) or inspect.isfunction(obj)):
         if kwargs:
             raise AlgorithmError(f"ppo.algorithm {ref!r} is an instance: ppo.algorithm_kwargs cannot apply")
@@ -87,6 +89,6 @@ def _make(ref: str, obj: Any, settings: PPOSettings, kwargs: dict[str, Any]) -> 
     except (TypeError, ValueError):
         params = []
     try:
-        return obj(settings, **kwargs) if params else obj(**kwargs)
+        return factory(settings, **kwargs) if params else factory(**kwargs)
     except TypeError as exc:
         raise AlgorithmError(f"ppo.algorithm {ref!r}: cannot construct with ppo.algorithm_kwargs {sorted(kwargs)}: {exc}") from exc
