@@ -108,7 +108,7 @@ def main() -> None:
         "score": score,
         "best": best,
         "steps": args.steps,
-        **{f"{n}_s": (round(r["seconds"], 2) if r["seconds"] is not None else None) for n, r in results.items()},
+        **{f"{n.split()[0]}_s": (round(r["seconds"], 2) if r["seconds"] is not None else None) for n, r in results.items()},
     }))
 
 
