@@ -1,4 +1,5 @@
-"""`PPOActor`: log-probs, advantages and the (decoupled) PPO update on a `TrainEngine`.
+"""`PPOActor`: log-probs, advantages and the (decoupled) PPO update on a `TrainEngine`, through the
+configured algorithm (`ppo.algorithm`, default the settings-driven `Standard`).
 
 Each rank calls `ppo_update` with its own pieces of the step's mini-batches (see `batch.shard`).
 Losses are each rank's share of the global mean, so the update does not depend on the world size.
@@ -13,27 +14,49 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from services.trainer.batch import attach_advantages, to_tensors
+from services.trainer.algorithms.calls import attach_advantages, checked_loss, loss_input
+from services.trainer.algorithms.kl import kl_estimate
+from services.trainer.algorithms.registry import load_algorithm
+from services.trainer.batch import to_tensors
 from services.trainer.engine import TrainEngine
-from services.trainer.ppo import aggregate, entropy_from_logits, kl_k3, logp_from_logits, ppo_token_loss
+from services.trainer.ppo import aggregate, entropy_from_logits, logp_from_logits
 from services.trainer.settings import PPOSettings
 
 # Stats summed over mini-batch pieces and ranks; the global means are formed after the all-reduce.
 _SUMS = ("loss", "pg_loss", "entropy", "kl", "tokens", "clipped", "capped", "imp_weight")
+_REF_CHUNK = 64
+"""Samples per reference forward pass when rank 0 computes KL-in-reward for the whole batch."""
 
 
 class PPOActor:
     def __init__(self, engine: TrainEngine, cfg: PPOSettings) -> None:
         self.engine = engine
         self.cfg = cfg
+        # Loaded on every rank at start-up: a bad `ppo.algorithm` fails before any step.
+        self.algorithm = load_algorithm(cfg)
 
     def compute_logp(self, batch: dict[str, Any], *, reference: bool = False) -> torch.Tensor:
         logits = self.engine.forward(batch, reference=reference)
         return logp_from_logits(logits, batch["input_ids"].long(), self.cfg.temperature).cpu()
 
     def compute_advantages(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Adds `advantages` (per token) and `sample_advantages` to a collated batch (whole groups)."""
-        return attach_advantages(batch, self.cfg.adv_norm, self.cfg.adv_eps)
+        """Adds `advantages` (per token) and `sample_advantages` to a collated batch (whole groups),
+        via the algorithm; with kl_in=reward the reference log-probs are computed here first (rank 0
+        only: the reference model is a plain module on every rank, not a collective)."""
+        ref = None
+        if self.cfg.kl_in == "reward" and self.cfg.kl_coef > 0:
+            ref = self._reference_logp(batch)
+        return attach_advantages(self.algorithm, batch, self.cfg, ref)
+
+    def _reference_logp(self, batch: dict[str, np.ndarray]) -> torch.Tensor:
+        n = batch["input_ids"].shape[0]
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        for start in range(0, n, _REF_CHUNK):
+            rows = slice(start, start + _REF_CHUNK)
+            length = int(batch["attention_mask"][rows].sum(-1).max())
+            chunk = to_tensors({k: batch[k][rows, :length] for k in ("input_ids", "attention_mask")})
+            out[rows, :length] = self.compute_logp(chunk, reference=True)
+        return out
 
     def ppo_update(self, pieces: list[dict[str, Any]]) -> dict[str, float]:
         """Train on this rank's pieces (one per mini-batch). Returns global stats (same on every rank)."""
@@ -42,7 +65,7 @@ class PPOActor:
         for mb in mbs:
             if self.cfg.decoupled:
                 mb["proximal_logp"] = self.compute_logp(mb)
-            if self.cfg.kl_coef > 0:
+            if self.cfg.kl_coef > 0 and self.cfg.kl_in == "loss":
                 mb["ref_logp"] = self.compute_logp(mb, reference=True)
         stats, norms = self.engine.train_batch(mbs, self._loss)
         return self._reduce(stats, norms, len(mbs))
@@ -51,50 +74,54 @@ class PPOActor:
         cfg = self.cfg
         ids = mb["input_ids"].long().to(logits.device)
         logp = logp_from_logits(logits, ids, cfg.temperature)
-        dev = logp.device
-        mask = mb["loss_mask"].to(dev) != 0
-        parts = ppo_token_loss(
-            logp,
-            mb["logprobs"].float().to(dev),
-            mb["advantages"].float().to(dev),
-            mask,
-            eps_clip=cfg.eps_clip,
-            proximal_logp=mb["proximal_logp"].to(dev) if cfg.decoupled else None,
-            imp_weight_cap=cfg.behav_imp_weight_cap,
-        )
-        n_tok, n_seq = mb["total_tokens"], mb["total_seqs"]
-        pg = aggregate(parts.pg, mask, cfg.loss_agg, n_tok, n_seq)
-        ent = aggregate(entropy_from_logits(logits, cfg.temperature), mask, cfg.loss_agg, n_tok, n_seq)
+        inp = loss_input(mb, logp, cfg)
+        out = checked_loss(self.algorithm, inp)
+        mask = inp.loss_mask
+        n_tok, n_seq, norm = mb["total_tokens"], mb["total_seqs"], cfg.loss_agg_norm
+        pg = aggregate(out.loss, mask, cfg.loss_agg, n_tok, n_seq, norm)
+        ent = aggregate(entropy_from_logits(logits, cfg.temperature), mask, cfg.loss_agg, n_tok, n_seq, norm)
         loss = pg - cfg.entropy_coef * ent
         kl = torch.zeros(())
-        if cfg.kl_coef > 0:
-            kl = aggregate(kl_k3(logp, mb["ref_logp"].to(dev)), mask, cfg.loss_agg, n_tok, n_seq)
+        if inp.ref_logp is not None:
+            kl = aggregate(kl_estimate(cfg.kl_estimator, logp, inp.ref_logp), mask, cfg.loss_agg, n_tok, n_seq, norm)
             loss = loss + cfg.kl_coef * kl
+        weight = out.imp_weight if out.imp_weight is not None else mask.float()
         stats = {
             "loss": float(loss.detach()),
             "pg_loss": float(pg.detach()),
             "entropy": float(ent.detach()),
             "kl": float(kl.detach()),
             "tokens": float(mask.sum()),
-            "clipped": float(parts.clipped.sum()),
-            "capped": float(parts.capped.sum()),
-            "imp_weight": float(parts.imp_weight[mask].sum()),
-            "imp_weight_max": float(parts.imp_weight[mask].max()) if mask.any() else 0.0,
+            "clipped": float((out.clipped & mask).sum()) if out.clipped is not None else 0.0,
+            "capped": float((out.capped & mask).sum()) if out.capped is not None else 0.0,
+            "imp_weight": float(weight[mask].sum()),
+            "imp_weight_max": float(weight[mask].max()) if mask.any() else 0.0,
         }
+        for name, value in sorted(out.extra.items()):
+            stats[f"algo_{name}"] = float(value.detach()[mask].float().sum())
         # DeepSpeed averages gradients over data-parallel ranks; this rank's loss is its share of the
         # global mean, so scale it back up by the world size.
         return loss * self.engine.world_size, stats
 
     def _reduce(self, stats: list[dict[str, float]], norms: list[float], n_mb: int) -> dict[str, float]:
-        sums = torch.tensor([[s[k] for k in _SUMS] for s in stats], dtype=torch.float64).sum(0)
+        # The algorithm's own per-token stats; ranks agree on the names first, so an algorithm that
+        # reports a stat on some pieces only cannot make the all-reduce shapes differ.
+        names: set[str] = {k for s in stats for k in s if k.startswith("algo_")}
+        if self.engine.world_size > 1:
+            everyone: list[Any] = [None] * self.engine.world_size
+            dist.all_gather_object(everyone, sorted(names))
+            names = set().union(*everyone)
+        keys = (*_SUMS, *sorted(names))
+        sums = torch.tensor([[s.get(k, 0.0) for k in keys] for s in stats], dtype=torch.float64).sum(0)
         top = torch.tensor([max(s["imp_weight_max"] for s in stats)], dtype=torch.float64)
         if self.engine.world_size > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        total = dict(zip(_SUMS, sums.tolist(), strict=True))
+        total = dict(zip(keys, sums.tolist(), strict=True))
         tokens = max(total["tokens"], 1.0)
         finite = [n for n in norms if math.isfinite(n)]
-        return {
+        algo = {k: v / tokens for k, v in total.items() if k.startswith("algo_")}
+        return algo | {
             "loss": total["loss"] / n_mb,
             "pg_loss": total["pg_loss"] / n_mb,
             "entropy": total["entropy"] / n_mb,

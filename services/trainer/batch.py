@@ -1,6 +1,9 @@
 """From decoded groups to what each rank trains on: collate the groups of a step into one padded
 batch, attach per-token advantages (group normalisation needs whole groups, so rank 0 does it), and
-cut the batch into each rank's mini-batch pieces with the global counts the loss divides by."""
+cut the batch into each rank's mini-batch pieces with the global counts the loss divides by.
+
+Extra columns a workflow returned (per-sample (n,) or per-token (n, length) arrays beside the contract's)
+travel with their samples into every piece, for the algorithm (`extra_columns`)."""
 
 from __future__ import annotations
 
@@ -9,9 +12,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.common.logging import get_logger
 from services.trainer.ppo import group_advantages
 
+log = get_logger("trainer.batch")
+
 TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
+RESERVED_KEYS = frozenset((*TOKEN_KEYS, "rewards", "group_index", "advantages", "sample_advantages",
+                           "proximal_logp", "ref_logp", "total_tokens", "total_seqs"))
+"""Names the trainer gives meaning to: a workflow's extra column may not use them."""
 
 
 def collate(groups: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -30,7 +39,47 @@ def collate(groups: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
             out[key].append(arr)
         out["rewards"].append(np.asarray(g["rewards"], dtype=np.float32))
         out["group_index"].append(np.full(n, gi, dtype=np.int64))
-    return {k: np.concatenate(v) for k, v in out.items()}
+    batch = {k: np.concatenate(v) for k, v in out.items()}
+    batch.update(_collate_extras(groups, seqlen))
+    return batch
+
+
+def _collate_extras(groups: list[dict[str, np.ndarray]], seqlen: int) -> dict[str, np.ndarray]:
+    """Extra columns present in every group of the step, per-sample concatenated, per-token padded
+    with 0. One that is not (or shadows a trainer name) is left out, with a warning naming it."""
+    out: dict[str, np.ndarray] = {}
+    names = sorted({k for g in groups for k in g} - set(TOKEN_KEYS) - {"rewards"})
+    for name in names:
+        arrays = [g.get(name) for g in groups]
+        why = ""
+        if name in RESERVED_KEYS:
+            why = "the name is reserved by the trainer"
+        elif any(a is None for a in arrays):
+            why = "missing from some groups of the step"
+        elif not all(a is not None and (a.shape == (g["input_ids"].shape[0],) or a.shape == g["input_ids"].shape)
+                     for a, g in zip(arrays, groups, strict=True)):
+            why = "not shaped (samples,) or (samples, tokens) like input_ids"
+        elif len({a.ndim for a in arrays if a is not None}) != 1:
+            why = "per-sample in some groups, per-token in others"
+        if why:
+            log.warning("extra trajectory column left out of the step", column=name, reason=why)
+            continue
+        if arrays[0] is not None and arrays[0].ndim == 1:
+            out[name] = np.concatenate([a for a in arrays if a is not None])
+            continue
+        padded = []
+        for a in arrays:
+            assert a is not None
+            p = np.zeros((a.shape[0], seqlen), dtype=a.dtype)
+            p[:, : a.shape[1]] = a
+            padded.append(p)
+        out[name] = np.concatenate(padded)
+    return out
+
+
+def extra_columns(batch: dict[str, Any]) -> list[str]:
+    """Names of the workflow's extra columns in a collated batch or a piece."""
+    return sorted(k for k in batch if k not in RESERVED_KEYS)
 
 
 def attach_advantages(batch: dict[str, np.ndarray], mode: str, eps: float) -> dict[str, np.ndarray]:
@@ -62,6 +111,8 @@ def shard(batch: dict[str, np.ndarray], world_size: int, n_minibatches: int) -> 
             piece: dict[str, Any] = {
                 k: batch[k][idx][:, :length] for k in (*TOKEN_KEYS, "advantages") if k in batch
             }
+            for k in extra_columns(batch):
+                piece[k] = batch[k][idx][:, :length] if batch[k].ndim == 2 else batch[k][idx]
             piece["total_tokens"] = tokens
             piece["total_seqs"] = seqs
             out[rank].append(piece)

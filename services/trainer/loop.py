@@ -2,7 +2,7 @@
 
 One step: gather B accepted groups from TRAJECTORIES (rejections, stale, zero-variance, duplicate and
 malformed messages are counted and handled on the way), collate and compute advantages, scatter each
-rank's share, run the decoupled PPO update on every rank, version += 1, gather and publish the
+rank's share, run the algorithm's update (default: decoupled PPO) on every rank, version += 1, gather and publish the
 weights, emit metrics, checkpoint every K steps. The feeder publishes prompts concurrently.
 
 NATS calls are retried through a server restart (`busretry`); if the bus stays away longer than
@@ -215,7 +215,8 @@ class Trainer(Feeding):
         if groups is None:
             return None
         t_data = time.monotonic()
-        batch = self.actor.compute_advantages(collate([g.tensors for g in groups]))
+        # In a thread: with ppo.kl_in=reward the advantages need a reference forward pass.
+        batch = await asyncio.to_thread(self.actor.compute_advantages, collate([g.tensors for g in groups]))
         pieces = shard(batch, self.engine.world_size, self.s.ppo.n_minibatches)
         weights_dir = str(self.out / "weights" / f"v{self.version + 1}") if self.publish and self.s.publish_weights else None
         cmds = [Command("train", pieces=p, weights_dir=weights_dir) for p in pieces]

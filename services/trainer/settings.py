@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -11,33 +11,87 @@ from services.trainer.dataset import DatasetOptions
 
 
 class PPOSettings(Section):
-    """The algorithm: GRPO-style advantages and AReaL's decoupled PPO objective."""
+    """The algorithm: how rewards become advantages and what per-token loss the update minimises.
+    The default is GRPO advantages with AReaL's decoupled PPO objective; docs/algorithms.md maps each
+    paper's algorithm (GRPO, Dr.GRPO, RLOO, REINFORCE++, GSPO, DAPO, dual clip) to these settings."""
 
+    algorithm: str | None = None
+    """A researcher's algorithm that replaces the advantages and/or the per-token loss: "pkg.module:Name"
+    or "path/to/file.py:Name" (see docs/algorithms.md); None: the built-in one these settings describe."""
+    algorithm_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for `algorithm` when it names a class (it is called as `Name(settings, **kwargs)`)."""
     n_minibatches: int = Field(1, ge=1)
     """Optimizer steps per trained batch (the batch is split into this many mini-batches)."""
     eps_clip: float = Field(0.2, gt=0)
-    """PPO ratio clip: the ratio to the proximal policy is clipped to [1 - eps, 1 + eps]."""
+    """PPO ratio clip: the ratio to the proximal policy is clipped to [1 - eps, 1 + eps_clip_high or eps]."""
+    eps_clip_high: float | None = Field(None, gt=0)
+    """Upper clip epsilon (DAPO's clip-higher, e.g. 0.28); None: the same as `eps_clip`."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip constant c > 1 (e.g. 3): for negative advantages the per-token loss is at most -c x A."""
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """ppo: token-level ratio and clip; gspo: sequence-level ratio exp(mean of the token log-ratios),
+    clipped per sequence (GSPO; use a small eps_clip, e.g. 3e-4 / 4e-4, and seq-mean-token-mean)."""
     temperature: float = Field(1.0, gt=0)
     """Logits are divided by this before log-probs (must match the sampling temperature)."""
     entropy_coef: float = Field(0.03, ge=0)
     """Entropy bonus coefficient (the copy3 demo needs ~0.03 to avoid locking onto wrong digits)."""
     kl_coef: float = Field(0.0, ge=0)
     """KL penalty to the reference model (the initial weights); 0 loads no reference model."""
-    adv_norm: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(policy || reference): k1 = log p - log p_ref; k2 = (log p - log p_ref)^2 / 2;
+    k3 = exp(log p_ref - log p) - (log p_ref - log p) - 1."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """loss: kl_coef x KL (current policy) is added to the loss; reward: kl_coef x KL (behaviour policy)
+    is subtracted from each token's reward before the advantages (REINFORCE++)."""
+    adv_norm: Literal["grpo", "drgrpo", "rloo", "reinforce++"] = "grpo"
     """grpo: (r - group mean) / (group std + eps); drgrpo: r - group mean (no std division);
-    rloo: r - mean of the other samples of the group (leave-one-out)."""
+    rloo: r - mean of the other samples of the group (leave-one-out); reinforce++: per-token return
+    (reward at the end, minus the KL penalties from each token on), normalised over the whole batch."""
+    adv_batch_norm: bool = False
+    """Also normalise the advantages over all loss tokens of the batch: (A - mean) / (std + adv_eps)."""
     adv_eps: float = Field(1e-6, gt=0)
-    """Added to the group std before dividing (grpo)."""
+    """Added to the std before dividing (grpo, reinforce++, adv_batch_norm)."""
+    reward_scale: float = 1.0
+    """Rewards become clip(reward_scale x (reward + reward_bias)) before the advantages."""
+    reward_bias: float = 0.0
+    """Added to each reward before scaling."""
+    reward_clip: float | None = Field(None, gt=0)
+    """Clip the scaled reward to [-reward_clip, reward_clip]; None: no clip."""
+    overlong_max_tokens: int | None = Field(None, ge=1)
+    """DAPO's overlong reward shaping: L_max, the longest response (loss tokens) without the full
+    penalty; None: off. Needs `overlong_buffer`."""
+    overlong_buffer: int = Field(0, ge=0)
+    """L_cache: responses longer than L_max - L_cache lose (length - (L_max - L_cache)) / L_cache x
+    overlong_penalty, the full overlong_penalty beyond L_max."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Size of the full overlong penalty."""
     decoupled: bool = True
     """Decoupled objective (AReaL): recompute the proximal policy's log-probs before the update and weight
     each token by proximal/behaviour; False is plain PPO against the behaviour log-probs."""
     behav_imp_weight_cap: float | None = Field(5.0, gt=0)
     """Tokens whose importance weight proximal/behaviour exceeds this are masked (weight 0); None: no cap."""
-    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
-    """token-mean: mean over all loss tokens of the mini-batch; seq-mean: mean per sequence, then over sequences."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean"] = "token-mean"
+    """token-mean: mean over all loss tokens of the mini-batch (DAPO's token-level loss);
+    seq-mean-token-mean (alias seq-mean): mean per sequence, then over sequences; seq-mean-token-sum: sum per
+    sequence, mean over sequences; seq-mean-token-sum-norm: sum per sequence / loss_agg_norm, mean over
+    sequences (Dr.GRPO's constant normaliser)."""
+    loss_agg_norm: float | None = Field(None, gt=0)
+    """The constant of seq-mean-token-sum-norm (Dr.GRPO uses the generation budget, max new tokens)."""
     dynamic_filtering: bool = False
     """Drop groups whose rewards are all equal (zero advantage); counted as filtered and not re-issued
-    (their slot goes to the next row), as in AReaL."""
+    (their slot goes to the next row), as in AReaL and DAPO's dynamic sampling."""
+
+    @model_validator(mode="after")
+    def _check(self) -> PPOSettings:
+        if self.loss_agg == "seq-mean-token-sum-norm" and self.loss_agg_norm is None:
+            raise ValueError("ppo.loss_agg seq-mean-token-sum-norm needs ppo.loss_agg_norm (e.g. the max new tokens)")
+        if self.overlong_max_tokens is not None and not 0 < self.overlong_buffer <= self.overlong_max_tokens:
+            raise ValueError("ppo.overlong_max_tokens needs ppo.overlong_buffer in 1..overlong_max_tokens")
+        if self.algorithm is not None and ":" not in self.algorithm:
+            raise ValueError(f"ppo.algorithm {self.algorithm!r}: expected 'pkg.module:Name' or 'path/to/file.py:Name'")
+        if self.algorithm_kwargs and self.algorithm is None:
+            raise ValueError("ppo.algorithm_kwargs is set but ppo.algorithm is not")
+        return self
 
 
 class FeederSettings(Section):
