@@ -13,14 +13,11 @@ import numpy as np
 import torch
 
 from services.common.logging import get_logger
+from services.trainer.columns import RESERVED_KEYS, TOKEN_KEYS, extra_columns
 from services.trainer.ppo import group_advantages
 
 log = get_logger("trainer.batch")
 
-TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
-RESERVED_KEYS = frozenset((*TOKEN_KEYS, "rewards", "group_index", "advantages", "sample_advantages",
-                           "proximal_logp", "ref_logp", "total_tokens", "total_seqs"))
-"""Names the trainer gives meaning to: a workflow's extra column may not use them."""
 
 
 def collate(groups: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -75,11 +72,6 @@ def _collate_extras(groups: list[dict[str, np.ndarray]], seqlen: int) -> dict[st
             padded.append(p)
         out[name] = np.concatenate(padded)
     return out
-
-
-def extra_columns(batch: dict[str, Any]) -> list[str]:
-    """Names of the workflow's extra columns in a collated batch or a piece."""
-    return sorted(k for k in batch if k not in RESERVED_KEYS)
 
 
 def attach_advantages(batch: dict[str, np.ndarray], mode: str, eps: float) -> dict[str, np.ndarray]:
