@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.rollout.agent.errors import bad_request
+from services.rollout.agent.options import ResponseFormat, ToolChoice, parse_response_format, parse_tool_choice
 
 Message = dict[str, Any]
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -33,6 +34,14 @@ class CanonicalRequest:
     model: str = "jetrl"
     previous_id: str | None = None
     """Responses API `previous_response_id`: the conversation continues that response."""
+    stream: bool = False
+    include_usage: bool = False
+    """Chat `stream_options.include_usage`: a last chunk with the usage."""
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    response_format: ResponseFormat = field(default_factory=ResponseFormat)
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -86,9 +95,20 @@ def _stop(value: Any, name: str) -> list[str]:
     return list(stops)
 
 
-def _no_stream(body: dict[str, Any]) -> None:
-    if body.get("stream"):
-        raise bad_request("stream=true is not supported by the jetrl proxy: call without streaming", "stream")
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"{name} must be true or false, got {_short(value)}", name)
+    return bool(value)
+
+
+def _top_logprobs(body: dict[str, Any], logprobs: bool) -> int:
+    top = _number(body, "top_logprobs", int, 0) or 0
+    if top > 20:
+        raise bad_request(f"top_logprobs must be <= 20, got {top}", "top_logprobs")
+    if top and not logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    return int(top)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -144,16 +164,25 @@ def _chat_message(raw: Any, i: int) -> Message:
 
 def parse_chat(body: Any) -> CanonicalRequest:
     body = _object(body)
-    _no_stream(body)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list", "messages")
-    if body.get("n") not in (None, 1):
-        raise bad_request("n must be 1: the proxy records one completion per request", "n")
     max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    tools = _tools(body.get("tools"))
+    logprobs = _flag(body, "logprobs")
     return CanonicalRequest(
         messages=[_chat_message(m, i) for i, m in enumerate(raw)],
-        tools=_tools(body.get("tools")),
+        tools=tools,
+        stream=_flag(body, "stream"),
+        include_usage=bool((options or {}).get("include_usage")),
+        n=_number(body, "n", int, 1) or 1,
+        logprobs=logprobs,
+        top_logprobs=_top_logprobs(body, logprobs),
+        tool_choice=parse_tool_choice(body.get("tool_choice"), tools, "chat"),
+        response_format=parse_response_format(body.get("response_format"), "response_format"),
         max_new_tokens=max_tokens,
         temperature=_number(body, "temperature", float, 0),
         top_p=_number(body, "top_p", float, 0),
@@ -198,7 +227,6 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
 
 def parse_responses(body: Any) -> CanonicalRequest:
     body = _object(body)
-    _no_stream(body)
     messages: list[Message] = []
     if body.get("instructions"):
         messages.append({"role": "system", "content": _text(body["instructions"], "instructions")})
@@ -211,9 +239,22 @@ def parse_responses(body: Any) -> CanonicalRequest:
     else:
         raise bad_request("input must be a string or a non-empty list of input items", "input")
     prev = body.get("previous_response_id")
+    tools = _tools(body.get("tools"))
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise bad_request("include must be a list", "include")
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise bad_request("text must be an object", "text")
+    logprobs = "message.output_text.logprobs" in include or bool(body.get("top_logprobs"))
     return CanonicalRequest(
         messages=messages,
-        tools=_tools(body.get("tools")),
+        tools=tools,
+        stream=_flag(body, "stream"),
+        logprobs=logprobs,
+        top_logprobs=_top_logprobs(body, logprobs),
+        tool_choice=parse_tool_choice(body.get("tool_choice"), tools, "responses"),
+        response_format=parse_response_format((text or {}).get("format"), "text.format"),
         max_new_tokens=_number(body, "max_output_tokens", int, 1),
         temperature=_number(body, "temperature", float, 0),
         top_p=_number(body, "top_p", float, 0),
@@ -247,7 +288,6 @@ def _response_item(item: Any, i: int, so_far: list[Message]) -> list[Message]:
 
 def parse_anthropic(body: Any) -> CanonicalRequest:
     body = _object(body)
-    _no_stream(body)
     messages: list[Message] = []
     if body.get("system"):
         messages.append({"role": "system", "content": _text(body["system"], "system")})
@@ -256,9 +296,12 @@ def parse_anthropic(body: Any) -> CanonicalRequest:
         raise bad_request("messages must be a non-empty list", "messages")
     for i, msg in enumerate(raw):
         messages.extend(_anthropic_message(msg, i))
+    tools = _tools(body.get("tools"))
     return CanonicalRequest(
         messages=messages,
-        tools=_tools(body.get("tools")),
+        tools=tools,
+        stream=_flag(body, "stream"),
+        tool_choice=parse_tool_choice(body.get("tool_choice"), tools, "messages"),
         max_new_tokens=_number(body, "max_tokens", int, 1),
         temperature=_number(body, "temperature", float, 0),
         top_p=_number(body, "top_p", float, 0),
