@@ -12,7 +12,13 @@ import pytest
 
 from services.rollout.agent.server import ProxyServer
 from tests.integration.test_agent_proxy import RecordingEngine, engine, inference_url  # noqa: F401  (fixtures)
-from tests.integration.test_agent_sdk_common import assert_export_is_the_engines, server, session, tokenizer  # noqa: F401
+from tests.integration.test_agent_sdk_common import (  # noqa: F401  (fixtures)
+    assert_export_is_the_engines,
+    seeded_stop,
+    server,
+    session,
+    tokenizer,
+)
 
 ASK = [{"role": "user", "content": "12+3="}]
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "sum",
@@ -67,18 +73,16 @@ async def test_stop_strings_are_cut_from_the_text_and_the_record(server: ProxySe
     async with httpx.AsyncClient() as http:
         sid = await session(http, server)
         oai = client(server, sid, http)
-        free = await oai.chat.completions.create(model="p", messages=ASK, temperature=0, max_tokens=12)
-        text = free.choices[0].message.content or ""
-        assert len(text) >= 6, text
-        stop = text[3:5]
-        expected = text[: text.find(stop)]
-        cut = await oai.chat.completions.create(model="p", messages=ASK, temperature=0, max_tokens=12, stop=[stop, "never"])
+        extra, expected = await seeded_stop(oai, ASK)
+        [stop] = extra["stop"]
+        ask: dict[str, Any] = {"model": "p", "messages": ASK, "temperature": 1, "max_tokens": 12, "seed": extra["seed"]}
+        cut = await oai.chat.completions.create(**ask, stop=[stop, "never"])
         assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
-        stream = await oai.chat.completions.create(model="p", messages=ASK, temperature=0, max_tokens=12, stop=stop, stream=True)
+        stream = await oai.chat.completions.create(**ask, stop=stop, stream=True)
         assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == expected
         item = server.proxy.sessions[sid].cache.get(cut.id)
         assert item is not None and item.stop_sequence == stop
-        assert server.proxy.chat.decode(item.output_ids).startswith(expected + stop)  # the stop string's tokens stay recorded
+        assert server.proxy.chat.decode(item.output_ids) == expected + stop  # the stop string's tokens stay recorded
         await assert_export_is_the_engines(http, server, sid, engine.calls)
 
 

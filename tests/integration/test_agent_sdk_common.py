@@ -65,3 +65,19 @@ async def assert_export_is_the_engines(http: httpx.AsyncClient, srv: ProxyServer
         got.append((tuple(row["input_ids"]), tuple(row["logprobs"][start:]), tuple(row["versions"][start:])))
     assert sorted(got) == sorted(sequence(c) for c in calls)
     return rows
+
+
+SEED = 11
+
+
+async def seeded_stop(oai: Any, messages: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """`extra_body` (seed, stop) under which a completion of `messages` ends on a stop string, not on
+    its length limit (the random tiny model never ends a turn by itself), and the text it answers then.
+    Found with one seeded chat completion (recorded in the session like any other)."""
+    free = await oai.chat.completions.create(model="p", messages=messages, seed=SEED, temperature=1, max_tokens=12)
+    text = free.choices[0].message.content or ""
+    assert len(text) >= 6, text
+    stop = text[3:5]
+    expected = text[: text.find(stop)]
+    assert expected, f"pick another SEED: {text!r} starts with its stop string"
+    return {"seed": SEED, "stop": [stop]}, expected

@@ -258,6 +258,9 @@ def parse_responses(body: Any) -> CanonicalRequest:
         max_new_tokens=_number(body, "max_output_tokens", int, 1),
         temperature=_number(body, "temperature", float, 0),
         top_p=_number(body, "top_p", float, 0),
+        # not in the Responses API; accepted (e.g. through the SDK's extra_body) as in Chat Completions
+        stop=_stop(body.get("stop"), "stop"),
+        seed=_number(body, "seed", int),
         model=str(body.get("model") or "jetrl"),
         previous_id=str(prev) if prev else None,
     )
@@ -307,6 +310,7 @@ def parse_anthropic(body: Any) -> CanonicalRequest:
         top_p=_number(body, "top_p", float, 0),
         top_k=_number(body, "top_k", int, 1),
         stop=_stop(body.get("stop_sequences"), "stop_sequences"),
+        seed=_number(body, "seed", int),  # not in the Messages API: an extension (e.g. through extra_body)
         model=str(body.get("model") or "jetrl"),
     )
 
