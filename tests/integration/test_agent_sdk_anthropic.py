@@ -13,14 +13,13 @@ import openai
 import pytest
 
 from services.rollout.agent.server import ProxyServer
-from tests.integration.test_agent_proxy import RecordingEngine, engine, inference_url  # noqa: F401  (fixtures)
-from tests.integration.test_agent_sdk_common import (  # noqa: F401  (fixtures)
-    assert_export_is_the_engines,
-    seeded_stop,
-    server,
-    session,
-    tokenizer,
-)
+from tests.integration import test_agent_proxy as base
+from tests.integration import test_agent_sdk_common as common
+from tests.integration.test_agent_proxy import RecordingEngine
+from tests.integration.test_agent_sdk_common import assert_export_is_the_engines, seeded_stop, session
+
+# fixtures: the module's inference server and the engine from the proxy's tests; a proxy whose template shows the tools
+inference_url, engine, tokenizer, server = base.inference_url, base.engine, common.tokenizer, common.server
 
 ASK: list[Any] = [{"role": "user", "content": "40+2="}]
 TOOLS: list[Any] = [{"name": "add", "description": "sum", "input_schema": {"type": "object", "properties": {}}}]
@@ -30,7 +29,7 @@ def claude(srv: ProxyServer, sid: str) -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=f"{srv.url}/{sid}", api_key="x", max_retries=0)
 
 
-async def test_streamed_messages_and_the_stream_helper_answer_what_the_plain_call_does(server: ProxyServer, engine: RecordingEngine) -> None:
+async def test_streamed_messages_and_the_stream_helper_answer_as_the_plain_call(server: ProxyServer, engine: RecordingEngine) -> None:
     async with httpx.AsyncClient() as http:
         sid = await session(http, server)
         api = claude(server, sid)
@@ -88,7 +87,8 @@ async def test_tool_choice_none_any_and_named(server: ProxyServer, engine: Recor
         api = claude(server, sid)
         none = await api.messages.create(model="p", max_tokens=3, messages=ASK, tools=TOOLS, tool_choice={"type": "none"})
         assert engine.calls[-1].input_ids == chat.encode(prompt) and none.stop_reason != "tool_use"
-        for choice, prefill in (({"type": "any"}, "<tool_call>"), ({"type": "tool", "name": "add"}, '<tool_call>{"name": "add", "arguments": ')):
+        named = '<tool_call>{"name": "add", "arguments": '
+        for choice, prefill in (({"type": "any"}, "<tool_call>"), ({"type": "tool", "name": "add"}, named)):
             with pytest.raises(anthropic.UnprocessableEntityError, match="needs a tool call"):
                 await api.messages.create(model="p", max_tokens=3, messages=ASK, tools=TOOLS, tool_choice=choice)  # type: ignore[arg-type]
             offered = chat.render(ASK, chat_tools(), True)

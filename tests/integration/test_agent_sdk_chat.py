@@ -11,14 +11,13 @@ import openai
 import pytest
 
 from services.rollout.agent.server import ProxyServer
-from tests.integration.test_agent_proxy import RecordingEngine, engine, inference_url  # noqa: F401  (fixtures)
-from tests.integration.test_agent_sdk_common import (  # noqa: F401  (fixtures)
-    assert_export_is_the_engines,
-    seeded_stop,
-    server,
-    session,
-    tokenizer,
-)
+from tests.integration import test_agent_proxy as base
+from tests.integration import test_agent_sdk_common as common
+from tests.integration.test_agent_proxy import RecordingEngine
+from tests.integration.test_agent_sdk_common import assert_export_is_the_engines, seeded_stop, session
+
+# fixtures: the module's inference server and the engine from the proxy's tests; a proxy whose template shows the tools
+inference_url, engine, tokenizer, server = base.inference_url, base.engine, common.tokenizer, common.server
 
 ASK = [{"role": "user", "content": "12+3="}]
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "sum",
@@ -121,7 +120,8 @@ async def test_tool_choice_is_honoured_or_refused(server: ProxyServer, engine: R
             assert engine.calls[-1].input_ids == chat.encode(chat.render([*ASK], TOOLS, True)) + chat.encode(prefill)
             assert err.value.code == "constraint_unmet" and "recorded" in err.value.message
         with pytest.raises(openai.BadRequestError, match="not among the tools"):
-            await oai.chat.completions.create(model="p", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "mul"}})
+            await oai.chat.completions.create(model="p", messages=ASK, tools=TOOLS,
+                                              tool_choice={"type": "function", "function": {"name": "mul"}})
         with pytest.raises(openai.BadRequestError, match="needs tools"):
             await oai.chat.completions.create(model="p", messages=ASK, tool_choice="required")
         await assert_export_is_the_engines(http, server, sid, engine.calls)  # the refused completions are recorded too

@@ -13,14 +13,13 @@ import openai
 import pytest
 
 from services.rollout.agent.server import ProxyServer
-from tests.integration.test_agent_proxy import RecordingEngine, engine, inference_url  # noqa: F401  (fixtures)
-from tests.integration.test_agent_sdk_common import (  # noqa: F401  (fixtures)
-    assert_export_is_the_engines,
-    seeded_stop,
-    server,
-    session,
-    tokenizer,
-)
+from tests.integration import test_agent_proxy as base
+from tests.integration import test_agent_sdk_common as common
+from tests.integration.test_agent_proxy import RecordingEngine
+from tests.integration.test_agent_sdk_common import assert_export_is_the_engines, seeded_stop, session
+
+# fixtures: the module's inference server and the engine from the proxy's tests; a proxy whose template shows the tools
+inference_url, engine, tokenizer, server = base.inference_url, base.engine, common.tokenizer, common.server
 
 TOOLS = [{"type": "function", "name": "add", "description": "sum", "parameters": {"type": "object", "properties": {}}}]
 
@@ -63,7 +62,8 @@ async def test_responses_logprobs_tool_choice_and_text_format(server: ProxyServe
     async with httpx.AsyncClient() as http:
         sid = await session(http, server)
         oai = client(server, sid, http)
-        resp = await oai.responses.create(model="p", input="5=", max_output_tokens=4, include=["message.output_text.logprobs"], top_logprobs=1)
+        resp = await oai.responses.create(model="p", input="5=", max_output_tokens=4, include=["message.output_text.logprobs"],
+                                          top_logprobs=1)
         part = resp.output[0].content[0]  # type: ignore[union-attr]
         assert [e.logprob for e in part.logprobs] == engine.calls[-1].output_logprobs  # type: ignore[union-attr]
         await oai.responses.create(model="p", input="5=", tools=TOOLS, tool_choice="none", max_output_tokens=3)  # type: ignore[arg-type]
@@ -77,7 +77,14 @@ async def test_responses_logprobs_tool_choice_and_text_format(server: ProxyServe
 
 
 async def test_openai_agents_run_and_run_streamed(server: ProxyServer, engine: RecordingEngine) -> None:
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)  # the SDK would send traces to api.openai.com
     async with httpx.AsyncClient() as http:

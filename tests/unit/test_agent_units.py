@@ -12,7 +12,10 @@ from services.rollout.agent.cache import Interaction, InteractionCache
 from services.rollout.agent.chat import ChatTokenizer, glue_after
 from services.rollout.agent.errors import ProxyError
 from services.rollout.agent.export import ExportError, export_session, interactions_to_tensors
+from services.rollout.agent.options import ResponseFormat, ToolChoice, parse_response_format, parse_tool_choice, unmet
+from services.rollout.agent.replies import content_pieces
 from services.rollout.agent.requests import parse_anthropic, parse_chat, parse_responses
+from services.rollout.agent.stops import StopCut, cut_at_stop
 from services.rollout.agent.toolcalls import format_tool_call, parse_tool_calls
 
 # ------------------------------------------------------------------------------------------ tool calls
@@ -49,8 +52,13 @@ def test_string_arguments_are_accepted_as_json_text() -> None:
         ({}, "messages must be a non-empty list"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text content parts"),
-        ({"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream=true is not supported"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n must be 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream must be true or false"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n must be >= 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs needs logprobs=true"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs must be <= 20"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "always"}, "tool_choice \"always\" is not one"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice 'required' needs tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format: type must be"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens must be an integer"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature must be >= 0"),
     ],
@@ -227,3 +235,48 @@ def test_a_continuation_extends_the_parents_exact_tokens(tiny_model: Path) -> No
     # history the agent rewrote: tokenized afresh, and not incremental (concat will refuse it)
     ids, incremental = chat.prompt_ids([user("12="), bot("edited"), user("again:")], None, parent)
     assert not incremental and ids == tok("<bos>12=editedagain:", add_special_tokens=False).input_ids
+
+
+# ------------------------------------------------------------------------------ stops and constraints
+
+
+def test_a_stop_string_cuts_the_text_before_it_and_the_tokens_after_it(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    chat = ChatTokenizer(tok)
+    ids = chat.encode("ab+cd+ef")  # a server that did not apply the stop: tokens after it came back too
+    cut = cut_at_stop(ids, ["d+", "+c"], chat.decode)
+    assert (cut.keep, cut.text, cut.matched) == (4, "ab", "+c")  # the first stop to appear, cut where it starts
+    assert cut_at_stop(ids[: cut.keep], ["d+", "+c"], chat.decode) == cut  # a server that did cut: the same
+    assert cut_at_stop(ids, ["zz"], chat.decode) == StopCut(len(ids), "ab+cd+ef", None)
+    assert cut_at_stop([*ids, tok.eos_token_id], [], chat.decode).keep == len(ids) + 1
+
+
+def test_constraints_are_met_by_a_valid_call_or_json_and_missed_otherwise() -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}},
+             {"type": "function", "function": {"name": "mul", "parameters": {}}}]
+    _, [add] = parse_tool_calls(format_tool_call("add", {"a": 1}))
+    named = parse_tool_choice({"type": "function", "function": {"name": "add"}}, tools, "chat")
+    assert named == parse_tool_choice({"type": "tool", "name": "add"}, tools, "messages") == ToolChoice("named", "add")
+    assert parse_tool_choice({"type": "any"}, tools, "messages") == parse_tool_choice("required", tools, "chat")
+    assert unmet("", [add], tools, named, ResponseFormat()) is None
+    assert unmet("", [add], tools, ToolChoice("named", "mul"), ResponseFormat()) == "tool_choice 'mul': the completion calls 'add'"
+    assert "needs a tool call" in str(unmet("42", [], tools, ToolChoice("required"), ResponseFormat()))
+    schema = parse_response_format({"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}}}, "response_format")
+    assert unmet('{"sum": 3}', [], None, ToolChoice(), schema) is None
+    assert "'sum' is a required property" in str(unmet('{"total": 3}', [], None, ToolChoice(), schema))
+    assert "needs a JSON object" in str(unmet("[1]", [], None, ToolChoice(), ResponseFormat("json_object")))
+    assert unmet("not json", [], None, ToolChoice(), ResponseFormat()) is None
+
+
+def test_streamed_pieces_always_join_to_the_answered_content(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(tiny_model))
+    cache = InteractionCache()
+    item = make(cache, [user("1=")], "x", [1], [*chat.encode("12 ab"), chat.eos_token_id or 0])
+    assert content_pieces("12 ab", item, chat) == ["1", "2", " ", "a", "b", ""]
+    assert "".join(content_pieces("12", item, chat)) == "12"  # cut at a stop: the text is shorter than the tokens
+    assert "".join(content_pieces("tool text", item, chat)) == "tool text"  # content rebuilt around tool calls
