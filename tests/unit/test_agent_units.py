@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
+from services.rollout.agent import streaming
 from services.rollout.agent.cache import Interaction, InteractionCache
 from services.rollout.agent.chat import ChatTokenizer, glue_after
 from services.rollout.agent.errors import ProxyError
@@ -280,3 +282,49 @@ def test_streamed_pieces_always_join_to_the_answered_content(tiny_model: Path) -
     assert content_pieces("12 ab", item, chat) == ["1", "2", " ", "a", "b", ""]
     assert "".join(content_pieces("12", item, chat)) == "12"  # cut at a stop: the text is shorter than the tokens
     assert "".join(content_pieces("tool text", item, chat)) == "tool text"  # content rebuilt around tool calls
+
+
+def test_streamed_events_rebuild_text_and_tool_calls_in_the_sdks_own_accumulators(tiny_model: Path) -> None:
+    """A completion with text and a tool call, streamed in each dialect and fed to the official SDKs'
+    stream accumulators (what their `.stream()` helpers use), comes back as the non-streamed answer."""
+    import anthropic
+    from anthropic._models import construct_type as anthropic_type
+    from anthropic.lib.streaming._messages import accumulate_event
+    from openai._models import construct_type as openai_type
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.chat import ChatCompletionChunk
+    from openai.types.responses import ResponseStreamEvent
+    from transformers import AutoTokenizer
+
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(tiny_model))
+    item = make(InteractionCache(), [user("1=")], "12 ab", [1], [*chat.encode("12 ab"), chat.eos_token_id or 0])
+    [call] = parse_tool_calls(format_tool_call("add", {"a": 1}), id_prefix="call_x")[1]
+    item.reply["tool_calls"] = [call.openai()]
+    request = parse_chat({"messages": [user("1=")], "logprobs": True})
+
+    state = ChatCompletionStreamState()
+    for _, data in streaming.chat_events([item], request, chat):
+        if data != "[DONE]":
+            state.handle_chunk(ChatCompletionChunk.model_validate(data))
+    [choice] = state.get_final_completion().choices
+    assert choice.message.content == "12 ab" and choice.finish_reason == "tool_calls"
+    assert [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()] == [("call_x_0", "add", '{"a": 1}')]
+    assert choice.logprobs is not None and [e.logprob for e in choice.logprobs.content or ()] == item.output_logprobs
+
+    responses = ResponseStreamState(input_tools=[], text_format=openai.NOT_GIVEN)
+    events = [openai_type(type_=ResponseStreamEvent, value=data) for _, data in streaming.responses_events(item, request, chat)]
+    for event in events:
+        responses.handle_event(event)
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == "12 ab" and [o.type for o in final.output] == ["message", "function_call"]
+    assert final.output[1].arguments == '{"a": 1}'  # type: ignore[union-attr]
+
+    snapshot = None
+    json_bufs: dict[int, bytes] = {}
+    for _, data in streaming.anthropic_events(item, request, chat):
+        event = anthropic_type(type_=anthropic.types.RawMessageStreamEvent, value=data)
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=json_bufs)
+    assert snapshot is not None and snapshot.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "text", None), getattr(b, "input", None)) for b in snapshot.content] == [
+        ("text", "12 ab", None), ("tool_use", None, {"a": 1})]
