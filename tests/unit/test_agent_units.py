@@ -56,6 +56,7 @@ def test_string_arguments_are_accepted_as_json_text() -> None:
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text content parts"),
         ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream must be true or false"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n must be >= 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 129}, "n must be <= 128"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs needs logprobs=true"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs must be <= 20"),
         ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "always"}, "tool_choice \"always\" is not one"),

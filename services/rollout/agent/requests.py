@@ -109,7 +109,7 @@ def parse_chat(body: Any) -> CanonicalRequest:
         tools=tools,
         stream=fields.flag(body, "stream"),
         include_usage=bool((options or {}).get("include_usage")),
-        n=fields.number(body, "n", int, 1) or 1,
+        n=_samples(body),
         logprobs=logprobs,
         top_logprobs=fields.top_logprobs(body, logprobs),
         tool_choice=parse_tool_choice(body.get("tool_choice"), tools, "chat"),
@@ -121,6 +121,17 @@ def parse_chat(body: Any) -> CanonicalRequest:
         seed=fields.number(body, "seed", int),
         model=str(body.get("model") or "jetrl"),
     )
+
+
+MAX_N = 128
+"""The most samples one request may ask for (OpenAI's own limit)."""
+
+
+def _samples(body: dict[str, Any]) -> int:
+    n = fields.number(body, "n", int, 1) or 1
+    if n > MAX_N:
+        raise bad_request(f"n must be <= {MAX_N}, got {n}", "n")
+    return int(n)
 
 
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
