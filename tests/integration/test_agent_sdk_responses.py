@@ -6,6 +6,7 @@ logprobs, tool_choice, text.format), and the frameworks built on the OpenAI prot
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -83,6 +84,7 @@ async def test_openai_agents_run_and_run_streamed(server: ProxyServer, engine: R
         OpenAIChatCompletionsModel,
         OpenAIResponsesModel,
         Runner,
+        function_tool,
         set_tracing_disabled,
     )
 
@@ -100,6 +102,23 @@ async def test_openai_agents_run_and_run_streamed(server: ProxyServer, engine: R
                       if e.type == "raw_response_event" and getattr(e.data, "type", "") == "response.output_text.delta"]
             assert streamed.final_output == ran.final_output == "".join(deltas) == expected
         assert len(engine.calls) == 5
+
+        @function_tool
+        def add(a: int, b: int) -> int:
+            """Sum two numbers."""
+            return a + b
+
+        chat = server.proxy.chat
+        asked = [{"role": "system", "content": "add"}, {"role": "user", "content": "1+1="}]
+        model = OpenAIResponsesModel(model="p", openai_client=oai)
+        quiet = Agent(name="calc", instructions="add", model=model, tools=[add], model_settings=replace(settings, tool_choice="none"))
+        assert (await Runner.run(quiet, "1+1=")).final_output == expected
+        assert engine.calls[-1].input_ids == chat.encode(chat.render(asked, None, True))  # the tool was not offered
+        eager = Agent(name="calc", instructions="add", model=model, tools=[add], model_settings=replace(settings, tool_choice="add"))
+        with pytest.raises(openai.UnprocessableEntityError, match="tool_choice 'add' needs a tool call"):
+            await Runner.run(eager, "1+1=")
+        offered = chat.render(asked, [{"type": "function", "function": {"name": "add"}}], True)  # the template shows names only
+        assert engine.calls[-1].input_ids == chat.encode(offered) + chat.encode('<tool_call>{"name": "add", "arguments": ')
         await assert_export_is_the_engines(http, server, sid, engine.calls)
 
 
@@ -116,4 +135,16 @@ async def test_langchain_invoke_and_stream(server: ProxyServer, engine: Recordin
         assert "".join(str(c.content) for c in chunks) == invoked.content == server.proxy.chat.decode(engine.calls[0].output_ids)
         streamed = [c async for c in llm.astream("2*2=", logprobs=True)]
         assert sum(len(c.response_metadata.get("logprobs", {}).get("content") or []) for c in streamed) == len(engine.calls[2].output_ids)
+        # stop strings and tool_choice as LangChain sends them
+        extra, expected = await seeded_stop(client(server, sid, http), [{"role": "user", "content": "2*2="}])
+        sampled = ChatOpenAI(model="p", base_url=server.base_url(sid), api_key="x", max_tokens=12, temperature=1,  # type: ignore[arg-type]
+                             seed=extra["seed"], max_retries=0)
+        assert "".join([str(c.content) async for c in sampled.astream("2*2=", stop=extra["stop"])]) == expected
+        adder = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+        chat = server.proxy.chat
+        quiet = await llm.bind_tools([adder], tool_choice="none").ainvoke("2*2=")
+        unoffered = chat.encode(chat.render([{"role": "user", "content": "2*2="}], None, True))
+        assert not quiet.tool_calls and engine.calls[-1].input_ids == unoffered
+        with pytest.raises(openai.UnprocessableEntityError, match="tool_choice 'add'"):
+            await llm.bind_tools([adder], tool_choice="add").ainvoke("2*2=")
         await assert_export_is_the_engines(http, server, sid, engine.calls)
