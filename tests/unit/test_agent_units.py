@@ -6,13 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
+from services.rollout.agent import streaming
 from services.rollout.agent.cache import Interaction, InteractionCache
 from services.rollout.agent.chat import ChatTokenizer, glue_after
 from services.rollout.agent.errors import ProxyError
 from services.rollout.agent.export import ExportError, export_session, interactions_to_tensors
+from services.rollout.agent.options import ResponseFormat, ToolChoice, parse_response_format, parse_tool_choice, unmet
+from services.rollout.agent.replies import content_pieces
 from services.rollout.agent.requests import parse_anthropic, parse_chat, parse_responses
+from services.rollout.agent.stops import StopCut, cut_at_stop
 from services.rollout.agent.toolcalls import format_tool_call, parse_tool_calls
 
 # ------------------------------------------------------------------------------------------ tool calls
@@ -49,8 +54,14 @@ def test_string_arguments_are_accepted_as_json_text() -> None:
         ({}, "messages must be a non-empty list"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text content parts"),
-        ({"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream=true is not supported"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n must be 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream must be true or false"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n must be >= 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 129}, "n must be <= 128"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs needs logprobs=true"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs must be <= 20"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "always"}, "tool_choice \"always\" is not one"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice 'required' needs tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format: type must be"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens must be an integer"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature must be >= 0"),
     ],
@@ -227,3 +238,94 @@ def test_a_continuation_extends_the_parents_exact_tokens(tiny_model: Path) -> No
     # history the agent rewrote: tokenized afresh, and not incremental (concat will refuse it)
     ids, incremental = chat.prompt_ids([user("12="), bot("edited"), user("again:")], None, parent)
     assert not incremental and ids == tok("<bos>12=editedagain:", add_special_tokens=False).input_ids
+
+
+# ------------------------------------------------------------------------------ stops and constraints
+
+
+def test_a_stop_string_cuts_the_text_before_it_and_the_tokens_after_it(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    chat = ChatTokenizer(tok)
+    ids = chat.encode("ab+cd+ef")  # a server that did not apply the stop: tokens after it came back too
+    cut = cut_at_stop(ids, ["d+", "+c"], chat.decode)
+    assert (cut.keep, cut.text, cut.matched) == (4, "ab", "+c")  # the first stop to appear, cut where it starts
+    assert cut_at_stop(ids[: cut.keep], ["d+", "+c"], chat.decode) == cut  # a server that did cut: the same
+    assert cut_at_stop(ids, ["zz"], chat.decode) == StopCut(len(ids), "ab+cd+ef", None)
+    assert cut_at_stop([*ids, tok.eos_token_id], [], chat.decode).keep == len(ids) + 1
+
+
+def test_constraints_are_met_by_a_valid_call_or_json_and_missed_otherwise() -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}},
+             {"type": "function", "function": {"name": "mul", "parameters": {}}}]
+    _, [add] = parse_tool_calls(format_tool_call("add", {"a": 1}))
+    named = parse_tool_choice({"type": "function", "function": {"name": "add"}}, tools, "chat")
+    assert named == parse_tool_choice({"type": "tool", "name": "add"}, tools, "messages") == ToolChoice("named", "add")
+    assert parse_tool_choice({"type": "any"}, tools, "messages") == parse_tool_choice("required", tools, "chat")
+    assert unmet("", [add], tools, named, ResponseFormat()) is None
+    assert unmet("", [add], tools, ToolChoice("named", "mul"), ResponseFormat()) == "tool_choice 'mul': the completion calls 'add'"
+    assert "needs a tool call" in str(unmet("42", [], tools, ToolChoice("required"), ResponseFormat()))
+    schema = parse_response_format({"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}}}, "response_format")
+    assert unmet('{"sum": 3}', [], None, ToolChoice(), schema) is None
+    assert "'sum' is a required property" in str(unmet('{"total": 3}', [], None, ToolChoice(), schema))
+    assert "needs a JSON object" in str(unmet("[1]", [], None, ToolChoice(), ResponseFormat("json_object")))
+    assert unmet("not json", [], None, ToolChoice(), ResponseFormat()) is None
+
+
+def test_streamed_pieces_always_join_to_the_answered_content(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(tiny_model))
+    cache = InteractionCache()
+    item = make(cache, [user("1=")], "x", [1], [*chat.encode("12 ab"), chat.eos_token_id or 0])
+    assert content_pieces("12 ab", item, chat) == ["1", "2", " ", "a", "b", ""]
+    assert "".join(content_pieces("12", item, chat)) == "12"  # cut at a stop: the text is shorter than the tokens
+    assert "".join(content_pieces("tool text", item, chat)) == "tool text"  # content rebuilt around tool calls
+
+
+def test_streamed_events_rebuild_text_and_tool_calls_in_the_sdks_own_accumulators(tiny_model: Path) -> None:
+    """A completion with text and a tool call, streamed in each dialect and fed to the official SDKs'
+    stream accumulators (what their `.stream()` helpers use), comes back as the non-streamed answer."""
+    import anthropic
+    from anthropic._models import construct_type as anthropic_type
+    from anthropic.lib.streaming._messages import accumulate_event
+    from openai._models import construct_type as openai_type
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.chat import ChatCompletionChunk
+    from openai.types.responses import ResponseStreamEvent
+    from transformers import AutoTokenizer
+
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(tiny_model))
+    item = make(InteractionCache(), [user("1=")], "12 ab", [1], [*chat.encode("12 ab"), chat.eos_token_id or 0])
+    [call] = parse_tool_calls(format_tool_call("add", {"a": 1}), id_prefix="call_x")[1]
+    item.reply["tool_calls"] = [call.openai()]
+    request = parse_chat({"messages": [user("1=")], "logprobs": True})
+
+    state = ChatCompletionStreamState()
+    for _, data in streaming.chat_events([item], request, chat):
+        if data != "[DONE]":
+            state.handle_chunk(ChatCompletionChunk.model_validate(data))
+    [choice] = state.get_final_completion().choices
+    assert choice.message.content == "12 ab" and choice.finish_reason == "tool_calls"
+    assert [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()] == [("call_x_0", "add", '{"a": 1}')]
+    assert choice.logprobs is not None and [e.logprob for e in choice.logprobs.content or ()] == item.output_logprobs
+
+    responses = ResponseStreamState(input_tools=[], text_format=openai.NOT_GIVEN)
+    events = [openai_type(type_=ResponseStreamEvent, value=data) for _, data in streaming.responses_events(item, request, chat)]
+    for event in events:
+        responses.handle_event(event)
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == "12 ab" and [o.type for o in final.output] == ["message", "function_call"]
+    assert final.output[1].arguments == '{"a": 1}'  # type: ignore[union-attr]
+
+    snapshot = None
+    json_bufs: dict[int, bytes] = {}
+    for _, data in streaming.anthropic_events(item, request, chat):
+        event = anthropic_type(type_=anthropic.types.RawMessageStreamEvent, value=data)
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=json_bufs)
+    assert snapshot is not None and snapshot.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "text", None), getattr(b, "input", None)) for b in snapshot.content] == [
+        ("text", "12 ab", None), ("tool_use", None, {"a": 1})]

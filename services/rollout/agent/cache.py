@@ -35,6 +35,8 @@ class Interaction:
     output_logprobs: list[float]
     output_versions: list[int]
     stop_reason: str
+    stop_sequence: str | None = None
+    """The stop string the completion was cut at (stop_reason "stop"), if any."""
     incremental: bool = False
     """True when `prompt_ids` extends the parent's exact tokens (the only case `concat` accepts)."""
     parent: Interaction | None = None

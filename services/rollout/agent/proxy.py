@@ -9,9 +9,10 @@ conversation's growing prefix stays in that server's cache.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common.logging import get_logger
@@ -19,13 +20,27 @@ from services.rollout.agent.cache import Interaction, InteractionCache
 from services.rollout.agent.chat import ChatTokenizer
 from services.rollout.agent.errors import ProxyError, bad_request, not_found
 from services.rollout.agent.export import STYLES, AgentSample, ExportError, export_session
-from services.rollout.agent.requests import CanonicalRequest
-from services.rollout.agent.toolcalls import parse_tool_calls
-from services.rollout.engine import BadRequestError, InferenceError, ModelRequest
+from services.rollout.agent.options import unmet
+from services.rollout.agent.requests import CanonicalRequest, Message
+from services.rollout.agent.stops import cut_at_stop
+from services.rollout.agent.toolcalls import ToolCall, parse_tool_calls
+from services.rollout.engine import BadRequestError, InferenceError, ModelRequest, ModelResponse
 
 log = get_logger("rollout.agent")
 
 ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
+
+
+@dataclass
+class Prompt:
+    """What a request is generated from: its messages (with the continued response's, if any), the
+    interaction it continues, the prompt ids and the text that opens the assistant's turn."""
+
+    messages: list[Message]
+    parent: Interaction | None
+    ids: list[int]
+    incremental: bool
+    prefill: str
 
 
 @dataclass
@@ -52,6 +67,10 @@ class ProxyStats:
     completions: int = 0
     completion_tokens: int = 0
     errors: int = 0
+    stop_trimmed_tokens: int = 0
+    """Tokens generated after a stop string, dropped from the record (never answered, never trained)."""
+    unmet: int = 0
+    """Completions that missed their tool_choice / response_format (recorded, answered 422)."""
 
 
 class AgentProxy:
@@ -85,10 +104,7 @@ class AgentProxy:
             self.engine.release_episode(session_id)
 
     # ---- completions ---------------------------------------------------------------------------
-    async def complete(self, session_id: str, request: CanonicalRequest, api: str) -> Interaction:
-        session = self.session(session_id)
-        if session.ended:
-            raise ProxyError(409, f"session {session_id} has ended; start a new one", code="session_ended")
+    def _prompt(self, session: Session, request: CanonicalRequest) -> Prompt:
         messages = request.messages
         if request.previous_id is not None:
             previous = session.cache.get(request.previous_id)
@@ -99,9 +115,32 @@ class AgentProxy:
                 )
             messages = previous.conversation + messages
         parent = session.cache.find_parent(messages)
-        prompt_ids, incremental = self.chat.prompt_ids(messages, request.tools, parent)
+        # tool_choice "none": the model is not told about the tools at all
+        tools = None if request.tool_choice.mode == "none" else request.tools
+        ids, incremental = self.chat.prompt_ids(messages, tools, parent)
+        prefill = request.tool_choice.prefill()
+        return Prompt(messages, parent, ids + self.chat.encode(prefill), incremental, prefill)
+
+    def count_tokens(self, session_id: str, request: CanonicalRequest) -> int:
+        """The prompt tokens a completion of `request` would get now (Anthropic `count_tokens`)."""
+        return len(self._prompt(self.session(session_id), request).ids)
+
+    async def complete(self, session_id: str, request: CanonicalRequest, api: str) -> Interaction:
+        """One recorded completion (`request.n` must be 1; `complete_n` records several)."""
+        if request.n != 1:
+            raise bad_request(f"complete() records one completion; n={request.n} needs complete_n()", "n")
+        [item] = await self.complete_n(session_id, request, api)
+        return item
+
+    async def complete_n(self, session_id: str, request: CanonicalRequest, api: str) -> list[Interaction]:
+        """`request.n` completions of one prompt, each recorded as its own interaction (siblings):
+        the first gets the reply's id, the i-th `{id}-{i}`."""
+        session = self.session(session_id)
+        if session.ended:
+            raise ProxyError(409, f"session {session_id} has ended; start a new one", code="session_ended")
+        prompt = self._prompt(session, request)
         model_request = ModelRequest(
-            input_ids=prompt_ids,
+            input_ids=prompt.ids,
             max_new_tokens=request.max_new_tokens or self.defaults.max_new_tokens,
             temperature=self.defaults.temperature if request.temperature is None else request.temperature,
             top_p=self.defaults.top_p if request.top_p is None else request.top_p,
@@ -109,29 +148,54 @@ class AgentProxy:
             stop=list(request.stop),
             seed=request.seed,
         )
+        # n samples of one prompt; a given seed is varied per sample or they would all be the same
+        samples = [replace(model_request, seed=None if request.seed is None else request.seed + i) for i in range(request.n)]
         try:
-            resp = await self.engine.agenerate(model_request, episode=session_id)
+            resps = await asyncio.gather(*(self.engine.agenerate(r, episode=session_id) for r in samples))
         except BadRequestError as exc:
             self.stats.errors += 1
             raise bad_request(f"the inference server refused the request: {exc}") from exc
         except InferenceError as exc:
             self.stats.errors += 1
             raise ProxyError(503, f"inference failed: {exc}", code="inference_unavailable") from exc
-        interaction_id = ID_PREFIX[api] + uuid.uuid4().hex[:24]
-        content, calls = parse_tool_calls(self.chat.decode(resp.output_ids), id_prefix=f"call_{interaction_id[-12:]}")
+        base = ID_PREFIX[api] + uuid.uuid4().hex[:24]
+        items = [self._record(session, api, base if i == 0 else f"{base}-{i}", prompt, request, r) for i, r in enumerate(resps)]
+        failed = [(item, why) for item, why in items if why is not None]
+        if failed:
+            self.stats.unmet += len(failed)
+            why = "; ".join(f"completion {item.id}: {reason}" for item, reason in failed)
+            log.info("completion missed its constraint", session=session_id, reason=why)
+            raise ProxyError(422, f"{why} (recorded: it can be rewarded and is exported)", code="constraint_unmet")
+        return [item for item, _ in items]
+
+    def _record(self, session: Session, api: str, interaction_id: str, prompt: Prompt, request: CanonicalRequest,
+                resp: ModelResponse) -> tuple[Interaction, str | None]:
+        """Cache one engine completion (cut at its first stop string); returns it and why it misses
+        the request's tool_choice / response_format (None when it does not)."""
+        cut = cut_at_stop(list(resp.output_ids), request.stop, self.chat.decode)
+        if cut.keep < len(resp.output_ids):
+            self.stats.stop_trimmed_tokens += len(resp.output_ids) - cut.keep
+            log.debug("tokens after a stop string dropped", interaction=interaction_id, tokens=len(resp.output_ids) - cut.keep)
+        text = prompt.prefill + cut.text
+        calls: list[ToolCall] = []
+        if request.tool_choice.mode == "none":
+            content = text
+        else:
+            content, calls = parse_tool_calls(text, id_prefix=f"call_{interaction_id[-12:]}")
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = [c.openai() for c in calls]
         interaction = Interaction(
-            id=interaction_id, api=api, messages=messages, reply=reply,
-            prompt_ids=list(resp.input_ids), output_ids=list(resp.output_ids),
-            output_logprobs=list(resp.output_logprobs), output_versions=list(resp.output_versions),
-            stop_reason=resp.stop_reason, incremental=incremental, parent=parent,
+            id=interaction_id, api=api, messages=prompt.messages, reply=reply,
+            prompt_ids=list(resp.input_ids), output_ids=list(resp.output_ids[: cut.keep]),
+            output_logprobs=list(resp.output_logprobs[: cut.keep]), output_versions=list(resp.output_versions[: cut.keep]),
+            stop_reason="stop" if cut.matched is not None else resp.stop_reason, stop_sequence=cut.matched,
+            incremental=prompt.incremental, parent=prompt.parent,
         )
         session.cache.add(interaction)
         self.stats.completions += 1
-        self.stats.completion_tokens += len(resp.output_ids)
-        return interaction
+        self.stats.completion_tokens += len(interaction.output_ids)
+        return interaction, unmet(content, calls, request.tools, request.tool_choice, request.response_format)
 
     # ---- rewards and export --------------------------------------------------------------------
     def set_reward(self, session_id: str, reward: Any, interaction_id: str | None = None) -> Interaction:

@@ -1,5 +1,11 @@
-"""A recorded interaction answered in each dialect: a ChatCompletion, a Responses `response`, an
-Anthropic `message`. Pure functions of the interaction; the SDKs parse these as their own types."""
+"""Recorded interactions answered in each dialect: a ChatCompletion (one choice per sample of `n`), a
+Responses `response`, an Anthropic `message`. Pure functions of the interactions and the request;
+the SDKs parse these as their own types, and `streaming` cuts the same answers into events.
+
+Logprobs are one entry per recorded output token (an end-of-turn or stop token included, so the list
+is exactly the tokens trained on). The engine reports the logprob of the sampled token only, so each
+entry's `top_logprobs` holds that one token, whatever number was asked for.
+"""
 
 from __future__ import annotations
 
@@ -8,87 +14,155 @@ import time
 from typing import Any
 
 from services.rollout.agent.cache import Interaction
-
-
-def _usage(item: Interaction) -> tuple[int, int]:
-    return len(item.prompt_ids), len(item.output_ids)
+from services.rollout.agent.chat import ChatTokenizer
+from services.rollout.agent.requests import CanonicalRequest
 
 
 def _calls(item: Interaction) -> list[dict[str, Any]]:
     return list(item.reply.get("tool_calls") or [])
 
 
-def chat_completion(item: Interaction, model: str) -> dict[str, Any]:
+def usage(items: list[Interaction]) -> tuple[int, int]:
+    """(prompt tokens, completion tokens of all samples)."""
+    return len(items[0].prompt_ids), sum(len(i.output_ids) for i in items)
+
+
+def logprob_entries(item: Interaction, request: CanonicalRequest, chat: ChatTokenizer) -> list[dict[str, Any]]:
+    entries = []
+    for tok, logprob in zip(item.output_ids, item.output_logprobs, strict=True):
+        text = chat.decode([tok], skip_special_tokens=False)
+        token = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        entries.append({**token, "top_logprobs": [token] if request.top_logprobs else []})
+    return entries
+
+
+def content_pieces(content: str, item: Interaction, chat: ChatTokenizer) -> list[str]:
+    """`content` split along the output tokens (one piece each, "" for a token with no text of its own);
+    what per-token decoding cannot place (a multi-byte character split across tokens, tool-call markup)
+    goes with the last token, so the pieces always join to `content`."""
+    pieces, pos = [], 0
+    for tok in item.output_ids:
+        piece = chat.decode([tok])
+        if piece and content.startswith(piece, pos):
+            pieces.append(piece)
+            pos += len(piece)
+        else:
+            pieces.append("")
+    if pos < len(content):
+        if not pieces:
+            pieces.append("")
+        pieces[-1] += content[pos:]
+    return pieces
+
+
+def finish_reason(item: Interaction) -> str:
+    return "tool_calls" if _calls(item) else ("length" if item.stop_reason == "length" else "stop")
+
+
+def chat_message(item: Interaction) -> dict[str, Any]:
     calls = _calls(item)
-    finish = "tool_calls" if calls else ("length" if item.stop_reason == "length" else "stop")
     message: dict[str, Any] = {"role": "assistant", "content": item.reply["content"] if (item.reply["content"] or not calls) else None,
                                "refusal": None}
     if calls:
         message["tool_calls"] = calls
-    prompt, completion = _usage(item)
+    return message
+
+
+def chat_completion(items: list[Interaction], request: CanonicalRequest, chat: ChatTokenizer) -> dict[str, Any]:
+    choices = []
+    for index, item in enumerate(items):
+        logprobs = {"content": logprob_entries(item, request, chat), "refusal": None} if request.logprobs else None
+        choices.append({"index": index, "message": chat_message(item), "finish_reason": finish_reason(item), "logprobs": logprobs})
+    prompt, completion = usage(items)
     return {
-        "id": item.id,
+        "id": items[0].id,
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "model": request.model,
+        "choices": choices,
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
     }
 
 
-def response(item: Interaction, model: str) -> dict[str, Any]:
+def response_output(item: Interaction, request: CanonicalRequest, chat: ChatTokenizer) -> list[dict[str, Any]]:
     output: list[dict[str, Any]] = []
     if item.reply["content"] or not _calls(item):
+        logprobs = logprob_entries(item, request, chat) if request.logprobs else []
         output.append({
             "type": "message", "id": f"msg_{item.id}", "status": "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": item.reply["content"], "annotations": []}],
+            "content": [{"type": "output_text", "text": item.reply["content"], "annotations": [], "logprobs": logprobs}],
         })
     for call in _calls(item):
         output.append({
             "type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "status": "completed",
             "name": call["function"]["name"], "arguments": call["function"]["arguments"],
         })
-    prompt, completion = _usage(item)
+    return output
+
+
+def _tool_choice(request: CanonicalRequest) -> Any:
+    choice = request.tool_choice
+    return {"type": "function", "name": choice.name} if choice.mode == "named" else choice.mode
+
+
+def response(item: Interaction, request: CanonicalRequest, chat: ChatTokenizer, status: str | None = None) -> dict[str, Any]:
+    """The Responses API object; `status` overrides the final one (streaming's first snapshot)."""
+    prompt, completion = usage([item])
     truncated = item.stop_reason == "length"
+    done = status is None
     return {
         "id": item.id,
         "object": "response",
         "created_at": time.time(),
-        "model": model,
-        "status": "incomplete" if truncated else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
+        "model": request.model,
+        "status": status or ("incomplete" if truncated else "completed"),
+        "incomplete_details": {"reason": "max_output_tokens"} if truncated and done else None,
         "error": None,
         "instructions": None,
         "metadata": {},
-        "output": output,
+        "output": response_output(item, request, chat) if done else [],
         "parallel_tool_calls": True,
-        "tool_choice": "auto",
+        "tool_choice": _tool_choice(request),
         "tools": [],
-        "temperature": None,
-        "top_p": None,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_logprobs": request.top_logprobs,
         "usage": {
             "input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0},
-        },
+        } if done else None,
     }
 
 
-def anthropic_message(item: Interaction, model: str) -> dict[str, Any]:
+def anthropic_stop(item: Interaction) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) as Anthropic reports them."""
+    if _calls(item):
+        return "tool_use", None
+    if item.stop_sequence is not None:
+        return "stop_sequence", item.stop_sequence
+    return ("max_tokens" if item.stop_reason == "length" else "end_turn"), None
+
+
+def anthropic_content(item: Interaction) -> list[dict[str, Any]]:
     content: list[dict[str, Any]] = []
     if item.reply["content"] or not _calls(item):
         content.append({"type": "text", "text": item.reply["content"]})
     for call in _calls(item):
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                         "input": json.loads(call["function"]["arguments"])})
-    prompt, completion = _usage(item)
-    stop = "tool_use" if _calls(item) else ("max_tokens" if item.stop_reason == "length" else "end_turn")
+    return content
+
+
+def anthropic_message(item: Interaction, request: CanonicalRequest) -> dict[str, Any]:
+    prompt, completion = usage([item])
+    stop_reason, stop_sequence = anthropic_stop(item)
     return {
         "id": item.id,
         "type": "message",
         "role": "assistant",
-        "model": model,
-        "content": content,
-        "stop_reason": stop,
-        "stop_sequence": None,
+        "model": request.model,
+        "content": anthropic_content(item),
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
         "usage": {"input_tokens": prompt, "output_tokens": completion},
     }

@@ -13,7 +13,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.rollout.agent import fields
 from services.rollout.agent.errors import bad_request
+from services.rollout.agent.options import ResponseFormat, ToolChoice, parse_response_format, parse_tool_choice
 
 Message = dict[str, Any]
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -33,68 +35,17 @@ class CanonicalRequest:
     model: str = "jetrl"
     previous_id: str | None = None
     """Responses API `previous_response_id`: the conversation continues that response."""
+    stream: bool = False
+    include_usage: bool = False
+    """Chat `stream_options.include_usage`: a last chunk with the usage."""
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    response_format: ResponseFormat = field(default_factory=ResponseFormat)
 
 
-# ------------------------------------------------------------------------------------------- helpers
-
-
-def _text(content: Any, where: str) -> str:
-    """Message content as text: a string, null, or a list of text parts (`text`/`input_text`/`output_text`)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                raise bad_request(f"{where}[{i}]: only text content parts are supported, got {_short(part)}", where)
-        return "".join(parts)
-    raise bad_request(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}", where)
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _args_text(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-
-
-def _number(body: dict[str, Any], name: str, kind: type, low: float | None = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise bad_request(f"{name} must be {'an integer' if kind is int else 'a number'}, got {_short(value)}", name)
-    if low is not None and value < low:
-        raise bad_request(f"{name} must be >= {low}, got {value}", name)
-    return kind(value)
-
-
-def _stop(value: Any, name: str) -> list[str]:
-    if value is None:
-        return []
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise bad_request(f"{name} must be a string or a list of non-empty strings", name)
-    return list(stops)
-
-
-def _no_stream(body: dict[str, Any]) -> None:
-    if body.get("stream"):
-        raise bad_request("stream=true is not supported by the jetrl proxy: call without streaming", "stream")
-
-
-def _object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
+# ------------------------------------------------------------------------------------------- messages
 
 
 def message_key(message: Message) -> tuple[Any, ...]:
@@ -119,11 +70,11 @@ def _canonical_json(text: str) -> str:
 def _chat_message(raw: Any, i: int) -> Message:
     where = f"messages[{i}]"
     if not isinstance(raw, dict):
-        raise bad_request(f"{where} must be an object, got {_short(raw)}", where)
+        raise bad_request(f"{where} must be an object, got {fields.short(raw)}", where)
     role = raw.get("role")
     if role not in ROLES:
         raise bad_request(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", f"{where}.role")
-    msg: Message = {"role": role, "content": _text(raw.get("content"), f"{where}.content")}
+    msg: Message = {"role": role, "content": fields.text(raw.get("content"), f"{where}.content")}
     calls = raw.get("tool_calls")
     if calls:
         if not isinstance(calls, list):
@@ -135,7 +86,7 @@ def _chat_message(raw: Any, i: int) -> Message:
                 raise bad_request(f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls")
             msg["tool_calls"].append(
                 {"id": str(call.get("id") or f"call_{j}"), "type": "function",
-                 "function": {"name": fn["name"], "arguments": _args_text(fn.get("arguments", "{}"))}}
+                 "function": {"name": fn["name"], "arguments": fields.args_text(fn.get("arguments", "{}"))}}
             )
     if role == "tool" and raw.get("tool_call_id") is not None:
         msg["tool_call_id"] = str(raw["tool_call_id"])
@@ -143,24 +94,44 @@ def _chat_message(raw: Any, i: int) -> Message:
 
 
 def parse_chat(body: Any) -> CanonicalRequest:
-    body = _object(body)
-    _no_stream(body)
+    body = fields.body_object(body)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list", "messages")
-    if body.get("n") not in (None, 1):
-        raise bad_request("n must be 1: the proxy records one completion per request", "n")
-    max_tokens = _number(body, "max_completion_tokens", int, 1) or _number(body, "max_tokens", int, 1)
+    max_tokens = fields.number(body, "max_completion_tokens", int, 1) or fields.number(body, "max_tokens", int, 1)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    tools = _tools(body.get("tools"))
+    logprobs = fields.flag(body, "logprobs")
     return CanonicalRequest(
         messages=[_chat_message(m, i) for i, m in enumerate(raw)],
-        tools=_tools(body.get("tools")),
+        tools=tools,
+        stream=fields.flag(body, "stream"),
+        include_usage=bool((options or {}).get("include_usage")),
+        n=_samples(body),
+        logprobs=logprobs,
+        top_logprobs=fields.top_logprobs(body, logprobs),
+        tool_choice=parse_tool_choice(body.get("tool_choice"), tools, "chat"),
+        response_format=parse_response_format(body.get("response_format"), "response_format"),
         max_new_tokens=max_tokens,
-        temperature=_number(body, "temperature", float, 0),
-        top_p=_number(body, "top_p", float, 0),
-        stop=_stop(body.get("stop"), "stop"),
-        seed=_number(body, "seed", int),
+        temperature=fields.number(body, "temperature", float, 0),
+        top_p=fields.number(body, "top_p", float, 0),
+        stop=fields.stop(body.get("stop"), "stop"),
+        seed=fields.number(body, "seed", int),
         model=str(body.get("model") or "jetrl"),
     )
+
+
+MAX_N = 128
+"""The most samples one request may ask for (OpenAI's own limit)."""
+
+
+def _samples(body: dict[str, Any]) -> int:
+    n = fields.number(body, "n", int, 1) or 1
+    if n > MAX_N:
+        raise bad_request(f"n must be <= {MAX_N}, got {n}", "n")
+    return int(n)
 
 
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
@@ -197,11 +168,10 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
 
 
 def parse_responses(body: Any) -> CanonicalRequest:
-    body = _object(body)
-    _no_stream(body)
+    body = fields.body_object(body)
     messages: list[Message] = []
     if body.get("instructions"):
-        messages.append({"role": "system", "content": _text(body["instructions"], "instructions")})
+        messages.append({"role": "system", "content": fields.text(body["instructions"], "instructions")})
     raw = body.get("input")
     if isinstance(raw, str):
         messages.append({"role": "user", "content": raw})
@@ -211,12 +181,28 @@ def parse_responses(body: Any) -> CanonicalRequest:
     else:
         raise bad_request("input must be a string or a non-empty list of input items", "input")
     prev = body.get("previous_response_id")
+    tools = _tools(body.get("tools"))
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise bad_request("include must be a list", "include")
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise bad_request("text must be an object", "text")
+    logprobs = "message.output_text.logprobs" in include or bool(body.get("top_logprobs"))
     return CanonicalRequest(
         messages=messages,
-        tools=_tools(body.get("tools")),
-        max_new_tokens=_number(body, "max_output_tokens", int, 1),
-        temperature=_number(body, "temperature", float, 0),
-        top_p=_number(body, "top_p", float, 0),
+        tools=tools,
+        stream=fields.flag(body, "stream"),
+        logprobs=logprobs,
+        top_logprobs=fields.top_logprobs(body, logprobs),
+        tool_choice=parse_tool_choice(body.get("tool_choice"), tools, "responses"),
+        response_format=parse_response_format((text or {}).get("format"), "text.format"),
+        max_new_tokens=fields.number(body, "max_output_tokens", int, 1),
+        temperature=fields.number(body, "temperature", float, 0),
+        top_p=fields.number(body, "top_p", float, 0),
+        # not in the Responses API; accepted (e.g. through the SDK's extra_body) as in Chat Completions
+        stop=fields.stop(body.get("stop"), "stop"),
+        seed=fields.number(body, "seed", int),
         model=str(body.get("model") or "jetrl"),
         previous_id=str(prev) if prev else None,
     )
@@ -231,14 +217,14 @@ def _response_item(item: Any, i: int, so_far: list[Message]) -> list[Message]:
         return [_chat_message({"role": item.get("role"), "content": item.get("content")}, i)]
     if kind == "function_call":
         call = {"id": str(item.get("call_id") or item.get("id") or f"call_{i}"), "type": "function",
-                "function": {"name": str(item.get("name")), "arguments": _args_text(item.get("arguments", "{}"))}}
+                "function": {"name": str(item.get("name")), "arguments": fields.args_text(item.get("arguments", "{}"))}}
         last = so_far[-1] if so_far else None
         if last is not None and last["role"] == "assistant":  # several calls of one turn: one message
             last.setdefault("tool_calls", []).append(call)
             return []
         return [{"role": "assistant", "content": "", "tool_calls": [call]}]
     if kind == "function_call_output":
-        return [{"role": "tool", "content": _text(item.get("output"), f"{where}.output"), "tool_call_id": str(item.get("call_id"))}]
+        return [{"role": "tool", "content": fields.text(item.get("output"), f"{where}.output"), "tool_call_id": str(item.get("call_id"))}]
     raise bad_request(f"{where}: input items of type {kind!r} are not supported", where)
 
 
@@ -246,24 +232,27 @@ def _response_item(item: Any, i: int, so_far: list[Message]) -> list[Message]:
 
 
 def parse_anthropic(body: Any) -> CanonicalRequest:
-    body = _object(body)
-    _no_stream(body)
+    body = fields.body_object(body)
     messages: list[Message] = []
     if body.get("system"):
-        messages.append({"role": "system", "content": _text(body["system"], "system")})
+        messages.append({"role": "system", "content": fields.text(body["system"], "system")})
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty list", "messages")
     for i, msg in enumerate(raw):
         messages.extend(_anthropic_message(msg, i))
+    tools = _tools(body.get("tools"))
     return CanonicalRequest(
         messages=messages,
-        tools=_tools(body.get("tools")),
-        max_new_tokens=_number(body, "max_tokens", int, 1),
-        temperature=_number(body, "temperature", float, 0),
-        top_p=_number(body, "top_p", float, 0),
-        top_k=_number(body, "top_k", int, 1),
-        stop=_stop(body.get("stop_sequences"), "stop_sequences"),
+        tools=tools,
+        stream=fields.flag(body, "stream"),
+        tool_choice=parse_tool_choice(body.get("tool_choice"), tools, "messages"),
+        max_new_tokens=fields.number(body, "max_tokens", int, 1),
+        temperature=fields.number(body, "temperature", float, 0),
+        top_p=fields.number(body, "top_p", float, 0),
+        top_k=fields.number(body, "top_k", int, 1),
+        stop=fields.stop(body.get("stop_sequences"), "stop_sequences"),
+        seed=fields.number(body, "seed", int),  # not in the Messages API: an extension (e.g. through extra_body)
         model=str(body.get("model") or "jetrl"),
     )
 
@@ -286,9 +275,9 @@ def _anthropic_message(raw: Any, i: int) -> list[Message]:
             text.append(str(block.get("text", "")))
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": str(block.get("id")), "type": "function",
-                          "function": {"name": str(block.get("name")), "arguments": _args_text(block.get("input", {}))}})
+                          "function": {"name": str(block.get("name")), "arguments": fields.args_text(block.get("input", {}))}})
         elif kind == "tool_result" and role == "user":
-            out.append({"role": "tool", "content": _text(block.get("content"), f"{where}.content[{j}].content"),
+            out.append({"role": "tool", "content": fields.text(block.get("content"), f"{where}.content[{j}].content"),
                         "tool_call_id": str(block.get("tool_use_id"))})
         else:
             raise bad_request(f"{where}.content[{j}]: blocks of type {kind!r} are not supported here", f"{where}.content")

@@ -4,6 +4,7 @@
     POST /{session}/v1/chat/completions         OpenAI Chat Completions -> ChatCompletion
     POST /{session}/v1/responses                OpenAI Responses        -> Response
     POST /{session}/v1/messages                 Anthropic Messages      -> Message
+    POST /{session}/v1/messages/count_tokens    Anthropic Messages      -> {"input_tokens"}
     GET  /{session}/v1/models                   the served model, for SDKs that list models
     POST /{session}/rl/set_reward               {"reward"} (last completion) | {"interaction_id", "reward"}
     POST /{session}/rl/end_session              -> {"session_id", "interactions"}
@@ -12,23 +13,26 @@
     GET  /health                                -> {"status": "ok", "sessions": n}
 
 An agent only changes its `base_url` to `http://host:port/{session}/v1` (Anthropic SDK:
-`http://host:port/{session}`). Errors are OpenAI-shaped (`{"error": {...}}`), Anthropic-shaped on
-`/v1/messages`, with 404 for an unknown session, 400 for a malformed body, 409 after end_session.
+`http://host:port/{session}`). `stream: true` answers server-sent events (`streaming`). Errors
+are OpenAI-shaped (`{"error": {...}}`), Anthropic-shaped on `/v1/messages`, with 404 for an unknown session,
+400 for a malformed body, 409 after end_session, 422 for a completion that missed its tool_choice or
+response_format (`options`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
 
 from services.common.logging import get_logger
-from services.rollout.agent import replies
+from services.rollout.agent import replies, streaming
 from services.rollout.agent.errors import ProxyError, bad_request
 from services.rollout.agent.proxy import AgentProxy
 from services.rollout.agent.requests import parse_anthropic, parse_chat, parse_responses
+from services.rollout.agent.streaming import Event
 
 log = get_logger("rollout.agent")
 
@@ -36,7 +40,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _is_anthropic(request: web.Request) -> bool:
-    return request.path.endswith("/v1/messages")
+    return "/v1/messages" in request.path
 
 
 def _error(request: web.Request, exc: ProxyError) -> web.Response:
@@ -84,6 +88,7 @@ class ProxyServer:
         r.add_post("/{session}/v1/chat/completions", self.chat)
         r.add_post("/{session}/v1/responses", self.responses)
         r.add_post("/{session}/v1/messages", self.messages)
+        r.add_post("/{session}/v1/messages/count_tokens", self.count_tokens)
         r.add_get("/{session}/v1/models", self.models)
         r.add_post("/{session}/rl/set_reward", self.set_reward)
         r.add_post("/{session}/rl/end_session", self.end_session)
@@ -121,20 +126,44 @@ class ProxyServer:
         session = self.proxy.start_session(None if task_id is None else str(task_id))
         return web.json_response({"session_id": session.id, "base_url": self.base_url(session.id)})
 
-    async def chat(self, request: web.Request) -> web.Response:
-        parsed = parse_chat(await _body(request))
-        item = await self.proxy.complete(request.match_info["session"], parsed, "chat")
-        return web.json_response(replies.chat_completion(item, parsed.model))
+    async def _answer(self, request: web.Request, body: Any, events: Iterator[Event] | None) -> web.StreamResponse:
+        """The JSON answer, or with `stream: true` its server-sent events."""
+        if events is None:
+            return web.json_response(body)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        for event in events:
+            await out.write(streaming.encode(event))
+        await out.write_eof()
+        return out
 
-    async def responses(self, request: web.Request) -> web.Response:
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        parsed = parse_chat(await _body(request))
+        items = await self.proxy.complete_n(request.match_info["session"], parsed, "chat")
+        chat = self.proxy.chat
+        if parsed.stream:
+            return await self._answer(request, None, streaming.chat_events(items, parsed, chat))
+        return await self._answer(request, replies.chat_completion(items, parsed, chat), None)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_responses(await _body(request))
         item = await self.proxy.complete(request.match_info["session"], parsed, "responses")
-        return web.json_response(replies.response(item, parsed.model))
+        chat = self.proxy.chat
+        if parsed.stream:
+            return await self._answer(request, None, streaming.responses_events(item, parsed, chat))
+        return await self._answer(request, replies.response(item, parsed, chat), None)
 
-    async def messages(self, request: web.Request) -> web.Response:
+    async def messages(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_anthropic(await _body(request))
         item = await self.proxy.complete(request.match_info["session"], parsed, "messages")
-        return web.json_response(replies.anthropic_message(item, parsed.model))
+        if parsed.stream:
+            return await self._answer(request, None, streaming.anthropic_events(item, parsed, self.proxy.chat))
+        return await self._answer(request, replies.anthropic_message(item, parsed), None)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        count = self.proxy.count_tokens(request.match_info["session"], parse_anthropic(body))
+        return web.json_response({"input_tokens": count})
 
     async def models(self, request: web.Request) -> web.Response:
         self.proxy.session(request.match_info["session"])

@@ -1,0 +1,146 @@
+"""The agent proxy's Chat Completions endpoint driven by the real `openai` SDK against the real CPU
+inference server: streaming (raw chunks and the SDK's stream helper), n=2, stop strings, logprobs,
+every tool_choice, response_format; the export holds exactly the engine's tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from services.rollout.agent.server import ProxyServer
+from tests.integration import test_agent_proxy as base
+from tests.integration import test_agent_sdk_common as common
+from tests.integration.test_agent_proxy import RecordingEngine
+from tests.integration.test_agent_sdk_common import assert_export_is_the_engines, seeded_stop, session
+
+# fixtures: the module's inference server and the engine from the proxy's tests; a proxy whose template shows the tools
+inference_url, engine, tokenizer, server = base.inference_url, base.engine, common.tokenizer, common.server
+
+ASK = [{"role": "user", "content": "12+3="}]
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "sum",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+
+
+def client(srv: ProxyServer, sid: str, http: httpx.AsyncClient) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=srv.base_url(sid), api_key="x", http_client=http, max_retries=0)
+
+
+async def test_streamed_chat_completions_answer_and_record_what_the_plain_call_does(server: ProxyServer, engine: RecordingEngine) -> None:
+    async with httpx.AsyncClient() as http:
+        sid = await session(http, server)
+        oai = client(server, sid, http)
+        plain = await oai.chat.completions.create(model="p", messages=ASK, temperature=0, max_tokens=6)
+        stream = await oai.chat.completions.create(model="p", messages=ASK, temperature=0, max_tokens=6, stream=True,
+                                                   stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == plain.choices[0].message.content == server.proxy.chat.decode(engine.calls[1].output_ids)
+        assert len({c.id for c in chunks}) == 1 and chunks[0].choices[0].delta.role == "assistant"
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(engine.calls[1].output_ids)
+        async with oai.chat.completions.stream(model="p", messages=ASK, temperature=0, max_tokens=6) as helper:
+            deltas = [e.delta async for e in helper if e.type == "content.delta"]
+            final = helper.current_completion_snapshot  # get_final_completion() refuses a length finish
+        assert "".join(deltas) == final.choices[0].message.content == plain.choices[0].message.content
+        cache = server.proxy.sessions[sid].cache
+        assert cache.get(chunks[0].id) is not None and cache.get(final.id) is not None
+        await assert_export_is_the_engines(http, server, sid, engine.calls)
+
+
+async def test_n_2_answers_two_choices_each_recorded(server: ProxyServer, engine: RecordingEngine) -> None:
+    async with httpx.AsyncClient() as http:
+        sid = await session(http, server)
+        oai = client(server, sid, http)
+        resp = await oai.chat.completions.create(model="p", messages=ASK, n=2, max_tokens=5, seed=3)
+        assert [c.index for c in resp.choices] == [0, 1] and len(engine.calls) == 2
+        assert resp.usage is not None and resp.usage.completion_tokens == sum(len(c.output_ids) for c in engine.calls)
+        texts = sorted(c.message.content or "" for c in resp.choices)
+        assert texts == sorted(server.proxy.chat.decode(c.output_ids) for c in engine.calls)
+        cache = server.proxy.sessions[sid].cache
+        assert cache.get(resp.id) is not None and cache.get(f"{resp.id}-1") is not None
+        stream = await oai.chat.completions.create(model="p", messages=ASK, n=2, max_tokens=5, stream=True)
+        indices = {c.choices[0].index async for c in stream if c.choices}
+        assert indices == {0, 1}
+        rows = await assert_export_is_the_engines(http, server, sid, engine.calls)
+        assert len(rows) == 4
+
+
+async def test_stop_strings_are_cut_from_the_text_and_the_record(server: ProxyServer, engine: RecordingEngine) -> None:
+    async with httpx.AsyncClient() as http:
+        sid = await session(http, server)
+        oai = client(server, sid, http)
+        extra, expected = await seeded_stop(oai, ASK)
+        [stop] = extra["stop"]
+        ask: dict[str, Any] = {"model": "p", "messages": ASK, "temperature": 1, "max_tokens": 12, "seed": extra["seed"]}
+        cut = await oai.chat.completions.create(**ask, stop=[stop, "never"])
+        assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
+        stream = await oai.chat.completions.create(**ask, stop=stop, stream=True)
+        assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == expected
+        item = server.proxy.sessions[sid].cache.get(cut.id)
+        assert item is not None and item.stop_sequence == stop
+        assert server.proxy.chat.decode(item.output_ids) == expected + stop  # the stop string's tokens stay recorded
+        await assert_export_is_the_engines(http, server, sid, engine.calls)
+
+
+async def test_logprobs_and_top_logprobs_are_the_engines(server: ProxyServer, engine: RecordingEngine) -> None:
+    async with httpx.AsyncClient() as http:
+        sid = await session(http, server)
+        oai = client(server, sid, http)
+        resp = await oai.chat.completions.create(model="p", messages=ASK, max_tokens=5, logprobs=True, top_logprobs=2)
+        got = resp.choices[0].logprobs
+        assert got is not None and got.content is not None
+        assert [e.logprob for e in got.content] == engine.calls[0].output_logprobs
+        assert [[t.logprob for t in e.top_logprobs] for e in got.content] == [[lp] for lp in engine.calls[0].output_logprobs]
+        stream = await oai.chat.completions.create(model="p", messages=ASK, max_tokens=5, logprobs=True, stream=True)
+        streamed = [e.logprob async for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or ()]
+        assert streamed == engine.calls[1].output_logprobs
+        plain = await oai.chat.completions.create(model="p", messages=ASK, max_tokens=5)
+        assert plain.choices[0].logprobs is None
+        with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+            await oai.chat.completions.create(model="p", messages=ASK, top_logprobs=2)
+
+
+async def test_tool_choice_is_honoured_or_refused(server: ProxyServer, engine: RecordingEngine, tokenizer: Any) -> None:
+    chat = server.proxy.chat
+    async with httpx.AsyncClient() as http:
+        sid = await session(http, server)
+        oai = client(server, sid, http)
+        await oai.chat.completions.create(model="p", messages=ASK, tools=TOOLS, max_tokens=3)
+        assert engine.calls[-1].input_ids == chat.encode(chat.render([*ASK], TOOLS, True))  # auto: the tools are offered
+        none = await oai.chat.completions.create(model="p", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=3)
+        assert engine.calls[-1].input_ids == chat.encode(chat.render([*ASK], None, True))  # none: not offered
+        assert none.choices[0].message.tool_calls is None
+        for choice, prefill in (("required", "<tool_call>"), ({"type": "function", "function": {"name": "add"}},
+                                                              '<tool_call>{"name": "add", "arguments": ')):
+            with pytest.raises(openai.UnprocessableEntityError, match="needs a tool call") as err:
+                await oai.chat.completions.create(model="p", messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=3)
+            assert engine.calls[-1].input_ids == chat.encode(chat.render([*ASK], TOOLS, True)) + chat.encode(prefill)
+            assert err.value.code == "constraint_unmet" and "recorded" in err.value.message
+        with pytest.raises(openai.BadRequestError, match="not among the tools"):
+            await oai.chat.completions.create(model="p", messages=ASK, tools=TOOLS,
+                                              tool_choice={"type": "function", "function": {"name": "mul"}})
+        with pytest.raises(openai.BadRequestError, match="needs tools"):
+            await oai.chat.completions.create(model="p", messages=ASK, tool_choice="required")
+        await assert_export_is_the_engines(http, server, sid, engine.calls)  # the refused completions are recorded too
+
+
+async def test_response_format_is_validated_never_ignored(server: ProxyServer, engine: RecordingEngine) -> None:
+    async with httpx.AsyncClient() as http:
+        sid = await session(http, server)
+        oai = client(server, sid, http)
+        with pytest.raises(openai.UnprocessableEntityError, match="response_format json_object needs JSON content"):
+            await oai.chat.completions.create(model="p", messages=ASK, response_format={"type": "json_object"}, max_tokens=4)
+        schema = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}
+        with pytest.raises(openai.UnprocessableEntityError, match="json_schema"):
+            await oai.chat.completions.create(model="p", messages=ASK, max_tokens=4,
+                                              response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+        with pytest.raises(openai.BadRequestError, match="not a valid JSON schema"):
+            await oai.chat.completions.create(model="p", messages=ASK, max_tokens=4,
+                                              response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": 5}}})
+        with pytest.raises(openai.BadRequestError, match="response_format: type must be"):
+            await oai.chat.completions.create(model="p", messages=ASK, response_format={"type": "grammar"})  # type: ignore[arg-type]
+        text = await oai.chat.completions.create(model="p", messages=ASK, response_format={"type": "text"}, max_tokens=4)
+        assert text.choices[0].message.content == server.proxy.chat.decode(engine.calls[-1].output_ids)
