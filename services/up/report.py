@@ -88,7 +88,7 @@ def waste_lines(steps: list[dict[str, Any]]) -> list[str]:
              f"({', '.join(f'{n:.0f} {kind}' for kind, n in wasted.items())} groups)"]
     last = steps[-1]
     if "feeder_dropped" in last:
-        causes = [f"{last[k]:.0f} {k.removeprefix('feeder_dropped_')}" for k in sorted(last)
+        causes = [f"{k.removeprefix('feeder_dropped_')} {last[k]:.0f}" for k in sorted(last)
                   if k.startswith("feeder_dropped_") and last[k]]
         lines.append(f"dataset rows dropped: {last['feeder_dropped']:.0f}" + (f" ({', '.join(causes)})" if causes else "")
                      + f"  re-issued: {last.get('feeder_reissued', 0.0):.0f}")
