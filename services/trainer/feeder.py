@@ -66,8 +66,9 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
 
 
 FAILURE_CAUSES = ("rejected", "malformed", "dead_letter", "timed_out")
-"""Genuine failures of a prompt, each charged to its row (`max_attempts`): a rejection marker, a
-malformed answer, a dead letter, no answer within `in_flight_timeout_s`."""
+"""The genuine failures of a prompt the trainer knows, each charged to its row (`max_attempts`): a
+rejection marker, a malformed answer, a dead letter, no answer within `in_flight_timeout_s`. Any
+other cause a caller names is counted under its own name."""
 
 
 @dataclass
@@ -83,11 +84,9 @@ class FeederCounters:
     stale: int = 0
     """Groups judged stale (counted in `rejected` too); their rows are re-issued uncharged."""
     dropped: int = 0
-    """Rows given up after `max_attempts` genuine failures (the sum of the `dropped_<cause>` below)."""
-    dropped_rejected: int = 0
-    dropped_malformed: int = 0
-    dropped_dead_letter: int = 0
-    dropped_timed_out: int = 0
+    """Rows given up after `max_attempts` genuine failures."""
+    dropped_by_cause: dict[str, int] = field(default_factory=dict)
+    """Dropped rows by the cause of their last failure."""
     timed_out: int = 0
     """Prompts unanswered for `in_flight_timeout_s`, treated as failed."""
 
@@ -228,10 +227,8 @@ class Feeder:
         return True
 
     def on_rejected(self, prompt_id: str, cause: str = "rejected") -> bool:
-        """The prompt failed (`cause`, one of FAILURE_CAUSES): charge its row and queue it again under a
+        """The prompt failed (`cause`: see FAILURE_CAUSES): charge its row and queue it again under a
         new id, unless that was the row's `max_attempts`-th failure; then drop it, counted by cause."""
-        if cause not in FAILURE_CAUSES:
-            raise ValueError(f"failure cause {cause!r}: expected one of {FAILURE_CAUSES}")
         entry = self._close(prompt_id)
         if entry is None:
             return False
@@ -241,7 +238,8 @@ class Feeder:
             self.reissue.append([epoch, row, failures + 1, k + 1])
         else:
             self.counters.dropped += 1
-            setattr(self.counters, f"dropped_{cause}", getattr(self.counters, f"dropped_{cause}") + 1)
+            by_cause = self.counters.dropped_by_cause
+            by_cause[cause] = by_cause.get(cause, 0) + 1
             log.warning("row dropped after max_attempts failures", prompt_id=prompt_id, epoch=epoch, row=row,
                         cause=cause, failures=failures + 1, issues=k + 1)
         return True
@@ -290,8 +288,11 @@ class Feeder:
 
     def metric_values(self) -> dict[str, float]:
         """Every counter as `feeder_<name>` (the trainer's metrics; `jetrl status` reads them)."""
-        values = {f"feeder_{k}": float(v) for k, v in vars(self.counters).items()}
-        values["feeder_in_flight"] = float(self.counters.in_flight)
+        c = self.counters
+        values = {f"feeder_{k}": float(v) for k, v in vars(c).items() if isinstance(v, int)}
+        values["feeder_in_flight"] = float(c.in_flight)
+        for cause in {*FAILURE_CAUSES, *c.dropped_by_cause}:
+            values[f"feeder_dropped_{cause}"] = float(c.dropped_by_cause.get(cause, 0))
         return values
 
     # -------------------------------------------------------------------------------- state
@@ -300,7 +301,7 @@ class Feeder:
         """The state as if every unconfirmed publish had failed: a prompt that may never have reached
         the work queue is not saved as in flight (it would hold its slot forever after a resume)."""
         saved = Feeder(self.run, self.rows, self.batch_groups, self.eta, self.max_in_flight, tag=self.tag)
-        saved.counters = FeederCounters(**vars(self.counters))
+        saved.counters = FeederCounters(**{**vars(self.counters), "dropped_by_cause": dict(self.counters.dropped_by_cause)})
         saved.in_flight, saved.reissue = dict(self.in_flight), deque(self.reissue)
         for pid in self._unconfirmed:
             saved.put_back(pid)
@@ -314,7 +315,7 @@ class Feeder:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.counters = FeederCounters(**state["counters"])
+        self.counters = FeederCounters(**{**state["counters"], "dropped_by_cause": dict(state["counters"].get("dropped_by_cause", {}))})
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self.in_flight = {k: _entry(v) for k, v in state["in_flight"].items()}
         self.reissue = deque(_entry(x) for x in state["reissue"])
