@@ -282,7 +282,7 @@ class Feeder:
         self.counters.eval_issued += len(rows)
         return [
             PromptTask(run=self.run, prompt_id=f"eval{step}-{i}.{nonce}", data=row, is_eval=True, issued_version=version,
-                       min_version=version)
+                       min_version=version if self.gate_versions else 0)
             for i, row in enumerate(rows)
         ]
 

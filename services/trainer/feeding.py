@@ -49,7 +49,7 @@ class Feeding:
         if self.feeder is None or self.nc is None:
             return 0
         self.feeder.expire()
-        self.feeder.gate_versions = self.publish is not None and self.s.publish_weights
+        self._gate_versions()
         js, n = self.nc.jetstream(), 0
         while (task := self.feeder.next_task(self.version)) is not None:
             if task.prompt_id in self.intake.trained:
@@ -65,6 +65,12 @@ class Feeding:
             n += 1
         self._feeder_metrics()
         return n
+
+    def _gate_versions(self) -> None:
+        """Prompts wait for their weights only if this trainer publishes weights: otherwise no server
+        will ever load a newer version."""
+        assert self.feeder is not None
+        self.feeder.gate_versions = self.publish is not None and self.s.publish_weights
 
     def _feeder_metrics(self) -> None:
         """Carry the feeder's counters (re-issues, stale groups, dropped rows by cause) in every
@@ -130,6 +136,7 @@ class Feeding:
     async def _issue_eval(self) -> None:
         assert self.feeder is not None and self.nc is not None
         js = self.nc.jetstream()
+        self._gate_versions()
         tasks = self.feeder.eval_tasks(self.version, self.s.feeder.eval_size, self.version, self.nonce)
         if self.evals is not None:
             self.evals.expect(self.version, [t.prompt_id for t in tasks])

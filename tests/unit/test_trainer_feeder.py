@@ -282,3 +282,12 @@ def test_a_checkpoint_saved_before_uncharged_reissues_loads() -> None:
     task = f.next_task(0)
     assert task is not None and task.prompt_id == "0-7-r2"
     assert f.in_flight["0-4-r1"] == [0, 4, 1, 1] and f.counters.stale == 0
+
+
+def test_no_version_gating_when_the_trainer_publishes_no_weights() -> None:
+    """No server will ever load a newer version: a prompt that waited for one would wait forever."""
+    f = _feeder(eta=0, epochs=0, eval_rows=ROWS[:2], gate_versions=False)
+    for pid in _drain(f, 0):
+        f.on_accepted(pid)
+    assert [t.min_version for t in iter(lambda: f.next_task(1), None)] == [0, 0]
+    assert [t.min_version for t in f.eval_tasks(1, 2, 1, "n")] == [0, 0]
