@@ -67,6 +67,10 @@ class PromptTask(Message):
     is_eval: bool = False
     issued_version: int = 0
     """The trainer's weight version when the feeder issued it."""
+    min_version: int = 0
+    """The oldest weight version the group may be generated with and still be trained on: a rollout
+    worker starts the episode only once its inference servers hold at least this version (0: any;
+    absent from messages written before it existed, which decode as 0)."""
     issued_at: float = Field(default_factory=time.time)
 
 

@@ -5,6 +5,8 @@ Runs inside `jetrl rollout`, and in a test's event loop as is. Delivery rules (D
 semantics"):
 - every worker of a run shares one durable pull consumer, so each prompt goes to one worker;
 - while an episode runs, `in_progress()` keeps the prompt from being redelivered;
+- a prompt whose `min_version` this worker's inference servers do not hold yet waits (in progress, no
+  redelivery) until they do (`version_gate.py`): a group generated with older weights would be stale;
 - the result carries `Nats-Msg-Id`, so a result published twice (a worker died between publish and
   ack) is dropped by JetStream;
 - an episode that raises, or runs past `episode_timeout_s`, is `nak`ed with a delay and retried; at
@@ -39,6 +41,7 @@ from services.rollout.dump import TrajectoryDumper
 from services.rollout.engine import BadRequestError
 from services.rollout.stats import RolloutStats
 from services.rollout.tensors import group_sizes
+from services.rollout.version_gate import VersionGate
 from services.rollout.workflow import RolloutWorkflow, WorkflowError, as_tensor_dict, workflow_context
 
 log = get_logger("rollout")
@@ -65,6 +68,9 @@ class WorkerConfig:
     drain_timeout_s: float = 10.0
     episode_timeout_s: float = 1800.0
     """Longest run of one episode; 0 = no limit."""
+    version_poll_s: float = 0.5
+    """While a prompt waits for its `min_version`, re-read the servers' versions this often (a load
+    report on `weights.loaded` wakes it at once)."""
 
 
 class RolloutWorker:
@@ -90,6 +96,7 @@ class RolloutWorker:
         self.dumper = dumper
         self.stats = RolloutStats()
         self.max_deliver = config.max_deliver
+        self.gate = VersionGate(engine, poll_s=config.version_poll_s)
         self._inflight: set[asyncio.Task[None]] = set()
 
     # ---------------------------------------------------------------------------------- the consumer
@@ -118,6 +125,8 @@ class RolloutWorker:
         """Pull and run episodes until `stopping` is set, then let in-flight episodes finish within
         `drain_timeout_s`; those still running are cancelled and their prompts `nak`ed."""
         await self.declare()
+        if self.gate.enabled:
+            await self.gate.follow_loads(self.nc, self.run_name)
         sub = await self.js.pull_subscribe_bind(self.subjects.rollout_consumer, stream=PROMPTS_STREAM)
         log.info("rollout worker pulling", consumer=self.subjects.rollout_consumer, max_deliver=self.max_deliver)
         stop_wait = asyncio.create_task(stopping.wait(), name="stop-wait")
@@ -141,6 +150,7 @@ class RolloutWorker:
             stop_wait.cancel()
             await self._drain()
             await sub.unsubscribe()
+            await self.gate.close()
 
     def _start(self, msg: Msg) -> None:
         task = asyncio.create_task(self.handle(msg), name=f"episode-{msg.metadata.sequence.stream}")
@@ -176,9 +186,10 @@ class RolloutWorker:
             return
         is_eval = task.is_eval or msg.subject == self.subjects.prompts_eval
         heartbeat = asyncio.create_task(self._heartbeat(msg), name=f"in-progress-{task.prompt_id}")
-        started = time.monotonic()
         try:
-            await self._episode(msg, task, is_eval, started)
+            # held, in progress, until the servers can generate a group the trainer will accept
+            await self.gate.wait(task.min_version, task.prompt_id)
+            await self._episode(msg, task, is_eval, time.monotonic())
         except asyncio.CancelledError:
             # shutting down mid-episode: hand the prompt straight to another worker
             await asyncio.shield(self._quiet(msg.nak()))
@@ -302,10 +313,16 @@ class RolloutWorker:
         if self.metrics is None:
             return
         # report at once, so `jetrl status` sees a new worker alive before its first interval ends
-        await self.metrics.emit(self.stats.snapshot())
+        await self.metrics.emit(self._snapshot())
         while not stopping.is_set():
             try:
                 await asyncio.wait_for(stopping.wait(), timeout=interval_s)
             except TimeoutError:
                 pass
-            await self.metrics.emit(self.stats.snapshot())
+            await self.metrics.emit(self._snapshot())
+
+    def _snapshot(self) -> dict[str, float]:
+        gate = {"version_waits": float(self.gate.waits), "version_wait_s": self.gate.waited_s}
+        if self.gate.version is not None:
+            gate["servers_version"] = float(self.gate.version)
+        return {**self.stats.snapshot(), **gate}

@@ -3,11 +3,20 @@
 
 At version v with B groups per step and staleness budget eta, a prompt is issued only while
     issued - rejected <= (eta + v + 1) * B     and     issued - accepted - rejected <= max_in_flight
-hold after issuing it. A rejected prompt (rejection marker, stale group, dead letter, no answer within
-`in_flight_timeout_s`) is re-issued under a new prompt_id `<epoch>-<index>-r<k>`, at most
-`max_attempts` issues per row; then the row is dropped and counted. A group removed by dynamic filtering
-(all rewards equal: nothing to learn) frees its slot but is not re-issued, as in AReaL. The whole state
-is JSON, saved in checkpoints.
+hold after issuing it. A prompt that yields nothing trainable is re-issued under a new prompt_id
+`<epoch>-<index>-r<k>` (k: the row's k-th re-issue). A genuine failure (rejection marker, malformed
+answer, dead letter, no answer within `in_flight_timeout_s`) is charged to the row: after
+`max_attempts` of them the row is dropped, counted by cause and logged. A stale group is not the row's
+fault (the weights were old, not the prompt bad): it is re-issued uncharged, as often as it takes.
+A group removed by dynamic filtering (all rewards equal: nothing to learn) frees its slot but is not
+re-issued, as in AReaL. The whole state is JSON, saved in checkpoints.
+
+Every prompt carries `min_version`, the oldest weight version its group may be generated with and
+still be accepted: a rollout worker holds the prompt until its servers hold that version, so no group
+is generated with weights the trainer will refuse (docs/rollout.md "Version gating"). A prompt that is
+the n-th in line (issued - rejected) is expected to be trained at step `(n - 1) // B`; accepted there
+if its oldest token is at most eta versions older, so `min_version = (n - 1) // B - eta`, never above
+the current version (the admission rule guarantees that) nor below 0.
 
 Prompt ids end in `.<tag>` when the trainer was given a tag (a fresh start on a run name that was used
 before): results of the earlier incarnation's prompts then never match ours, and JetStream's
@@ -56,19 +65,30 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+FAILURE_CAUSES = ("rejected", "malformed", "dead_letter", "timed_out")
+"""The genuine failures of a prompt the trainer knows, each charged to its row (`max_attempts`): a
+rejection marker, a malformed answer, a dead letter, no answer within `in_flight_timeout_s`. Any
+other cause a caller names is counted under its own name."""
+
+
 @dataclass
 class FeederCounters:
     issued: int = 0
     accepted: int = 0
     rejected: int = 0
+    """Prompts answered with nothing trainable: failures, stale and filtered groups (frees the slot)."""
     reissued: int = 0
     eval_issued: int = 0
     filtered: int = 0
     """Groups removed by dynamic filtering (counted in `rejected` too; not re-issued)."""
+    stale: int = 0
+    """Groups judged stale (counted in `rejected` too); their rows are re-issued uncharged."""
     dropped: int = 0
-    """Rows given up after `max_attempts` issues without a trainable answer."""
+    """Rows given up after `max_attempts` genuine failures."""
+    dropped_by_cause: dict[str, int] = field(default_factory=dict)
+    """Dropped rows by the cause of their last failure."""
     timed_out: int = 0
-    """Prompts unanswered for `in_flight_timeout_s`, treated as rejected."""
+    """Prompts unanswered for `in_flight_timeout_s`, treated as failed."""
 
     @property
     def in_flight(self) -> int:
@@ -90,11 +110,15 @@ class Feeder:
     in_flight_timeout_s: float = 1800.0
     tag: str = ""
     """Appended to every training prompt id as `.<tag>` (empty: nothing appended); saved in checkpoints."""
+    gate_versions: bool = True
+    """False: every prompt carries `min_version` 0 (a trainer that publishes no weights: no server will
+    ever load a newer version, so nothing may wait for one)."""
     counters: FeederCounters = field(default_factory=FeederCounters)
     epoch: int = 0
     index: int = 0
     in_flight: dict[str, list[int]] = field(default_factory=dict)
-    """prompt_id -> [epoch, row, attempt] for every issued, unanswered training prompt."""
+    """prompt_id -> [epoch, row, failures, reissue] for every issued, unanswered training prompt:
+    failures charged to the row so far, and how many times the row was issued before (its id's `-r<k>`)."""
     reissue: deque[list[int]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -144,22 +168,33 @@ class Feeder:
         if not self.admissible(version):
             return None
         if self.reissue:
-            epoch, row, attempt = self.reissue.popleft()
-            if attempt:  # attempt 0: a put-back first issue
+            epoch, row, failures, k = self.reissue.popleft()
+            if k:  # k 0: a put-back first issue
                 self.counters.reissued += 1
         elif not self.dataset_done:
-            epoch, row, attempt = self.epoch, self._row_order(self.epoch)[self.index], 0
+            epoch, row, failures, k = self.epoch, self._row_order(self.epoch)[self.index], 0, 0
             self.index += 1
             if self.index >= len(self.rows):
                 self.epoch, self.index = self.epoch + 1, 0
         else:
             return None
-        prompt_id = self.prompt_id(epoch, row, attempt)
-        self.in_flight[prompt_id] = [epoch, row, attempt]
+        min_version = self.min_version(version)
+        prompt_id = self.prompt_id(epoch, row, k)
+        self.in_flight[prompt_id] = [epoch, row, failures, k]
         self._issued_at[prompt_id] = time.monotonic()
         self._unconfirmed.add(prompt_id)
         self.counters.issued += 1
-        return PromptTask(run=self.run, prompt_id=prompt_id, data=self.rows[row], issued_version=version)
+        return PromptTask(run=self.run, prompt_id=prompt_id, data=self.rows[row], issued_version=version,
+                          min_version=min_version)
+
+    def min_version(self, version: int) -> int:
+        """The oldest weights the next prompt may be generated with (module doc): the version of the
+        step that is expected to train it, less eta."""
+        if not self.gate_versions:
+            return 0
+        c = self.counters
+        expected_step = (c.issued - c.rejected) // self.batch_groups
+        return max(0, min(version, expected_step - self.eta))
 
     def confirm(self, prompt_id: str) -> None:
         """The prompt's publish was acknowledged: it is in the work queue."""
@@ -173,7 +208,7 @@ class Feeder:
         if entry is None:
             return
         self.counters.issued -= 1
-        if entry[2]:
+        if entry[3]:
             self.counters.reissued -= 1
         self.reissue.appendleft(entry)
 
@@ -191,19 +226,34 @@ class Feeder:
         self.counters.accepted += 1
         return True
 
-    def on_rejected(self, prompt_id: str) -> bool:
-        """The prompt yielded nothing trainable: count it and queue the row again under a new id,
-        unless it was issued `max_attempts` times already."""
+    def on_rejected(self, prompt_id: str, cause: str = "rejected") -> bool:
+        """The prompt failed (`cause`: see FAILURE_CAUSES): charge its row and queue it again under a
+        new id, unless that was the row's `max_attempts`-th failure; then drop it, counted by cause."""
         entry = self._close(prompt_id)
         if entry is None:
             return False
         self.counters.rejected += 1
-        epoch, row, attempt = entry
-        if attempt + 1 < self.max_attempts:
-            self.reissue.append([epoch, row, attempt + 1])
+        epoch, row, failures, k = entry
+        if failures + 1 < self.max_attempts:
+            self.reissue.append([epoch, row, failures + 1, k + 1])
         else:
             self.counters.dropped += 1
-            log.warning("row dropped: no trainable answer", prompt_id=prompt_id, row=row, attempts=attempt + 1)
+            by_cause = self.counters.dropped_by_cause
+            by_cause[cause] = by_cause.get(cause, 0) + 1
+            log.warning("row dropped after max_attempts failures", prompt_id=prompt_id, epoch=epoch, row=row,
+                        cause=cause, failures=failures + 1, issues=k + 1)
+        return True
+
+    def on_stale(self, prompt_id: str) -> bool:
+        """The prompt's group was generated with weights too old to train on: not the row's fault.
+        Free the slot and queue the row again, uncharged (its `min_version` is set anew at re-issue)."""
+        entry = self._close(prompt_id)
+        if entry is None:
+            return False
+        self.counters.rejected += 1
+        self.counters.stale += 1
+        epoch, row, failures, k = entry
+        self.reissue.append([epoch, row, failures, k + 1])
         return True
 
     def on_filtered(self, prompt_id: str) -> bool:
@@ -220,9 +270,9 @@ class Feeder:
         now = time.monotonic() if now is None else now
         expired = [pid for pid, t in self._issued_at.items() if now - t >= self.in_flight_timeout_s]
         for pid in expired:
-            log.warning("in-flight prompt timed out; treated as rejected", prompt_id=pid, timeout_s=self.in_flight_timeout_s)
+            log.warning("in-flight prompt timed out; treated as failed", prompt_id=pid, timeout_s=self.in_flight_timeout_s)
             self.counters.timed_out += 1
-            self.on_rejected(pid)
+            self.on_rejected(pid, "timed_out")
         return expired
 
     def eval_tasks(self, step: int, size: int, version: int, nonce: str) -> list[PromptTask]:
@@ -231,9 +281,19 @@ class Feeder:
         rows = self.eval_rows[:size]
         self.counters.eval_issued += len(rows)
         return [
-            PromptTask(run=self.run, prompt_id=f"eval{step}-{i}.{nonce}", data=row, is_eval=True, issued_version=version)
+            PromptTask(run=self.run, prompt_id=f"eval{step}-{i}.{nonce}", data=row, is_eval=True, issued_version=version,
+                       min_version=version if self.gate_versions else 0)
             for i, row in enumerate(rows)
         ]
+
+    def metric_values(self) -> dict[str, float]:
+        """Every counter as `feeder_<name>` (the trainer's metrics; `jetrl status` reads them)."""
+        c = self.counters
+        values = {f"feeder_{k}": float(v) for k, v in vars(c).items() if isinstance(v, int)}
+        values["feeder_in_flight"] = float(c.in_flight)
+        for cause in {*FAILURE_CAUSES, *c.dropped_by_cause}:
+            values[f"feeder_dropped_{cause}"] = float(c.dropped_by_cause.get(cause, 0))
+        return values
 
     # -------------------------------------------------------------------------------- state
 
@@ -241,7 +301,7 @@ class Feeder:
         """The state as if every unconfirmed publish had failed: a prompt that may never have reached
         the work queue is not saved as in flight (it would hold its slot forever after a resume)."""
         saved = Feeder(self.run, self.rows, self.batch_groups, self.eta, self.max_in_flight, tag=self.tag)
-        saved.counters = FeederCounters(**vars(self.counters))
+        saved.counters = FeederCounters(**{**vars(self.counters), "dropped_by_cause": dict(self.counters.dropped_by_cause)})
         saved.in_flight, saved.reissue = dict(self.in_flight), deque(self.reissue)
         for pid in self._unconfirmed:
             saved.put_back(pid)
@@ -255,11 +315,17 @@ class Feeder:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.counters = FeederCounters(**state["counters"])
+        self.counters = FeederCounters(**{**state["counters"], "dropped_by_cause": dict(state["counters"].get("dropped_by_cause", {}))})
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
-        self.in_flight = {k: list(v) for k, v in state["in_flight"].items()}
-        self.reissue = deque(list(x) for x in state["reissue"])
+        self.in_flight = {k: _entry(v) for k, v in state["in_flight"].items()}
+        self.reissue = deque(_entry(x) for x in state["reissue"])
         self.tag = str(state.get("tag", ""))
         now = time.monotonic()
         self._issued_at = dict.fromkeys(self.in_flight, now)
         self._unconfirmed = set()
+
+
+def _entry(saved: list[int]) -> list[int]:
+    """A saved in-flight or re-issue entry; one saved before stale re-issues were uncharged is
+    [epoch, row, attempt], every issue of it a failure."""
+    return [*saved, saved[2]] if len(saved) == 3 else list(saved)

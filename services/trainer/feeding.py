@@ -35,6 +35,7 @@ class Feeding:
     feeder: Feeder | None
     intake: Intake
     nc: NATS | None
+    publish: Any
     metrics: MetricsPublisher | None
     subjects: Subjects
     version: int
@@ -48,6 +49,7 @@ class Feeding:
         if self.feeder is None or self.nc is None:
             return 0
         self.feeder.expire()
+        self._gate_versions()
         js, n = self.nc.jetstream(), 0
         while (task := self.feeder.next_task(self.version)) is not None:
             if task.prompt_id in self.intake.trained:
@@ -61,7 +63,21 @@ class Feeding:
                 raise
             self.feeder.confirm(task.prompt_id)
             n += 1
+        self._feeder_metrics()
         return n
+
+    def _gate_versions(self) -> None:
+        """Prompts wait for their weights only if this trainer publishes weights: otherwise no server
+        will ever load a newer version."""
+        assert self.feeder is not None
+        self.feeder.gate_versions = self.publish is not None and self.s.publish_weights
+
+    def _feeder_metrics(self) -> None:
+        """Carry the feeder's counters (re-issues, stale groups, dropped rows by cause) in every
+        metrics event of the trainer, as monotonic counts: `jetrl status` and the run summary read them."""
+        if self.metrics is not None and self.feeder is not None:
+            for key, value in self.feeder.metric_values().items():
+                self.metrics.counters[key] = int(value)
 
     async def _publish_prompt(self, js: Any, subject: str, task: PromptTask) -> None:
         headers = {HDR_MSG_ID: f"{self.s.run}/prompt/{task.prompt_id}"}
@@ -107,7 +123,7 @@ class Feeding:
                 return
             if self.metrics is not None:
                 self.metrics.count("dead_letters")
-            if not task.is_eval and self.feeder is not None and self.feeder.on_rejected(task.prompt_id):
+            if not task.is_eval and self.feeder is not None and self.feeder.on_rejected(task.prompt_id, "dead_letter"):
                 self._wake_feeder.set()
             log.warning("prompt dead-lettered; treated as rejected", prompt_id=task.prompt_id, stream_seq=seq)
             try:
@@ -120,6 +136,7 @@ class Feeding:
     async def _issue_eval(self) -> None:
         assert self.feeder is not None and self.nc is not None
         js = self.nc.jetstream()
+        self._gate_versions()
         tasks = self.feeder.eval_tasks(self.version, self.s.feeder.eval_size, self.version, self.nonce)
         if self.evals is not None:
             self.evals.expect(self.version, [t.prompt_id for t in tasks])

@@ -58,9 +58,13 @@ class Intake:
         elif verdict.outcome == "filtered" and pid is not None and self.feeder is not None:
             self.feeder.on_filtered(pid)
         elif verdict.outcome in ("rejected", "stale", "malformed") and pid is not None:
-            # Each of these yields nothing trainable for the prompt: the feeder issues it again.
+            # Each of these yields nothing trainable for the prompt: the feeder issues it again
+            # (a stale group uncharged: old weights are not the row's fault).
             if self.feeder is not None:
-                self.feeder.on_rejected(pid)
+                if verdict.outcome == "stale":
+                    self.feeder.on_stale(pid)
+                else:
+                    self.feeder.on_rejected(pid, verdict.outcome)
         return verdict
 
     def _judge(self, data: bytes, headers: dict[str, str] | None, seq: int, version: int,

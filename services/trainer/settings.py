@@ -119,8 +119,9 @@ class FeederSettings(Section):
     max_in_flight: int = Field(64, ge=1)
     """Most training prompts issued and not yet answered (accepted or rejected)."""
     max_attempts: int = Field(3, ge=1)
-    """Issues per row at most: a row rejected (marker, stale, dead letter, timed out) this many times is
-    dropped and counted (`feeder_dropped`) instead of re-issued."""
+    """Genuine failures per row at most: a row whose prompts failed (marker, malformed answer, dead
+    letter, timed out) this many times is dropped, logged and counted (`feeder_dropped`, by cause)
+    instead of re-issued. A stale group is not a failure: its row is re-issued uncharged."""
     in_flight_timeout_s: float = Field(1800.0, gt=0)
     """A training prompt unanswered this long (counted from its issue, or from a resume) is treated as
     rejected: counted (`feeder_timed_out`) and re-issued. Catches answers that can never come, e.g. a

@@ -64,6 +64,32 @@ def summary_lines(steps: list[dict[str, Any]], servers: dict[str, int], wall_s: 
         f"steps: {steps[-1]['step']}  final version: {steps[-1].get('version')}  wall: {wall_s:.0f} s",
         f"reward mean: first 10 steps {mean(first):.3f} -> last 10 steps {mean(last):.3f}",
     ]
+    lines += waste_lines(steps)
     for server, version in sorted(servers.items()):
         lines.append(f"server {server}: weight version {version}")
+    return lines
+
+
+WASTED_KINDS = ("stale", "filtered", "duplicate")
+"""Groups generated in full and not trained: judged stale, removed by dynamic filtering, or a repeat."""
+
+
+def waste_lines(steps: list[dict[str, Any]]) -> list[str]:
+    """Groups and samples generated for nothing, from the trainer's per-step counts (a group's samples
+    taken as the step's samples per trained group), and the dataset rows the feeder gave up on."""
+    trained = sum(s.get("groups", 0.0) for s in steps)
+    wasted = {kind: sum(s.get(f"{kind}_groups", 0.0) for s in steps) for kind in WASTED_KINDS}
+    samples = sum(
+        sum(s.get(f"{kind}_groups", 0.0) for kind in WASTED_KINDS) * s["samples"] / s["groups"]
+        for s in steps if s.get("groups")
+    )
+    share = f" ({100 * wasted['stale'] / trained:.1f}% of {trained:.0f} trained)" if trained else ""
+    lines = [f"stale groups: {wasted['stale']:.0f}{share}  wasted samples: {samples:.0f} "
+             f"({', '.join(f'{n:.0f} {kind}' for kind, n in wasted.items())} groups)"]
+    last = steps[-1]
+    if "feeder_dropped" in last:
+        causes = [f"{k.removeprefix('feeder_dropped_')} {last[k]:.0f}" for k in sorted(last)
+                  if k.startswith("feeder_dropped_") and last[k]]
+        lines.append(f"dataset rows dropped: {last['feeder_dropped']:.0f}" + (f" ({', '.join(causes)})" if causes else "")
+                     + f"  re-issued: {last.get('feeder_reissued', 0.0):.0f}")
     return lines

@@ -101,7 +101,8 @@ async def test_trainer_steps_with_admission_staleness_and_duplicates(nats_url: s
     assert values is not None and trainer.version == 3
     assert values["stale_groups"] == 1 and values["staleness_1"] == 1 and values["staleness_0"] == 1
     epoch, row = (int(x) for x in stale_id.split("-")[:2])
-    assert stale_id not in trainer.intake.trained and [epoch, row, 1] in list(feeder.reissue)
+    # re-issued as its first re-issue, with no failure charged to the row: [epoch, row, failures, reissue]
+    assert stale_id not in trainer.intake.trained and [epoch, row, 0, 1] in list(feeder.reissue)
     await trainer.feed_once()
     check_bound()
 

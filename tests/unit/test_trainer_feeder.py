@@ -1,6 +1,7 @@
-"""The feeder: seeded epochs, the admission rule at every version, re-issue under new ids with an
-attempt cap, filtered groups not re-issued, timeouts, unacknowledged publishes, state; and the intake's
-verdicts as the feeder sees them (rejection markers, foreign prompts)."""
+"""The feeder: seeded epochs, the admission rule at every version, re-issue under new ids with a cap
+on genuine failures (stale groups uncharged), dropped rows counted by cause, each prompt's
+`min_version`, filtered groups not re-issued, timeouts, unacknowledged publishes, state; and the
+intake's verdicts as the feeder sees them (rejection markers, stale groups, foreign prompts)."""
 
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ def test_rejection_marker_from_the_worker_reissues_then_drops_the_row() -> None:
     intake = Intake(eta=100, feeder=f)
     pid = _drain(f, 0)[0]
     assert intake.judge(*_marker(pid), seq=1, version=0).outcome == "rejected"
-    assert list(f.reissue) == [[0, int(pid.split("-")[1]), 1]] and f.counters.rejected == 1
+    assert list(f.reissue) == [[0, int(pid.split("-")[1]), 1, 1]] and f.counters.rejected == 1
     retry = f.next_task(0)
     assert retry is not None and retry.prompt_id == pid + "-r1"
     assert intake.judge(*_marker(retry.prompt_id), seq=2, version=0).outcome == "rejected"
@@ -200,3 +201,93 @@ def test_a_tag_sets_this_incarnations_prompts_apart() -> None:
     g = _feeder(eta=100)
     g.load_state_dict(json.loads(json.dumps(f.state_dict())))
     assert g.tag == "ab12cd"
+
+
+def test_stale_groups_are_reissued_uncharged_and_never_drop_the_row() -> None:
+    """Old weights are not the row's fault: however often a row's group comes back stale (servers
+    stuck on old weights after a bus outage), it is re-issued, and only genuine failures count."""
+    f = _feeder(max_attempts=2, eta=0, max_in_flight=1)
+    intake = Intake(eta=0, feeder=f)
+    pid = _drain(f, 0)[0]
+    for k in range(1, 11):  # generated with v0, judged at v3: stale every time
+        assert intake.judge(*_group(pid, [1.0, 0.0], version=0), seq=k, version=3).outcome == "stale"
+        (pid,) = _drain(f, 3)
+        assert pid.endswith(f"-r{k}")
+    c = f.counters
+    assert c.stale == 10 and c.reissued == 10 and c.dropped == 0 and c.in_flight == 1
+    # the row's genuine failures still count, across its stale re-issues: the second one drops it
+    assert intake.judge(*_marker(pid), seq=20, version=3).outcome == "rejected"
+    (pid,) = _drain(f, 3)
+    assert intake.judge(*_group(pid, [1.0, 0.0], version=0), seq=21, version=3).outcome == "stale"
+    (pid,) = _drain(f, 3)
+    assert intake.judge(*_marker(pid), seq=22, version=3).outcome == "rejected"
+    assert c.dropped == 1 and c.dropped_by_cause == {"rejected": 1} and pid not in f.in_flight
+    values = f.metric_values()
+    assert values["feeder_stale"] == 11 and values["feeder_dropped_rejected"] == 1 and values["feeder_dropped"] == 1
+
+
+def test_dropped_rows_are_counted_by_cause() -> None:
+    f = _feeder(max_attempts=1, eta=100, max_in_flight=4, in_flight_timeout_s=60.0)
+    intake = Intake(eta=100, feeder=f)
+    a, b, c, d = _drain(f, 0)
+    assert f.on_rejected(a, "dead_letter")
+    bad_headers = {**rejection_headers("r", b)}
+    assert intake.judge(b"not a marker", bad_headers, seq=1, version=0).outcome == "malformed"
+    assert intake.judge(*_marker(c), seq=2, version=0).outcome == "rejected"
+    assert f.expire(time.monotonic() + 61) == [d]
+    n = f.counters
+    assert n.dropped_by_cause == {"dead_letter": 1, "malformed": 1, "rejected": 1, "timed_out": 1}
+    assert n.dropped == 4 and not f.reissue and n.in_flight == 0
+    # a cause the feeder does not know yet is counted under its own name, never refused
+    e = _drain(f, 0)[0]
+    assert f.on_rejected(e, "invalid_group") and n.dropped_by_cause["invalid_group"] == 1
+    values = f.metric_values()
+    assert values["feeder_dropped_invalid_group"] == 1 and values["feeder_dropped_timed_out"] == 1
+    g = _feeder()
+    g.load_state_dict(json.loads(json.dumps(f.state_dict())))
+    assert g.counters == f.counters
+
+
+def test_min_version_is_the_oldest_version_the_trainer_will_accept() -> None:
+    """At eta=0 every prompt issued at version v must be generated with v: the prompts issued right
+    after a step must not start on the weights that step replaced."""
+    f = _feeder(eta=0, epochs=0)
+    intake = Intake(eta=0, feeder=f)
+    for version in range(4):
+        tasks = list(iter(lambda v=version: f.next_task(v), None))  # type: ignore[misc]
+        assert len(tasks) == 2 and {t.min_version for t in tasks} == {version}
+        for t in tasks:
+            f.confirm(t.prompt_id)
+        # one group comes back stale: its re-issue waits for this version too
+        assert intake.judge(*_group(tasks[0].prompt_id, [1.0, 0.0], version=version - 1), seq=1, version=version).outcome == "stale"
+        retry = f.next_task(version)
+        assert retry is not None and retry.min_version == version
+        for pid in list(f.in_flight):
+            f.on_accepted(pid)
+    # eta=2: the prompts for the steps ahead may use weights up to eta versions older than their step's
+    g = _feeder(eta=2, epochs=0, eval_rows=ROWS[:3])
+    mins = [t.min_version for t in iter(lambda: g.next_task(0), None)]
+    assert mins == [0, 0, 0, 0, 0, 0]  # expected steps 0..2, less eta
+    for pid in list(g.in_flight)[:4]:
+        g.on_accepted(pid)
+    assert [t.min_version for t in iter(lambda: g.next_task(2), None)] == [1, 1, 2, 2]
+    # an eval round measures the weights of its step: generated with them, never older
+    assert [t.min_version for t in g.eval_tasks(7, 3, 7, "n")] == [7, 7, 7]
+
+
+def test_a_checkpoint_saved_before_uncharged_reissues_loads() -> None:
+    f = _feeder()
+    f.load_state_dict({"counters": {"issued": 2, "rejected": 1}, "epoch": 0, "index": 2,
+                       "in_flight": {"0-4-r1": [0, 4, 1]}, "reissue": [[0, 7, 2]], "tag": ""})
+    task = f.next_task(0)
+    assert task is not None and task.prompt_id == "0-7-r2"
+    assert f.in_flight["0-4-r1"] == [0, 4, 1, 1] and f.counters.stale == 0
+
+
+def test_no_version_gating_when_the_trainer_publishes_no_weights() -> None:
+    """No server will ever load a newer version: a prompt that waited for one would wait forever."""
+    f = _feeder(eta=0, epochs=0, eval_rows=ROWS[:2], gate_versions=False)
+    for pid in _drain(f, 0):
+        f.on_accepted(pid)
+    assert [t.min_version for t in iter(lambda: f.next_task(1), None)] == [0, 0]
+    assert [t.min_version for t in f.eval_tasks(1, 2, 1, "n")] == [0, 0]
