@@ -26,7 +26,8 @@ class DatasetOptions(Section):
     config: str | None = None
     """Hub dataset configuration (the second argument of `datasets.load_dataset`), e.g. "main" for gsm8k."""
     prompt_key: str = "prompt"
-    """The row field that holds the prompt; copied to `prompt`."""
+    """The row field that holds the prompt; copied to `prompt` (a row without it is passed on as it is,
+    for workflows that read other fields, unless a key other than "prompt" was asked for)."""
     answer_key: str = "answer"
     """The row field that holds the reference answer; copied to `answer` (rows without it keep none)."""
     id_key: str = "id"
@@ -123,11 +124,13 @@ def _transform(ref: str) -> Callable[[Row], Row] | None:
 def _map(row: Row, index: int, options: DatasetOptions, source: str | Path) -> Row:
     if not isinstance(row, dict):
         raise ValueError(f"dataset {source} row {index}: the transform returned {type(row).__name__}, not a dict")
-    if options.prompt_key not in row:
-        raise ValueError(f"dataset {source} row {index} has no {options.prompt_key!r} field (keys: {sorted(row)}); "
-                         "set prompt_key, or a transform")
     out = dict(row)
-    out["prompt"] = row[options.prompt_key]
+    if options.prompt_key in row:
+        out["prompt"] = row[options.prompt_key]
+    elif options.prompt_key != "prompt":  # a mapping that was asked for and finds nothing
+        raise ValueError(f"dataset {source} row {index} has no {options.prompt_key!r} field (keys: {sorted(row)}); "
+                         "fix prompt_key, or use a transform")
+    # rows without a prompt (a workflow reading `messages`, say) are passed on as they are
     if options.answer_key in row:
         out["answer"] = row[options.answer_key]
     out["id"] = str(row.get(options.id_key, index))

@@ -56,9 +56,10 @@ def test_errors_name_the_source_and_the_fix(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_rows(tmp_path / "missing.jsonl")
     no_prompt = tmp_path / "np.jsonl"
-    no_prompt.write_text('{"question": "1"}\n')
-    with pytest.raises(ValueError, match=r"no .prompt. field .* set prompt_key"):
-        load_rows(no_prompt)
+    no_prompt.write_text('{"messages": [], "answer": "1"}\n')
+    assert load_rows(no_prompt) == [{"messages": [], "answer": "1", "id": "0"}]  # a workflow reads its own fields
+    with pytest.raises(ValueError, match=r"no .question. field .* fix prompt_key"):
+        load_rows(no_prompt, DatasetOptions(prompt_key="question"))
 
 
 def test_refs_accept_every_spelling_and_name_what_is_missing(tmp_path: Path) -> None:

@@ -81,14 +81,14 @@ class ArealOpenAI:
 
         parsed = self._parse(parse_chat, kwargs, "chat.completions.create")
         item = await self._complete(parsed, "chat")
-        return ChatCompletion.model_validate(replies.chat_completion(item, parsed.model))
+        return ChatCompletion.model_validate(replies.chat_completion([item], parsed, self.proxy.chat))
 
     async def _responses(self, **kwargs: Any) -> Any:
         from openai.types.responses import Response
 
         parsed = self._parse(parse_responses, kwargs, "responses.create")
         item = await self._complete(parsed, "responses")
-        return Response.model_validate(replies.response(item, parsed.model))
+        return Response.model_validate(replies.response(item, parsed, self.proxy.chat))
 
     @staticmethod
     def _parse(parse: Callable[[Any], CanonicalRequest], kwargs: dict[str, Any], call: str) -> CanonicalRequest:
