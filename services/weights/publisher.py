@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
@@ -64,9 +65,11 @@ class WeightPublisher:
         chunk_size: int = objstore.CHUNK_SIZE,
         bus_retry_timeout_s: float = 300.0,
         chunk_timeout_s: float = objstore.ACK_TIMEOUT_S,
+        on_retry: Callable[[BaseException], None] | None = None,
     ) -> None:
         """bus_retry_timeout_s: how long a NATS call that fails the way a server restart looks is
-        retried; chunk_timeout_s: longest wait for one object chunk's ack, per attempt."""
+        retried; chunk_timeout_s: longest wait for one object chunk's ack, per attempt; on_retry:
+        called with the error before each retry (e.g. to count them in metrics)."""
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last}): the announced version must stay fetchable")
         self.nc = nc
@@ -79,6 +82,7 @@ class WeightPublisher:
         self.chunk_size = chunk_size
         self.bus_retry_timeout_s = bus_retry_timeout_s
         self.chunk_timeout_s = chunk_timeout_s
+        self.on_retry = on_retry
         self._ready = False
         self._stored: dict[int, list[str]] | None = None
         """{version: object names} of this run in the bucket: listed at the first collection, then kept."""
@@ -87,10 +91,11 @@ class WeightPublisher:
 
     async def _setup(self) -> None:
         if not self._ready:
-            await with_retries("declare the weight-sync stream", lambda: ensure_weight_sync_stream(self.nc), self.bus_retry_timeout_s)
+            await with_retries("declare the weight-sync stream", lambda: ensure_weight_sync_stream(self.nc),
+                               self.bus_retry_timeout_s, self.on_retry)
             if self.shared_dir is None:
                 await with_retries(f"open bucket {self.bucket}", lambda: objstore.open_bucket(self.js, self.bucket),
-                                   self.bus_retry_timeout_s)
+                                   self.bus_retry_timeout_s, self.on_retry)
             self._ready = True
 
     async def publish_dir(self, version: int, step: int, hf_dir: str | Path, *, consume: bool = False) -> WeightsPublished:
@@ -112,7 +117,7 @@ class WeightPublisher:
         data = encode(msg)
         # A repeat after a lost ack is harmless: agents skip the version they already hold.
         await with_retries(f"announce weights v{version}", lambda: self.js.publish(self.subjects.weights_published, data),
-                           self.bus_retry_timeout_s)
+                           self.bus_retry_timeout_s, self.on_retry)
         total = sum(f.size for f in entries)
         log.info("weights published", version=version, step=step, uri=uri, bytes=total, seconds=round(upload_s, 3))
         await self._collect_garbage(version)
@@ -128,7 +133,7 @@ class WeightPublisher:
         for path in files:
             name = path.relative_to(hf_dir).as_posix()
             info = await objstore.put_file(self.js, self.bucket, f"{prefix}/{name}", path, self.chunk_size,
-                                           timeout_s=self.chunk_timeout_s, retry_s=self.bus_retry_timeout_s)
+                                           timeout_s=self.chunk_timeout_s, retry_s=self.bus_retry_timeout_s, on_retry=self.on_retry)
             entries.append(WeightFile(name=name, sha256=objstore.digest_hex(info), size=int(info.size or 0)))
             self._uploaded.setdefault(version, []).append(f"{prefix}/{name}")
         return object_uri(self.bucket, prefix), entries
