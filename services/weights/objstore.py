@@ -7,6 +7,10 @@ a JSON `ObjectInfo` rolled up on `$O.<bucket>.M.<b64 name>`, SHA-256 digest) wit
 in-flight chunk publishes and a pull consumer read in byte-bounded batches, hashing and disk I/O in
 a thread that overlaps the network. Objects stay readable by any NATS object store client, and
 nats-py's own `get_info`/`delete`/`list` work on them.
+
+Both ride out a nats-server restart (`services.common.busretry`): an upload starts its file again
+under a fresh id, a download resumes after its last chunk written. A download holds one consumer at a
+time and deletes it when done, so a reader never piles them up however many files it reads.
 """
 
 from __future__ import annotations
