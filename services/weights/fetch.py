@@ -21,7 +21,7 @@ from nats.js.errors import ObjectNotFoundError
 
 from schemas.messages import WeightFile, WeightsPublished
 from services.common.busretry import BusUnavailable
-from services.weights import objstore
+from services.weights import objread, objstore
 from services.weights.files import ChecksumError, parallel, parse_uri, remove_tree, safe_name, verify_file
 
 
@@ -31,7 +31,7 @@ class FetchError(RuntimeError):
 
 @dataclass(frozen=True)
 class Retry:
-    """How a download waits through a NATS outage (`objstore.get_file`)."""
+    """How a download waits through a NATS outage (`objread.get_file`)."""
 
     timeout_s: float = objstore.ACK_TIMEOUT_S
     """Longest wait for one batch of chunks, per attempt."""
@@ -74,9 +74,9 @@ async def _download(js: JetStreamContext, bucket: str, prefix: str, msg: Weights
                 raise FetchError(f"v{msg.version}: {exc}") from exc
             await asyncio.to_thread(dest.parent.mkdir, parents=True, exist_ok=True)
             try:
-                # opened in a thread too; get_file hashes and writes in executor threads
+                # opened in a thread too; objread.get_file hashes and writes in executor threads
                 with await asyncio.to_thread(open, dest, "wb") as out:
-                    info, digest = await objstore.get_file(js, bucket, f"{prefix}/{f.name}", out, timeout_s=retry.timeout_s,
+                    info, digest = await objread.get_file(js, bucket, f"{prefix}/{f.name}", out, timeout_s=retry.timeout_s,
                                                            retry_s=retry.retry_s, on_retry=retry.on_retry)
             except ObjectNotFoundError as exc:  # ObjectDeletedError too
                 raise FetchError(f"v{msg.version}: {f.name}: missing from {bucket}/{prefix}") from exc

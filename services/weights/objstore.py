@@ -9,15 +9,13 @@ a thread that overlaps the network. Objects stay readable by any NATS object sto
 nats-py's own `get_info`/`delete`/`list` work on them.
 
 Both ride out a nats-server restart (`services.common.busretry`): an upload starts its file again
-under a fresh id, a download resumes after its last chunk written. A download holds one consumer at a
-time and deletes it when done, so a reader never piles them up however many files it reads.
+under a fresh id; reading is in `objread`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import json
 from collections import deque
@@ -28,16 +26,13 @@ from typing import BinaryIO
 
 from nats.js import JetStreamContext
 from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
-    DeliverPolicy,
     Header,
     ObjectInfo,
     ObjectMetaOptions,
     ObjectStoreConfig,
     StorageType,
 )
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.errors import BadRequestError, BucketNotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
 from services.common.busretry import Backoff, retryable
@@ -65,7 +60,7 @@ class ChunkTimeout(ObjectStoreError, TimeoutError):
     """A chunk was not acknowledged, or not delivered, in time: a timeout like any other, so retried as one."""
 
 
-def _stream(bucket: str) -> str:
+def stream_name(bucket: str) -> str:
     return f"OBJ_{bucket}"
 
 
@@ -73,7 +68,7 @@ def _meta_subject(bucket: str, name: str) -> str:
     return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
 
 
-def _chunk_subject(bucket: str, nuid: str) -> str:
+def chunk_subject(bucket: str, nuid: str) -> str:
     return f"$O.{bucket}.C.{nuid}"
 
 
@@ -135,7 +130,7 @@ async def _put_once(
     js: JetStreamContext, bucket: str, name: str, path: Path, chunk_size: int, nuid: str, timeout_s: float
 ) -> ObjectInfo:
     loop = asyncio.get_running_loop()
-    subject = _chunk_subject(bucket, nuid)
+    subject = chunk_subject(bucket, nuid)
     sha = hashlib.sha256()
     pending: deque[asyncio.Future] = deque()
     size = chunks = 0
@@ -190,7 +185,7 @@ async def _settle(fut: asyncio.Future, timeout_s: float) -> None:
 async def _purge_chunks(js: JetStreamContext, bucket: str, nuid: str) -> bool:
     """Best effort, never raises (it runs in cleanups): False if the server did not answer."""
     try:
-        await asyncio.shield(asyncio.wait_for(js.purge_stream(_stream(bucket), subject=_chunk_subject(bucket, nuid)), CLEANUP_TIMEOUT_S))
+        await asyncio.shield(asyncio.wait_for(js.purge_stream(stream_name(bucket), subject=chunk_subject(bucket, nuid)), CLEANUP_TIMEOUT_S))
         return True
     except Exception as exc:
         log.warning("purging an object's chunks failed; retried after the next upload", nuid=nuid, error=repr(exc))
@@ -199,121 +194,15 @@ async def _purge_chunks(js: JetStreamContext, bucket: str, nuid: str) -> bool:
 
 async def _info_or_none(js: JetStreamContext, bucket: str, name: str) -> ObjectInfo | None:
     try:
-        return await ObjectStore(bucket, _stream(bucket), js).get_info(name)
+        return await ObjectStore(bucket, stream_name(bucket), js).get_info(name)
     except ObjectNotFoundError:
         return None
-
-
-async def get_file(
-    js: JetStreamContext,
-    bucket: str,
-    name: str,
-    dest: BinaryIO,
-    *,
-    timeout_s: float = ACK_TIMEOUT_S,
-    retry_s: float = 0.0,
-    on_retry: Callable[[BaseException], None] | None = None,
-) -> tuple[ObjectInfo, str]:
-    """Download object `name` into the open file `dest`; returns (info, sha256 hex of what was written).
-    Raises `ObjectNotFoundError` if there is no such object, `ObjectStoreError` if it changed while
-    being read.
-
-    Each attempt reads through one consumer that is deleted when the attempt ends (the server also
-    drops it after `inactive_threshold` if that delete is lost), so a reader holds at most one. An
-    attempt that fails the way a NATS restart looks (a batch not delivered within `timeout_s`
-    included) is resumed after the last chunk written, with capped backoff, until `retry_s` has passed
-    (then `BusUnavailable`)."""
-    store = ObjectStore(bucket, _stream(bucket), js)
-    backoff = Backoff(f"download {bucket}/{name}", retry_s, on_retry)
-    reader: _Reader | None = None
-    while True:
-        try:
-            info = await store.get_info(name)
-            if reader is None:
-                reader = _Reader(info, dest)
-            elif info.nuid != reader.info.nuid:
-                raise ObjectStoreError(f"{name}: replaced while it was being read")
-            await reader.read(js, bucket, timeout_s)
-        except Exception as exc:
-            if not retryable(exc):
-                raise
-            await backoff.failed(exc)
-            continue
-        backoff.reset()
-        return reader.info, reader.sha.hexdigest()
-
-
-class _Reader:
-    """The chunks of one object written to `dest` in order; `read` resumes after the last one written."""
-
-    def __init__(self, info: ObjectInfo, dest: BinaryIO) -> None:
-        self.info, self.dest = info, dest
-        self.sha = hashlib.sha256()
-        self.got = 0
-        self.next_seq: int | None = None  # stream sequence to resume from
-
-    def _write(self, data: bytes) -> None:
-        self.sha.update(data)
-        self.dest.write(data)
-
-    async def read(self, js: JetStreamContext, bucket: str, timeout_s: float) -> None:
-        total = self.info.chunks or 0
-        if not self.info.size or self.got >= total:
-            return
-        opts = self.info.options
-        chunk = (opts.max_chunk_size if opts and opts.max_chunk_size else CHUNK_SIZE) or CHUNK_SIZE
-        batch = max(1, FETCH_BYTES // chunk)
-        stream, consumer = _stream(bucket), js._nc._nuid.next().decode()
-        # Named before it is created, so that it is deleted even if this is cancelled mid-request.
-        config = ConsumerConfig(
-            name=consumer,
-            filter_subject=_chunk_subject(bucket, self.info.nuid or ""),
-            ack_policy=AckPolicy.NONE,
-            deliver_policy=DeliverPolicy.ALL if self.next_seq is None else DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=self.next_seq,
-            mem_storage=True,
-            inactive_threshold=max(2 * timeout_s, 10.0),
-        )
-        loop = asyncio.get_running_loop()
-        writing: asyncio.Future | None = None
-        try:
-            await js.add_consumer(stream, config=config)
-            sub = await js.pull_subscribe_bind(consumer, stream=stream)
-            try:
-                while self.got < total:
-                    try:
-                        msgs = await sub.fetch(min(batch, total - self.got), timeout=timeout_s)
-                    except TimeoutError as exc:  # plain asyncio.TimeoutError also covers nats' own
-                        raise ChunkTimeout(f"{self.info.name}: chunks stopped arriving after {self.got}/{total}") from exc
-                    if writing is not None:
-                        await writing
-                    # The next fetch overlaps this batch's hashing and writing.
-                    writing = loop.run_in_executor(None, self._write, b"".join(m.data for m in msgs))
-                    self.got += len(msgs)
-                    self.next_seq = msgs[-1].metadata.sequence.stream + 1
-            finally:
-                if writing is not None:
-                    await writing  # a retry appends after it
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-        finally:
-            await _delete_consumer(js, stream, consumer)
-
-
-async def _delete_consumer(js: JetStreamContext, stream: str, consumer: str) -> None:
-    # Shielded: a cancelled (superseded) fetch still deletes its consumer; never raises (a cleanup).
-    try:
-        await asyncio.shield(asyncio.wait_for(js.delete_consumer(stream, consumer), CLEANUP_TIMEOUT_S))
-    except NotFoundError:
-        pass  # its creation never reached the server
-    except Exception as exc:
-        log.warning("deleting a fetch consumer failed; the server drops it when inactive", consumer=consumer, error=repr(exc))
 
 
 async def list_names(js: JetStreamContext, bucket: str) -> list[str]:
     """Names of the live objects in the bucket."""
     try:
-        infos = await ObjectStore(bucket, _stream(bucket), js).list(ignore_deletes=True)
+        infos = await ObjectStore(bucket, stream_name(bucket), js).list(ignore_deletes=True)
     except Exception as exc:  # nats-py raises a bare NotFoundError for an empty bucket
         if type(exc).__name__ in ("NotFoundError", "ObjectNotFoundError"):
             return []
@@ -323,6 +212,6 @@ async def list_names(js: JetStreamContext, bucket: str) -> list[str]:
 
 async def delete(js: JetStreamContext, bucket: str, name: str) -> None:
     try:
-        await ObjectStore(bucket, _stream(bucket), js).delete(name)
+        await ObjectStore(bucket, stream_name(bucket), js).delete(name)
     except ObjectNotFoundError:
         pass

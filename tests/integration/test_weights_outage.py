@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 from schemas.subjects import WEIGHTS_BUCKET
 from services.common.bus import connect
 from services.common.nats_server import NatsServer, free_port
-from services.weights import objstore
+from services.weights import objread, objstore
 from services.weights.publisher import WeightPublisher
 
 CHUNK = 256 * 1024
@@ -110,7 +110,7 @@ async def test_upload_rides_out_a_server_kill_longer_than_the_chunk_timeout(serv
     big = next(f for f in msg.files if f.name == "model.safetensors")
     assert (big.size, big.sha256) == (BIG, hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest())
     out = io.BytesIO()
-    info, digest = await objstore.get_file(nc.jetstream(), WEIGHTS_BUCKET, "wout/v1/model.safetensors", out)
+    info, digest = await objread.get_file(nc.jetstream(), WEIGHTS_BUCKET, "wout/v1/model.safetensors", out)
     assert out.getvalue() == (ckpt / "model.safetensors").read_bytes() and digest == big.sha256
     # the chunks of the killed attempt were purged once the server was back: one chunk subject per object
     state = await nc.jetstream().stream_info(f"OBJ_{WEIGHTS_BUCKET}", subjects_filter=f"$O.{WEIGHTS_BUCKET}.C.>")
@@ -139,7 +139,7 @@ async def test_download_resumes_after_a_server_kill_longer_than_the_chunk_timeou
     before = (await js.stream_info(f"OBJ_{WEIGHTS_BUCKET}")).state.consumer_count  # the publisher's listing may linger
     retries = Retries()
     out = KillOnFirstWrite(server)
-    reading = asyncio.create_task(objstore.get_file(js, WEIGHTS_BUCKET, "wout/v1/model.safetensors", out,
+    reading = asyncio.create_task(objread.get_file(js, WEIGHTS_BUCKET, "wout/v1/model.safetensors", out,
                                                     timeout_s=CHUNK_TIMEOUT_S, retry_s=120, on_retry=retries))
     try:
         await retries.wait_for(TimeoutError, reading)  # a batch waited for in vain, with the server down
