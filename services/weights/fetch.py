@@ -78,7 +78,7 @@ async def _download(js: JetStreamContext, bucket: str, prefix: str, msg: Weights
                 with await asyncio.to_thread(open, dest, "wb") as out:
                     info, digest = await objread.get_file(js, bucket, f"{prefix}/{f.name}", out, timeout_s=retry.timeout_s,
                                                            retry_s=retry.retry_s, on_retry=retry.on_retry)
-            except ObjectNotFoundError as exc:  # ObjectDeletedError too
+            except ObjectNotFoundError as exc:  # a deleted object too (get_info says so)
                 raise FetchError(f"v{msg.version}: {f.name}: missing from {bucket}/{prefix}") from exc
             except (objstore.ObjectStoreError, BusUnavailable, nats.errors.Error) as exc:
                 raise FetchError(f"v{msg.version}: {f.name}: {exc!r}") from exc
