@@ -1,10 +1,12 @@
-"""Retrying NATS calls through a server restart (the trainer's, the weights agent's reports) (DESIGN.md "Failure semantics": clients
-reconnect and continue).
+"""Retrying NATS calls through a server restart (DESIGN.md "Failure semantics": clients reconnect and
+continue): the trainer's calls, the weight publisher's and agent's object-store transfers, the agent's
+announcements and reports.
 
 nats-py reconnects by itself; a call made meanwhile fails with a timeout or a reconnecting/no-servers
 error, or JetStream answers 503 while it starts up again. Those are retried with capped, jittered
 backoff until `give_up_after_s` has passed since the first failure; then `BusUnavailable` says so.
-A closed connection (the client was shut down) and any other error are not retried.
+A closed connection (the client was shut down) and any other error are not retried. An error of the
+caller's own that is a `TimeoutError` (an object chunk never acknowledged) is retried like any timeout.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import nats.js.errors
 
 from services.common.logging import get_logger
 
-log = get_logger("trainer.bus")
+log = get_logger("bus.retry")
 
 T = TypeVar("T")
 

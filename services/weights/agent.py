@@ -9,6 +9,10 @@ already stale). Any failure is reported as `WeightsLoadFailed`; the server keeps
 generation is always resumed; the next announcement is tried afresh. A report that NATS does not
 acknowledge (a server restarting) is retried with capped backoff for `report_retry_s`, then logged and
 counted: a lost report never stops the agent.
+
+A NATS outage never stops it either: a download is resumed through it (`bus_retry_timeout_s`), and as
+soon as the client is back the last announcement is re-read from the stream, so a version announced
+while the agent's subscription was down is loaded at once, not at the next publish.
 """
 
 from __future__ import annotations
@@ -20,20 +24,18 @@ from pathlib import Path
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy
 
-from schemas.messages import Message, MessageError, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode, encode
+from schemas.messages import Message, WeightsLoaded, WeightsLoadFailed, WeightsPublished, encode
 from schemas.subjects import Subjects
 from services.common.bus import connect
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.health import http_check, register_check
 from services.common.logging import bind_context, get_logger
 from services.common.metrics import MetricsPublisher
-from services.common.poison import terminate_poison
 from services.common.runner import Supervisor, supervise
-from services.weights.fetch import FetchError, fetch_version
+from services.weights.fetch import FetchError, Retry, fetch_version
 from services.weights.files import remove_tree, version_dirs, versions_to_drop
+from services.weights.listen import AnnouncementFeed
 from services.weights.publisher import ensure_weight_sync_stream
 from services.weights.server_client import ServerClient, ServerError
 from services.weights.settings import WeightsSettings
@@ -64,27 +66,17 @@ class WeightsAgent:
     # ------------------------------------------------------------------------------ announcements
 
     async def listen(self, stopping: asyncio.Event) -> None:
-        """Follow the weight-sync subject from its last message on (late joiners catch up at once)."""
-        sub = await self.js.subscribe(
-            self.subjects.weights_published, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
-        )
-        try:
-            while not stopping.is_set():
-                try:
-                    msg = await sub.next_msg(timeout=0.25)
-                except TimeoutError:
-                    continue
-                await self._on_message(msg)
-        finally:
-            await sub.unsubscribe()
+        """Follow the weight-sync subject from its last message on (late joiners catch up at once), and
+        re-read its last message as soon as NATS is back after an outage (`listen.AnnouncementFeed`)."""
+        feed = AnnouncementFeed(self.nc, self.subjects.weights_published, self.offer, self.metrics,
+                                self.settings.bus_retry_timeout_s, missing=self.missing)
+        await feed.run(stopping)
 
-    async def _on_message(self, msg: Msg) -> None:
-        try:
-            announced = decode(WeightsPublished, msg.data)
-        except MessageError as exc:
-            await terminate_poison(msg, exc, self.metrics)
-            return
-        self.offer(announced)
+    def missing(self, announced: WeightsPublished) -> bool:
+        """Whether `announced` is neither served nor being handled (e.g. its fetch gave up during an
+        outage): re-read after a reconnect, it is then offered again."""
+        idle = self._handled == self._received and self._fetching is None
+        return idle and announced.version != self.loaded_version
 
     def offer(self, announced: WeightsPublished) -> None:
         """The latest announcement is the one to load; an older one still being fetched is dropped."""
@@ -122,7 +114,9 @@ class WeightsAgent:
         """Fetch, verify and load one version. True if the server now serves it."""
         t0 = time.perf_counter()
         bind_context(version=target.version)
-        fetch = asyncio.ensure_future(fetch_version(self.js, target, self.cache_dir))
+        retry = Retry(self.settings.chunk_timeout_s, self.settings.bus_retry_timeout_s,
+                      on_retry=lambda _: self.metrics.count("fetch_retries"))
+        fetch = asyncio.ensure_future(fetch_version(self.js, target, self.cache_dir, retry))
         self._fetching = (target.version, fetch)
         try:
             path = await fetch
@@ -238,7 +232,7 @@ async def _start(sup: Supervisor, settings: WeightsSettings) -> None:
     bind_context(server=settings.server_name)
     nc = await connect(settings.nats_url, f"jetrl-weights-{settings.server_name}")
     sup.stack.push_async_callback(nc.drain)
-    await ensure_weight_sync_stream(nc)
+    await with_retries("declare the weight-sync stream", lambda: ensure_weight_sync_stream(nc), settings.bus_retry_timeout_s)
     server = ServerClient(settings.server, settings.request_timeout_s)
     sup.stack.push_async_callback(server.aclose)
     register_check("inference reachable", http_check(f"{settings.server.rstrip('/')}/health"))  # side port /readyz

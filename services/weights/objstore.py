@@ -7,6 +7,9 @@ a JSON `ObjectInfo` rolled up on `$O.<bucket>.M.<b64 name>`, SHA-256 digest) wit
 in-flight chunk publishes and a pull consumer read in byte-bounded batches, hashing and disk I/O in
 a thread that overlaps the network. Objects stay readable by any NATS object store client, and
 nats-py's own `get_info`/`delete`/`list` work on them.
+
+Both ride out a nats-server restart (`services.common.busretry`): an upload starts its file again
+under a fresh id; reading is in `objread`.
 """
 
 from __future__ import annotations
@@ -16,15 +19,13 @@ import base64
 import hashlib
 import json
 from collections import deque
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import BinaryIO
 
 from nats.js import JetStreamContext
 from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
-    DeliverPolicy,
     Header,
     ObjectInfo,
     ObjectMetaOptions,
@@ -34,6 +35,9 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, BucketNotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
+from services.common.busretry import Backoff, retryable
+from services.common.logging import get_logger
+
 CHUNK_SIZE = 1024 * 1024
 """1 MiB chunks: well under the server's max_payload, big enough that per-message cost is small."""
 PUBLISH_WINDOW = 8
@@ -41,13 +45,22 @@ PUBLISH_WINDOW = 8
 FETCH_BYTES = 16 * 1024 * 1024
 """Bytes asked for per pull `fetch`: bounded so a batch never trips the slow-consumer limit (64 MB)."""
 ACK_TIMEOUT_S = 30.0
+"""Default longest wait for one chunk's ack (upload) or one batch of chunks (download), per attempt."""
+CLEANUP_TIMEOUT_S = 5.0
+"""Longest wait for a consumer delete or a purge of abandoned chunks, which are best effort."""
+
+log = get_logger("weights.objstore")
 
 
 class ObjectStoreError(RuntimeError):
     """An object could not be written or read back intact."""
 
 
-def _stream(bucket: str) -> str:
+class ChunkTimeout(ObjectStoreError, TimeoutError):
+    """A chunk was not acknowledged, or not delivered, in time: a timeout like any other, so retried as one."""
+
+
+def stream_name(bucket: str) -> str:
     return f"OBJ_{bucket}"
 
 
@@ -55,7 +68,7 @@ def _meta_subject(bucket: str, name: str) -> str:
     return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
 
 
-def _chunk_subject(bucket: str, nuid: str) -> str:
+def chunk_subject(bucket: str, nuid: str) -> str:
     return f"$O.{bucket}.C.{nuid}"
 
 
@@ -77,11 +90,47 @@ async def open_bucket(js: JetStreamContext, bucket: str) -> ObjectStore:
         return await js.object_store(bucket)
 
 
-async def put_file(js: JetStreamContext, bucket: str, name: str, path: Path, chunk_size: int = CHUNK_SIZE) -> ObjectInfo:
-    """Upload `path` as object `name`; returns its info (size, chunks, SHA-256 digest)."""
+async def put_file(
+    js: JetStreamContext,
+    bucket: str,
+    name: str,
+    path: Path,
+    chunk_size: int = CHUNK_SIZE,
+    *,
+    timeout_s: float = ACK_TIMEOUT_S,
+    retry_s: float = 0.0,
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> ObjectInfo:
+    """Upload `path` as object `name`; returns its info (size, chunks, SHA-256 digest).
+
+    timeout_s: longest wait for one chunk's ack. An attempt that fails the way a NATS restart looks
+    (`busretry.retryable`, a chunk never acked included) is started again from the first chunk under a
+    fresh id, with capped backoff, until `retry_s` has passed (then `BusUnavailable`); the chunks of a
+    failed attempt are purged as soon as the server answers again."""
+    backoff = Backoff(f"upload {bucket}/{name}", retry_s, on_retry)
+    abandoned: list[str] = []
+    while True:
+        nuid = js._nc._nuid.next().decode()  # the same id source nats-py's own put uses
+        try:
+            info = await _put_once(js, bucket, name, path, chunk_size, nuid, timeout_s)
+        except BaseException as exc:
+            if not await _purge_chunks(js, bucket, nuid):
+                abandoned.append(nuid)
+            if not isinstance(exc, Exception) or not retryable(exc):
+                raise
+            await backoff.failed(exc)
+            continue
+        backoff.reset()
+        for old in abandoned:  # left by attempts made while the server was away
+            await _purge_chunks(js, bucket, old)
+        return info
+
+
+async def _put_once(
+    js: JetStreamContext, bucket: str, name: str, path: Path, chunk_size: int, nuid: str, timeout_s: float
+) -> ObjectInfo:
     loop = asyncio.get_running_loop()
-    nuid = js._nc._nuid.next().decode()  # the same id source nats-py's own put uses
-    subject = _chunk_subject(bucket, nuid)
+    subject = chunk_subject(bucket, nuid)
     sha = hashlib.sha256()
     pending: deque[asyncio.Future] = deque()
     size = chunks = 0
@@ -98,95 +147,62 @@ async def put_file(js: JetStreamContext, bucket: str, name: str, path: Path, chu
                 size += len(data)
                 chunks += 1
                 if len(pending) >= PUBLISH_WINDOW:
-                    await _settle(pending.popleft())
+                    await _settle(pending.popleft(), timeout_s)
         while pending:
-            await _settle(pending.popleft())
-        info = ObjectInfo(
-            name=name,
-            bucket=bucket,
-            nuid=nuid,
-            size=size,
-            chunks=chunks,
-            mtime=datetime.now(UTC).isoformat(),
-            digest="SHA-256=" + base64.urlsafe_b64encode(sha.digest()).decode(),
-            options=ObjectMetaOptions(max_chunk_size=chunk_size),
-        )
-        previous = await _info_or_none(js, bucket, name)
-        await asyncio.wait_for(
-            js.publish(_meta_subject(bucket, name), json.dumps(info.as_dict()).encode(), headers={Header.ROLLUP: "sub"}),
-            ACK_TIMEOUT_S,
-        )
-    except BaseException:
+            await _settle(pending.popleft(), timeout_s)
+    finally:
         for fut in pending:
             fut.cancel()
-        await js.purge_stream(_stream(bucket), subject=subject)
-        raise
-    if previous is not None and not previous.deleted and previous.nuid:
-        await js.purge_stream(_stream(bucket), subject=_chunk_subject(bucket, previous.nuid))
+    info = ObjectInfo(
+        name=name,
+        bucket=bucket,
+        nuid=nuid,
+        size=size,
+        chunks=chunks,
+        mtime=datetime.now(UTC).isoformat(),
+        digest="SHA-256=" + base64.urlsafe_b64encode(sha.digest()).decode(),
+        options=ObjectMetaOptions(max_chunk_size=chunk_size),
+    )
+    previous = await _info_or_none(js, bucket, name)
+    await asyncio.wait_for(
+        js.publish(_meta_subject(bucket, name), json.dumps(info.as_dict()).encode(), headers={Header.ROLLUP: "sub"}),
+        timeout_s,
+    )
+    if previous is not None and not previous.deleted and previous.nuid and previous.nuid != nuid:
+        await _purge_chunks(js, bucket, previous.nuid)
     return info
 
 
-async def _settle(fut: asyncio.Future) -> None:
-    # nats-py never resolves a publish_async future the server answered 429 to: bound the wait.
+async def _settle(fut: asyncio.Future, timeout_s: float) -> None:
+    # nats-py never resolves a publish_async future the server answered 429 to, nor one sent while
+    # the server was away: bound the wait.
     try:
-        await asyncio.wait_for(fut, ACK_TIMEOUT_S)
+        await asyncio.wait_for(fut, timeout_s)
     except TimeoutError as exc:
-        raise ObjectStoreError(f"no ack for an object chunk within {ACK_TIMEOUT_S}s (stream full or server busy)") from exc
+        raise ChunkTimeout(f"no ack for an object chunk within {timeout_s}s (server away, stream full or busy)") from exc
+
+
+async def _purge_chunks(js: JetStreamContext, bucket: str, nuid: str) -> bool:
+    """Best effort, never raises (it runs in cleanups): False if the server did not answer."""
+    try:
+        await asyncio.shield(asyncio.wait_for(js.purge_stream(stream_name(bucket), subject=chunk_subject(bucket, nuid)), CLEANUP_TIMEOUT_S))
+        return True
+    except Exception as exc:
+        log.warning("purging an object's chunks failed; retried after the next upload", nuid=nuid, error=repr(exc))
+        return False
 
 
 async def _info_or_none(js: JetStreamContext, bucket: str, name: str) -> ObjectInfo | None:
     try:
-        return await ObjectStore(bucket, _stream(bucket), js).get_info(name)
+        return await ObjectStore(bucket, stream_name(bucket), js).get_info(name)
     except ObjectNotFoundError:
         return None
-
-
-async def get_file(js: JetStreamContext, bucket: str, name: str, dest: BinaryIO) -> tuple[ObjectInfo, str]:
-    """Download object `name` into the open file `dest`; returns (info, sha256 hex of what was written).
-    Raises `ObjectNotFoundError` if there is no such object, `ObjectStoreError` if it is incomplete."""
-    info = await ObjectStore(bucket, _stream(bucket), js).get_info(name)
-    sha = hashlib.sha256()
-    if not info.size:
-        return info, sha.hexdigest()
-    chunk = (info.options.max_chunk_size if info.options and info.options.max_chunk_size else CHUNK_SIZE) or CHUNK_SIZE
-    batch = max(1, FETCH_BYTES // chunk)
-    sub = await js.pull_subscribe(
-        _chunk_subject(bucket, info.nuid),
-        stream=_stream(bucket),
-        config=ConsumerConfig(
-            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, mem_storage=True, inactive_threshold=30.0
-        ),
-    )
-    loop = asyncio.get_running_loop()
-
-    def write(data: bytes) -> None:
-        sha.update(data)
-        dest.write(data)
-
-    got = 0
-    writing: asyncio.Future | None = None
-    try:
-        while got < (info.chunks or 0):
-            try:
-                msgs = await sub.fetch(min(batch, (info.chunks or 0) - got), timeout=ACK_TIMEOUT_S)
-            except TimeoutError as exc:  # plain asyncio.TimeoutError also covers nats' own
-                raise ObjectStoreError(f"{name}: chunks stopped arriving after {got}/{info.chunks}") from exc
-            if writing is not None:
-                await writing
-            # The next fetch overlaps this batch's hashing and writing.
-            writing = loop.run_in_executor(None, write, b"".join(m.data for m in msgs))
-            got += len(msgs)
-        if writing is not None:
-            await writing
-    finally:
-        await sub.unsubscribe()
-    return info, sha.hexdigest()
 
 
 async def list_names(js: JetStreamContext, bucket: str) -> list[str]:
     """Names of the live objects in the bucket."""
     try:
-        infos = await ObjectStore(bucket, _stream(bucket), js).list(ignore_deletes=True)
+        infos = await ObjectStore(bucket, stream_name(bucket), js).list(ignore_deletes=True)
     except Exception as exc:  # nats-py raises a bare NotFoundError for an empty bucket
         if type(exc).__name__ in ("NotFoundError", "ObjectNotFoundError"):
             return []
@@ -196,6 +212,6 @@ async def list_names(js: JetStreamContext, bucket: str) -> list[str]:
 
 async def delete(js: JetStreamContext, bucket: str, name: str) -> None:
     try:
-        await ObjectStore(bucket, _stream(bucket), js).delete(name)
+        await ObjectStore(bucket, stream_name(bucket), js).delete(name)
     except ObjectNotFoundError:
         pass

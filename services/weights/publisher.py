@@ -1,12 +1,17 @@
 """`WeightPublisher`: the trainer's rank 0 hands it a HF checkpoint directory after each step; it puts
 the files in the `WEIGHTS` object store (or a shared directory) with a sha256 each, announces
-`WeightsPublished` on the weight-sync subject and deletes versions older than the last `keep_last`."""
+`WeightsPublished` on the weight-sync subject and deletes versions older than the last `keep_last`.
+
+Every NATS call of a publish (set-up, each file's upload, the announcement) rides out a server restart:
+retried with capped backoff (`services.common.busretry`) for `bus_retry_timeout_s`, then
+`BusUnavailable`."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from nats.aio.client import Client as NATS
@@ -15,6 +20,7 @@ from nats.js.errors import NotFoundError
 from schemas.messages import WeightFile, WeightsPublished, decode, encode
 from schemas.subjects import WEIGHT_SYNC_STREAM, WEIGHTS_BUCKET, Subjects, stream_specs
 from services.common.bus import declare_streams
+from services.common.busretry import with_retries
 from services.common.logging import get_logger
 from services.weights import objstore
 from services.weights.files import (
@@ -57,7 +63,13 @@ class WeightPublisher:
         keep_last: int = 3,
         bucket: str = WEIGHTS_BUCKET,
         chunk_size: int = objstore.CHUNK_SIZE,
+        bus_retry_timeout_s: float = 300.0,
+        chunk_timeout_s: float = objstore.ACK_TIMEOUT_S,
+        on_retry: Callable[[BaseException], None] | None = None,
     ) -> None:
+        """bus_retry_timeout_s: how long a NATS call that fails the way a server restart looks is
+        retried; chunk_timeout_s: longest wait for one object chunk's ack, per attempt; on_retry:
+        called with the error before each retry (e.g. to count them in metrics)."""
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last}): the announced version must stay fetchable")
         self.nc = nc
@@ -68,13 +80,22 @@ class WeightPublisher:
         self.keep_last = keep_last
         self.bucket = bucket
         self.chunk_size = chunk_size
+        self.bus_retry_timeout_s = bus_retry_timeout_s
+        self.chunk_timeout_s = chunk_timeout_s
+        self.on_retry = on_retry
         self._ready = False
+        self._stored: dict[int, list[str]] | None = None
+        """{version: object names} of this run in the bucket: listed at the first collection, then kept."""
+        self._uploaded: dict[int, list[str]] = {}
+        """Versions uploaded since the last collection."""
 
     async def _setup(self) -> None:
         if not self._ready:
-            await ensure_weight_sync_stream(self.nc)
+            await with_retries("declare the weight-sync stream", lambda: ensure_weight_sync_stream(self.nc),
+                               self.bus_retry_timeout_s, self.on_retry)
             if self.shared_dir is None:
-                await objstore.open_bucket(self.js, self.bucket)
+                await with_retries(f"open bucket {self.bucket}", lambda: objstore.open_bucket(self.js, self.bucket),
+                                   self.bus_retry_timeout_s, self.on_retry)
             self._ready = True
 
     async def publish_dir(self, version: int, step: int, hf_dir: str | Path, *, consume: bool = False) -> WeightsPublished:
@@ -93,7 +114,10 @@ class WeightPublisher:
             uri, entries = await self._upload(version, hf_dir, files)
         upload_s = time.perf_counter() - t0
         msg = WeightsPublished(run=self.run, version=version, uri=uri, files=entries, step=step)
-        await self.js.publish(self.subjects.weights_published, encode(msg))
+        data = encode(msg)
+        # A repeat after a lost ack is harmless: agents skip the version they already hold.
+        await with_retries(f"announce weights v{version}", lambda: self.js.publish(self.subjects.weights_published, data),
+                           self.bus_retry_timeout_s, self.on_retry)
         total = sum(f.size for f in entries)
         log.info("weights published", version=version, step=step, uri=uri, bytes=total, seconds=round(upload_s, 3))
         await self._collect_garbage(version)
@@ -108,8 +132,10 @@ class WeightPublisher:
         entries = []
         for path in files:
             name = path.relative_to(hf_dir).as_posix()
-            info = await objstore.put_file(self.js, self.bucket, f"{prefix}/{name}", path, self.chunk_size)
+            info = await objstore.put_file(self.js, self.bucket, f"{prefix}/{name}", path, self.chunk_size,
+                                           timeout_s=self.chunk_timeout_s, retry_s=self.bus_retry_timeout_s, on_retry=self.on_retry)
             entries.append(WeightFile(name=name, sha256=objstore.digest_hex(info), size=int(info.size or 0)))
+            self._uploaded.setdefault(version, []).append(f"{prefix}/{name}")
         return object_uri(self.bucket, prefix), entries
 
     async def _copy_to_shared(
@@ -152,14 +178,22 @@ class WeightPublisher:
                     await asyncio.to_thread(remove_tree, dirs[v])
                     log.info("old weights deleted", version=v, path=str(dirs[v]))
                 return
-            pattern = re.compile(rf"^{re.escape(self.run)}/v(\d+)/")
-            by_version: dict[int, list[str]] = {}
-            for name in await objstore.list_names(self.js, self.bucket):
-                if m := pattern.match(name):
-                    by_version.setdefault(int(m.group(1)), []).append(name)
-            for v in versions_to_drop(set(by_version), self.keep_last, protect={current}):
-                for name in by_version[v]:
+            if self._stored is None:
+                # Listed once (it reads every object's record through a consumer), then kept up to date.
+                self._stored = {}
+                pattern = re.compile(rf"^{re.escape(self.run)}/v(\d+)/")
+                for name in await objstore.list_names(self.js, self.bucket):
+                    if m := pattern.match(name):
+                        self._stored.setdefault(int(m.group(1)), []).append(name)
+            for v, names in self._uploaded.items():
+                have = self._stored.setdefault(v, [])
+                have.extend(n for n in names if n not in have)
+            self._uploaded.clear()
+            for v in versions_to_drop(set(self._stored), self.keep_last, protect={current}):
+                for name in list(self._stored[v]):
                     await objstore.delete(self.js, self.bucket, name)
-                log.info("old weights deleted", version=v, objects=len(by_version[v]))
+                    self._stored[v].remove(name)
+                del self._stored[v]
+                log.info("old weights deleted", version=v)
         except Exception as exc:
             log.warning("deleting old weights failed", error=repr(exc))

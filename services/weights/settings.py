@@ -29,6 +29,12 @@ class WeightsSettings(ServiceSettings):
     report_retry_s: float = Field(120.0, ge=0)
     """How long a WeightsLoaded/WeightsLoadFailed report is retried while NATS does not acknowledge it
     (a server restarting); then it is logged and counted as report_failures, and the agent goes on."""
+    bus_retry_timeout_s: float = Field(300.0, gt=0)
+    """How long a download from the object store is retried through a NATS outage (each file resumed
+    after its last chunk written) before that version's load fails; the announcement listener keeps
+    retrying for as long as NATS is away."""
+    chunk_timeout_s: float = Field(30.0, gt=0)
+    """Longest wait for one batch of object chunks, per attempt; then the download is retried."""
 
     @field_validator("keep_local")
     @classmethod
