@@ -35,6 +35,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, BucketNotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
+from services.common.bus import default_replicas
 from services.common.busretry import Backoff, retryable
 from services.common.logging import get_logger
 
@@ -78,14 +79,16 @@ def digest_hex(info: ObjectInfo) -> str:
     return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
 
 
-async def open_bucket(js: JetStreamContext, bucket: str) -> ObjectStore:
-    """Open the bucket, creating it (file storage) if it does not exist; safe when several race."""
+async def open_bucket(js: JetStreamContext, bucket: str, replicas: int | None = None) -> ObjectStore:
+    """Open the bucket, creating it (file storage, `replicas` or the process's `nats_replicas`) if it
+    does not exist; safe when several race."""
     try:
         return await js.object_store(bucket)
     except BucketNotFoundError:
         pass
+    config = ObjectStoreConfig(storage=StorageType.FILE, replicas=replicas or default_replicas())
     try:
-        return await js.create_object_store(bucket, config=ObjectStoreConfig(storage=StorageType.FILE))
+        return await js.create_object_store(bucket, config=config)
     except BadRequestError:  # someone else created it between our two calls
         return await js.object_store(bucket)
 
