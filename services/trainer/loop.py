@@ -289,14 +289,23 @@ class Trainer(Feeding):
     async def _publish_weights(self, weights_dir: Path) -> None:
         publish, version = self.publish, self.version
         assert publish is not None
+        taken = False
 
         async def attempt() -> Any:
+            nonlocal taken
             if not await asyncio.to_thread(Path(weights_dir).is_dir):
-                # a shared directory on our filesystem: the failed attempt moved it before announcing
-                raise BusUnavailable(f"weights v{version}: {weights_dir} was taken over by a failed publish; cannot publish it again")
+                taken = True
+                return None
             return await publish(version, version, weights_dir)
 
         await with_retries(f"publish weights v{version}", attempt, self.s.bus_retry_timeout_s)
+        if taken:
+            # A shared directory on our filesystem: the failed attempt moved the weights there before
+            # its announcement failed, so this version cannot be published again. Skipping it costs
+            # the servers one version; exiting would stop the run over a bus that is merely away.
+            log.warning("weights version not announced; the next step publishes the next one", version=version)
+            if self.metrics is not None:
+                self.metrics.count("weights_versions_skipped")
 
     def _step_values(self, batch: dict[str, Any], groups: list[Group], stats: dict[str, float], before: Counter[str],
                      t0: float, t_data: float, t_train: float, t_end: float) -> dict[str, float]:

@@ -89,3 +89,50 @@ async def test_the_trainer_rides_out_a_long_outage_with_its_default_retry_budget
     assert [r["version"] for r in trained()] == [1, 2, 3]
     assert sorted(trained()[1]["prompt_ids"]) == sorted([first.prompt_id, second.prompt_id])
     assert all(n == 1 for n in Counter(p for r in trained() for p in r["prompt_ids"]).values())
+
+
+@pytest.mark.timeout(240)
+async def test_an_announcement_lost_in_an_outage_skips_that_version_instead_of_stopping_the_trainer(
+    nats_server: NatsServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    """With a shared directory on the trainer's filesystem the weights are moved there before the
+    announcement: when that announcement fails, the version cannot be published again. The trainer
+    goes on and publishes the next one."""
+    from services.trainer.engine import TrainEngine
+    from services.trainer.loop import Trainer
+    from services.trainer.settings import TrainerSettings
+    from services.weights.publisher import WeightPublisher, latest_published
+
+    run, shared = "shared-outage", tmp_path / "shared"
+    settings = TrainerSettings(run=run, nats_url=nats_server.url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"),
+                               batch_groups=2, eta=100, checkpoint_every=0, fetch_timeout_s=0.2, feeder={"enabled": False},
+                               weights_shared_dir=str(shared))
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    publisher = WeightPublisher(nc, run, shared_dir=shared)
+    restarts: list[asyncio.Task[None]] = []
+
+    async def restart_after(seconds: float) -> None:
+        await asyncio.sleep(seconds)  # the length of the outage, not a wait for a condition
+        await asyncio.to_thread(nats_server.start)
+
+    async def publish(version: int, step: int, hf_dir: Path) -> object:
+        if not restarts:  # the first announcement goes out while the server is away
+            await publisher.latest()  # the publisher's streams are set up: the outage hits the announcement
+            await asyncio.to_thread(nats_server.stop)
+            restarts.append(asyncio.create_task(restart_after(8.0)))
+        return await publisher.publish_dir(version, step, hf_dir, consume=True)
+
+    trainer = Trainer(settings, TrainEngine(settings), publish=publish)
+    try:
+        await trainer.start(nc)
+        for i in range(4):
+            await publish_group(js, run, f"p{i}", make_group(tiny_model, f"{i:03d}", seed=i))
+        assert await trainer.step() is not None and trainer.version == 1, "the lost announcement did not stop the trainer"
+        await restarts[0]
+        assert await trainer.step() is not None and trainer.version == 2
+        announced = await latest_published(nc, run)
+        assert announced is not None and announced.version == 2
+    finally:
+        await trainer.close()
+        await nc.close()
