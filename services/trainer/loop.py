@@ -168,7 +168,12 @@ class Trainer(Feeding):
             try:
                 # Never pull more than the step needs: later groups must be judged at a later version.
                 msgs = await self._sub.fetch(min(self.s.fetch_batch, self.s.batch_groups - len(held)), timeout=self.s.fetch_timeout_s)
-            except TimeoutError:  # nothing arrived (or the server is away and the pull request waits)
+            except TimeoutError as exc:
+                if self.nc is not None and not self.nc.is_connected:
+                    # The server is away and the pull request waits: that counts towards giving up.
+                    await backoff.failed(exc)
+                else:  # nothing arrived
+                    backoff.reset()
                 continue
             except Exception as exc:
                 if not retryable(exc):

@@ -5,6 +5,8 @@ none twice), and the checkpoint's `last_seq` is where the trained steps end."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import signal
 from collections import Counter
 from pathlib import Path
@@ -12,6 +14,11 @@ from pathlib import Path
 import pytest
 
 from services.common.bus import connect, declare_streams
+from services.common.busretry import BusUnavailable
+from services.common.nats_server import NatsServer
+from services.trainer.engine import TrainEngine
+from services.trainer.loop import Trainer
+from services.trainer.settings import TrainerSettings
 from tests.integration.conftest_trainer import SERVICE_RUN as RUN
 from tests.integration.conftest_trainer import (
     delivered_to_trainer,
@@ -81,3 +88,48 @@ async def test_sigterm_mid_collect_then_resume_trains_every_group_exactly_once(
     assert "p2" in trained, "the group held at SIGTERM was trained after the resume"
     assert set(trained) == due, "every group up to the checkpoint's last_seq trained, none after it"
     assert all(n == 1 for n in trained.values()), f"trained twice: {trained}"
+
+
+@pytest.mark.timeout(240)
+async def test_bus_lost_mid_collect_then_resume_trains_the_held_group(nats_server: NatsServer, tiny_model: Path, tmp_path: Path) -> None:
+    """The server goes away for good while the trainer holds an accepted group: it gives up after
+    `bus_retry_timeout_s` with a checkpoint of what it trained; a resume trains the held group."""
+    run = "busloss"
+    settings = TrainerSettings(run=run, nats_url=nats_server.url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"),
+                               batch_groups=2, eta=100, checkpoint_every=0, fetch_timeout_s=0.2, feeder={"enabled": False},
+                               publish_weights=False, bus_retry_timeout_s=2)
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await declare_streams(js)
+    seqs = {f"p{i}": await publish_group(js, run, f"p{i}", make_group(tiny_model, f"{i:03d}", seed=i)) for i in range(3)}
+    trainer = Trainer(settings, TrainEngine(settings))
+    await trainer.start(nc)
+    running = asyncio.create_task(trainer.run(asyncio.Event()))
+    try:
+        while not (trainer.version == 1 and await delivered_to_trainer(js, run, seqs["p2"])):
+            assert not running.done(), running
+            await asyncio.sleep(0.1)  # the poll interval of a condition
+        await asyncio.to_thread(nats_server.stop)
+        with pytest.raises(BusUnavailable):
+            await asyncio.wait_for(running, 120)
+    finally:
+        await trainer.close()
+        with contextlib.suppress(ConnectionResetError):  # the server is gone
+            await nc.close()
+    saved = [r for r in read_steps(settings.output_dir) if r.get("event") == "checkpoint"]
+    assert [(r["version"], r["last_seq"]) for r in saved] == [(1, seqs["p1"])], "the checkpoint covers what was trained"
+
+    await asyncio.to_thread(nats_server.start)
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    for i in (3, 4):
+        await publish_group(js, run, f"p{i}", make_group(tiny_model, f"{i:03d}", seed=i))
+    again = Trainer(settings.model_copy(update={"resume": "auto"}), TrainEngine(settings))
+    try:
+        await again.start(nc)
+        assert await asyncio.wait_for(again.step(), 120) is not None
+    finally:
+        await again.close()
+        await nc.close()
+    last = [r for r in read_steps(settings.output_dir) if "prompt_ids" in r][-1]
+    assert last["version"] == 2 and sorted(last["prompt_ids"]) == ["p2", "p3"]
