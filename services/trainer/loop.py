@@ -212,27 +212,22 @@ class Trainer(Feeding):
             log.warning("ack failed; the message will be redelivered", error=repr(exc))
 
     async def _settle(self, msg: Any, verdict: Verdict, seq: int) -> None:
-        """Ack a judged message that is not trained, or terminate a malformed one (never redelivered)."""
-        if verdict.outcome != "malformed":
-            await self._ack(msg)
-            return
-        if verdict.cause == "malformed":
-            try:
-                await terminate_poison(msg, ValueError(verdict.error), self.metrics)
-            except Exception as exc:
-                if not retryable(exc):
-                    raise
-                log.warning("term failed; the message will be redelivered", error=repr(exc))
-            return
-        # It decodes: the sender is known. Terminated, so a resume never meets it again.
-        log.error("invalid group terminated", cause=verdict.cause, prompt_id=verdict.prompt_id, worker=verdict.worker,
-                  stream_seq=seq, error=verdict.error)
+        """Ack a judged message that is not trained, or terminate a malformed one (never redelivered,
+        so it cannot stop a resume either). If that fails the message comes back after ack_wait and
+        is judged again."""
         try:
-            await msg.term()
+            if verdict.outcome != "malformed":
+                await msg.ack()
+            elif verdict.cause == "malformed":
+                await terminate_poison(msg, ValueError(verdict.error), self.metrics)
+            else:  # it decodes: the sender is known
+                log.error("invalid group terminated", cause=verdict.cause, prompt_id=verdict.prompt_id, worker=verdict.worker,
+                          stream_seq=seq, error=verdict.error)
+                await msg.term()
         except Exception as exc:
             if not retryable(exc):
                 raise
-            log.warning("term failed; the message will be redelivered", error=repr(exc))
+            log.warning("ack failed; the message will be redelivered", error=repr(exc))
 
     # ------------------------------------------------------------------------------ the steps
 
