@@ -34,7 +34,16 @@ RESERVED_ARROW_NAMES = {name for name, _ in (*TOKEN_COLUMNS.values(), *SAMPLE_CO
 
 
 class TrajectoryError(ValueError):
-    """A tensor dict or an Arrow message that breaks the trajectory contract; the text names the field."""
+    """A tensor dict or an Arrow message that breaks the trajectory contract; the text names the field.
+
+    `cause` sorts the errors a consumer counts apart: `malformed` (does not decode), `length_mismatch`
+    (lengths disagree with each other or with the metadata), `too_long` (rows longer than the
+    consumer's limit). `meta`: the message's metadata when it could be read (who sent what)."""
+
+    def __init__(self, message: str, cause: str = "malformed") -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.meta: TrajectoryMeta | None = None
 
 
 @dataclass(frozen=True)

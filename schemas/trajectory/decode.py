@@ -23,8 +23,9 @@ from schemas.trajectory.contract import (
 )
 
 
-def decode_group(data: bytes | memoryview | pa.Buffer) -> DecodedGroup:
-    """Decode one trajectory message into a padded numpy tensor dict and its metadata."""
+def decode_group(data: bytes | memoryview | pa.Buffer, *, max_seq_len: int | None = None) -> DecodedGroup:
+    """Decode one trajectory message into a padded numpy tensor dict and its metadata. `max_seq_len`:
+    refuse (`too_long`, `length_mismatch`) rows or a padded width longer than this, before allocating."""
     try:
         reader = pa.ipc.open_stream(data if isinstance(data, pa.Buffer) else pa.py_buffer(data))
         batches = list(reader)
@@ -35,13 +36,18 @@ def decode_group(data: bytes | memoryview | pa.Buffer) -> DecodedGroup:
         columns: pa.Table | pa.RecordBatch = batches[0]
     else:  # written by another tool in several batches (or none)
         table = columns = pa.Table.from_batches(batches, schema=reader.schema).combine_chunks()
+    meta: TrajectoryMeta | None = None
     try:
         md = _metadata(table)
-        return DecodedGroup(tensors=table_to_padded(columns, md), meta=_meta_from(md), table=table)
-    except TrajectoryError:
+        meta = _meta_from(md)
+        return DecodedGroup(tensors=table_to_padded(columns, md, max_seq_len=max_seq_len), meta=meta, table=table)
+    except TrajectoryError as exc:
+        exc.meta = meta
         raise
     except Exception as exc:  # any other way a message can be malformed is still a malformed message
-        raise TrajectoryError(f"malformed trajectory message ({type(exc).__name__}: {exc})") from exc
+        err = TrajectoryError(f"malformed trajectory message ({type(exc).__name__}: {exc})")
+        err.meta = meta
+        raise err from exc
 
 
 def _metadata(table: pa.Table | pa.RecordBatch) -> dict[str, str]:
@@ -67,6 +73,7 @@ def _meta_from(md: dict[str, str]) -> TrajectoryMeta:
             head_version=int(md["head_version"]),
             tail_version=int(md["tail_version"]),
             is_eval=md.get("is_eval") == "1",
+            workflow=md.get("workflow", ""),
         )
     except (KeyError, ValueError) as exc:
         raise TrajectoryError(f"schema metadata: missing or bad field {exc}") from exc
@@ -92,8 +99,12 @@ def _list_parts(name: str, column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarr
     else:
         item = child.type.bit_width // 8
         values = np.frombuffer(bufs[3], dtype=child.type.to_pandas_dtype(), count=len(child), offset=child.offset * item)
-    start = int(offsets[0])
-    return offsets - start, values[start : int(offsets[-1])]
+    start, end = int(offsets[0]), int(offsets[-1])
+    # Offsets come from the sender: decreasing ones or ones past the values would make rows of
+    # any (negative, huge) length out of a few bytes.
+    if len(offsets) > 1 and (bool((np.diff(offsets) < 0).any()) or start < 0 or end > len(values)):
+        raise TrajectoryError(f"{name}: list offsets are not within its {len(values)} values", "length_mismatch")
+    return offsets - start, values[start:end]
 
 
 def _dtypes_from(text: str) -> dict[str, str]:
@@ -114,9 +125,11 @@ def _dtypes_from(text: str) -> dict[str, str]:
     return dtypes
 
 
-def table_to_padded(table: pa.Table | pa.RecordBatch, metadata: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+def table_to_padded(table: pa.Table | pa.RecordBatch, metadata: dict[str, str] | None = None, *,
+                    max_seq_len: int | None = None) -> dict[str, np.ndarray]:
     """Arrow table (or record batch) of one group, or of many samples -> padded numpy dict with the
-    original dtypes. `metadata`: the table's schema metadata when the caller has already read it."""
+    original dtypes. `metadata`: the table's schema metadata when the caller has already read it.
+    `max_seq_len`: the longest row, and padded width, accepted (None: no limit)."""
     md = _metadata(table) if metadata is None else metadata
     dtypes = _dtypes_from(md.get("jetrl.dtypes", "{}"))
     schema = table.schema
@@ -136,7 +149,19 @@ def table_to_padded(table: pa.Table | pa.RecordBatch, metadata: dict[str, str] |
     seqlen_text = md.get("jetrl.seqlen", "0")
     if not seqlen_text.isdigit():
         raise TrajectoryError(f"jetrl.seqlen: not a length: {seqlen_text!r}")
-    seqlen = max(int(seqlen_text), int(lengths.max()) if batch else 0)
+    longest = int(lengths.max()) if batch else 0
+    declared = int(seqlen_text)
+    # Every check before the first allocation: the padded arrays are sized from these numbers.
+    if "jetrl.seqlen" in md and declared < longest:
+        raise TrajectoryError(f"jetrl.seqlen: {declared} is shorter than the longest row ({longest} tokens)", "length_mismatch")
+    if max_seq_len is not None and longest > max_seq_len:
+        raise TrajectoryError(f"input_ids: a row of {longest} tokens is longer than max_seq_len {max_seq_len}", "too_long")
+    if max_seq_len is not None and declared > max_seq_len:
+        raise TrajectoryError(
+            f"jetrl.seqlen: claims {declared} tokens per row, more than max_seq_len {max_seq_len} "
+            f"(its longest row has {longest})", "length_mismatch",
+        )
+    seqlen = max(declared, longest)
     full_rows = batch > 0 and bool((lengths == seqlen).all())
     bounds = ref_offsets.tolist()
     ref_bytes = ref_offsets.tobytes()

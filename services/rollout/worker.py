@@ -42,6 +42,7 @@ from services.rollout.engine import BadRequestError
 from services.rollout.stats import RolloutStats
 from services.rollout.tensors import group_sizes
 from services.rollout.version_gate import VersionGate
+from services.rollout.versions import workflow_name
 from services.rollout.workflow import RolloutWorkflow, WorkflowError, as_tensor_dict, workflow_context
 
 log = get_logger("rollout")
@@ -256,7 +257,8 @@ class RolloutWorker:
             raise
 
     def _encode(self, task: PromptTask, result: dict[str, Any], is_eval: bool) -> tuple[bytes, dict[str, str]]:
-        data, meta = encode_group_with_meta(result, run=self.run_name, prompt_id=task.prompt_id, worker=self.config.worker, is_eval=is_eval)
+        data, meta = encode_group_with_meta(result, run=self.run_name, prompt_id=task.prompt_id, worker=self.config.worker,
+                                            is_eval=is_eval, workflow=workflow_name(self.workflow))
         return data, trajectory_headers(meta)
 
     async def _failed(self, msg: Msg, task: PromptTask, is_eval: bool, exc: Exception, started: float) -> None:

@@ -7,7 +7,8 @@ from services.status.settings import StatusSettings
 
 DESCRIPTION = (
     "Show a run's state: the latest published weight version and each inference server's loaded version and lag; "
-    "streams, consumer lag, prompts in flight, and which workers are alive."
+    "streams, consumer lag, prompts in flight, which workers are alive, and the trajectory groups the trainer "
+    "read, with those it terminated by cause."
 )
 
 

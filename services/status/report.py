@@ -8,6 +8,7 @@ from pathlib import Path
 from services.common.bus import connect
 from services.runs import URL_FILE
 from services.status.feeder import feeder_status, render_feeder
+from services.status.groups import render_groups, trainer_groups
 from services.status.settings import StatusSettings
 from services.status.streams import bus_status, render_bus
 from services.status.weights import render_weights, weights_status
@@ -27,11 +28,14 @@ async def run_status(settings: StatusSettings) -> None:
         weights = await weights_status(nc, settings.run, settings.timeout_s)
         bus = await bus_status(nc, settings.run, settings.timeout_s, settings.alive_within_s)
         feeder = await feeder_status(nc, settings.run, settings.timeout_s)
+        groups = await trainer_groups(nc, settings.run, settings.timeout_s)
     finally:
         await nc.close()
     if settings.format == "json":
-        print(json.dumps({"weights": weights.as_dict(), "bus": bus.as_dict(), "feeder": feeder.as_dict()}, indent=2))
+        out = {"weights": weights.as_dict(), "bus": bus.as_dict(), "feeder": feeder.as_dict(), "groups": groups.as_dict()}
+        print(json.dumps(out, indent=2))
     else:
         print(render_weights(weights))
         print(render_bus(bus))
         print(render_feeder(feeder))
+        print(render_groups(groups))

@@ -69,13 +69,13 @@ async def weights_status(nc: NATS, run: str, timeout_s: float = 5.0) -> WeightsS
     return status
 
 
-async def _last_per_subject(nc: NATS, subject: str, timeout_s: float) -> list[Msg]:
+async def _last_per_subject(nc: NATS, subject: str, timeout_s: float, stream: str = WEIGHT_SYNC_STREAM) -> list[Msg]:
     """Every subject's last message (an ephemeral pull consumer, no acks), read until none pend."""
     js = nc.jetstream()
     try:
         sub = await js.pull_subscribe(
             subject,
-            stream=WEIGHT_SYNC_STREAM,
+            stream=stream,
             config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, mem_storage=True),
         )
     except NotFoundError:

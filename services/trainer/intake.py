@@ -1,7 +1,12 @@
-"""What the trainer does with each trajectory message: decode, then accept it into the next step, or
-count it as rejected (marker, stale) so the feeder re-issues, or as filtered (zero-variance: freed, not
-re-issued), or skip a duplicate or a foreign one (a prompt of an earlier incarnation of the run), or
-terminate a malformed one. Pure bookkeeping: the bus loop lives in `loop.py`."""
+"""What the trainer does with each trajectory message: decode and check it (`validate.py`), then accept
+it into the next step, or count it as rejected (marker, stale) so the feeder re-issues, or as filtered
+(zero-variance: freed, not re-issued), or skip a duplicate or a foreign one (a prompt of an earlier
+incarnation of the run), or terminate a malformed one (does not decode, or fails a check: counted by
+cause). Pure bookkeeping: the bus loop lives in `loop.py`.
+
+An accepted group is `pending` until its step is applied (`commit`): only then is its prompt id
+`trained`. The checkpointed state is the state at the last commit, so a stop between judging and
+training leaves the group to be read and trained again after a resume."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from schemas.messages import MessageError, RejectionMarker, decode
 from schemas.subjects import HDR_PROMPT_ID
 from schemas.trajectory import DecodedGroup, TrajectoryError, decode_group
 from services.trainer.feeder import Feeder
+from services.trainer.validate import Limits, check_group
 
 
 @dataclass
@@ -29,10 +35,14 @@ class Group:
 @dataclass
 class Verdict:
     outcome: str
-    """accepted | rejected | stale | filtered | duplicate | foreign | malformed"""
+    """accepted | rejected | stale | filtered | duplicate | foreign | malformed (terminated, see `cause`)"""
     prompt_id: str | None = None
     group: Group | None = None
     error: str = ""
+    cause: str = ""
+    """Why a malformed message is terminated: one of `validate.CAUSES`."""
+    worker: str = ""
+    """The rollout worker that sent the group, when its metadata could be read."""
 
 
 @dataclass
@@ -40,9 +50,16 @@ class Intake:
     eta: int
     dynamic_filtering: bool = False
     feeder: Feeder | None = None
+    limits: Limits = field(default_factory=lambda: Limits(None, None))
+    """Token ids and row lengths a group must stay within."""
     trained: set[str] = field(default_factory=set)
-    """Every prompt_id accepted for training (checkpointed): a redelivered or replayed one is skipped."""
+    """Every prompt_id whose group was trained (checkpointed): a redelivered or replayed one is skipped."""
+    pending: set[str] = field(default_factory=set)
+    """Accepted, not yet trained (not checkpointed): a copy arriving meanwhile is a duplicate too."""
     counts: Counter[str] = field(default_factory=Counter)
+    """Verdicts since the run started, plus `terminated_<cause>` for each terminated message."""
+    committed: Counter[str] = field(default_factory=Counter)
+    """`counts` at the last commit: what a checkpoint saves (what a resume reads again is counted again)."""
 
     def judge(self, data: bytes, headers: dict[str, str] | None, seq: int, version: int, *,
               decoded: DecodedGroup | Exception | None = None) -> Verdict:
@@ -50,9 +67,11 @@ class Intake:
         together), or the exception it raised; None: decoded here."""
         verdict = self._judge(data, headers, seq, version, decoded)
         self.counts[verdict.outcome] += 1
+        if verdict.outcome == "malformed":
+            self.counts[f"terminated_{verdict.cause}"] += 1
         pid = verdict.prompt_id
         if verdict.outcome == "accepted" and pid is not None:
-            self.trained.add(pid)
+            self.pending.add(pid)
             if self.feeder is not None:
                 self.feeder.on_accepted(pid)
         elif verdict.outcome == "filtered" and pid is not None and self.feeder is not None:
@@ -64,7 +83,7 @@ class Intake:
                 if verdict.outcome == "stale":
                     self.feeder.on_stale(pid)
                 else:
-                    self.feeder.on_rejected(pid, verdict.outcome)
+                    self.feeder.on_rejected(pid, verdict.cause or verdict.outcome)
         return verdict
 
     def _judge(self, data: bytes, headers: dict[str, str] | None, seq: int, version: int,
@@ -74,24 +93,37 @@ class Intake:
             try:
                 marker = decode(RejectionMarker, data)
             except MessageError as exc:
-                return Verdict("malformed", header_pid, error=str(exc))
+                return Verdict("malformed", header_pid, error=str(exc), cause="malformed")
             if not self._ours(marker.prompt_id):
                 return Verdict("foreign", marker.prompt_id)
-            if marker.prompt_id in self.trained:
+            if self._seen(marker.prompt_id):
                 return Verdict("duplicate", marker.prompt_id)
             return Verdict("rejected", marker.prompt_id)
         try:
             if isinstance(decoded, Exception):
                 raise decoded
-            group = decode_group(data) if decoded is None else decoded
-        except (TrajectoryError, ValueError, KeyError) as exc:
-            return Verdict("malformed", header_pid, error=str(exc))
+            group = decode_group(data, max_seq_len=self.limits.max_seq_len) if decoded is None else decoded
+        except TrajectoryError as exc:
+            meta = exc.meta
+            return Verdict("malformed", meta.prompt_id if meta else header_pid, error=str(exc), cause=exc.cause,
+                           worker=meta.worker if meta else "")
+        except (ValueError, KeyError) as exc:
+            return Verdict("malformed", header_pid, error=str(exc), cause="malformed")
         pid = group.meta.prompt_id
         if not self._ours(pid):
             return Verdict("foreign", pid)
-        if pid in self.trained:
+        if self._seen(pid):
             return Verdict("duplicate", pid)
-        head = group.meta.head_version
+        problem = check_group(group.tensors, self.limits)
+        if problem is not None:
+            return Verdict("malformed", pid, error=problem.error, cause=problem.cause, worker=group.meta.worker)
+        head, tail = group.meta.head_version, group.meta.tail_version
+        if tail > version or head < 0:
+            # weights the trainer never made (or none at all on trained tokens): the workflow or a
+            # server is wrong, not the group late; never judged stale
+            name = group.meta.workflow or "(unnamed workflow)"
+            return Verdict("malformed", pid, error=f"workflow {name}: trained tokens carry weight versions {head}..{tail}, "
+                           f"but the trainer is at version {version}", cause="impossible_versions", worker=group.meta.worker)
         if version - head > self.eta:
             return Verdict("stale", pid)
         rewards = group.tensors["rewards"]
@@ -102,9 +134,21 @@ class Intake:
     def _ours(self, prompt_id: str) -> bool:
         return self.feeder is None or self.feeder.owns(prompt_id)
 
+    def _seen(self, prompt_id: str) -> bool:
+        return prompt_id in self.trained or prompt_id in self.pending
+
+    def commit(self, prompt_ids: list[str]) -> None:
+        """The step holding these groups was applied: they are trained, and everything judged so far
+        is what a checkpoint saves."""
+        self.trained.update(prompt_ids)
+        self.pending.difference_update(prompt_ids)
+        self.committed = Counter(self.counts)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"trained": sorted(self.trained), "counts": dict(self.counts)}
+        return {"trained": sorted(self.trained), "counts": dict(self.committed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trained = set(state["trained"])
+        self.pending = set()
         self.counts = Counter(state["counts"])
+        self.committed = Counter(self.counts)

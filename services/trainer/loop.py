@@ -5,6 +5,12 @@ malformed messages are counted and handled on the way), collate and compute adva
 rank's share, run the algorithm's update (default: decoupled PPO) on every rank, version += 1, gather and publish the
 weights, emit metrics, checkpoint every K steps. The feeder publishes prompts concurrently.
 
+Consumption is transactional: an accepted group is held, its message unacknowledged, until the step
+that trains it is applied; only then are its prompt id `trained`, its message acknowledged and
+`last_seq` moved past everything read for the step. A stop or a bus loss mid-collect therefore leaves
+`last_seq` at the last trained step: a checkpoint taken then makes a resume read the held groups again
+and train them, once.
+
 NATS calls are retried through a server restart (`busretry`); if the bus stays away longer than
 `bus_retry_timeout_s`, `run` checkpoints and raises `BusUnavailable`.
 """
@@ -40,8 +46,9 @@ from services.trainer.evaluation import EvalRounds
 from services.trainer.feeder import Feeder
 from services.trainer.feeding import Feeding
 from services.trainer.fresh import clear_leftovers
-from services.trainer.intake import Group, Intake
+from services.trainer.intake import Group, Intake, Verdict
 from services.trainer.settings import TrainerSettings
+from services.trainer.validate import model_limits
 
 log = get_logger("trainer")
 
@@ -76,7 +83,13 @@ class Trainer(Feeding):
                 eval_rows=load_rows(f.eval_dataset_path, f.eval_dataset) if f.eval_dataset_path else [],
                 max_attempts=f.max_attempts, in_flight_timeout_s=f.in_flight_timeout_s,
             )
-        self.intake = Intake(settings.eta, settings.ppo.dynamic_filtering, self.feeder)
+        self.intake = Intake(settings.eta, settings.ppo.dynamic_filtering, self.feeder,
+                             limits=model_limits(settings.model_path, settings.max_seq_len))
+        self._held: list[tuple[Group, Any]] = []
+        """Accepted groups of the step being collected, each with its unacknowledged message (None
+        from a group source): a collect cut short by a stop keeps them for the next one."""
+        self._read_seq = 0
+        """Highest stream sequence judged so far; `last_seq` catches up with it when a step is applied."""
         self.out = Path(settings.output_dir)
         self.nc: NATS | None = None
         self.metrics: MetricsPublisher | None = None
@@ -146,16 +159,22 @@ class Trainer(Feeding):
     # ------------------------------------------------------------------------------ consuming
 
     async def collect(self, stopping: asyncio.Event | None = None) -> list[Group] | None:
-        """Pull until B groups are accepted; None if stopping first."""
-        groups: list[Group] = []
+        """Pull until B groups are accepted; None if stopping first (the groups accepted so far stay
+        held, untrained and unacknowledged: see the module doc)."""
+        held = self._held
         backoff = Backoff("fetch trajectories", self.s.bus_retry_timeout_s)
-        while len(groups) < self.s.batch_groups:
+        while len(held) < self.s.batch_groups:
             if stopping is not None and stopping.is_set():
                 return None
             try:
                 # Never pull more than the step needs: later groups must be judged at a later version.
-                msgs = await self._sub.fetch(min(self.s.fetch_batch, self.s.batch_groups - len(groups)), timeout=self.s.fetch_timeout_s)
-            except TimeoutError:  # nothing arrived (or the server is away and the pull request waits)
+                msgs = await self._sub.fetch(min(self.s.fetch_batch, self.s.batch_groups - len(held)), timeout=self.s.fetch_timeout_s)
+            except TimeoutError as exc:
+                if self.nc is not None and not self.nc.is_connected:
+                    # The server is away and the pull request waits: that counts towards giving up.
+                    await backoff.failed(exc)
+                else:  # nothing arrived
+                    backoff.reset()
                 continue
             except Exception as exc:
                 if not retryable(exc):
@@ -166,22 +185,46 @@ class Trainer(Feeding):
             for msg in msgs:
                 seq = msg.metadata.sequence.stream
                 verdict = self.intake.judge(msg.data, msg.headers, seq, self.version)
-                await self._settle(msg, verdict.outcome, verdict.error)
-                self.last_seq = max(self.last_seq, seq)
+                self._read_seq = max(self._read_seq, seq)
                 if verdict.group is not None:
-                    groups.append(verdict.group)
-                elif verdict.outcome != "duplicate":
+                    held.append((verdict.group, msg))  # acknowledged once its step is applied
+                    continue
+                await self._settle(msg, verdict, seq)
+                if verdict.outcome != "duplicate":
                     self._wake_feeder.set()
-        return groups
+        return [g for g, _ in held]
 
-    async def _settle(self, msg: Any, outcome: str, error: str) -> None:
-        """Ack (or terminate) a judged message; if that fails the message comes back after ack_wait
-        and the intake skips it as a duplicate."""
+    def _commit(self, groups: list[Group]) -> list[Any]:
+        """The step training `groups` was applied: they are trained and `last_seq` covers every
+        message read for it. Returns the held messages to acknowledge."""
+        self.intake.commit([g.prompt_id for g in groups])
+        self.last_seq = max(self.last_seq, self._read_seq)
+        msgs = [m for _, m in self._held if m is not None]
+        self._held = []
+        return msgs
+
+    async def _ack(self, msg: Any) -> None:
+        """If the ack is lost the message comes back after ack_wait and the intake skips it as a duplicate."""
         try:
-            if outcome == "malformed":
-                await terminate_poison(msg, ValueError(error), self.metrics)
-            else:
+            await msg.ack()
+        except Exception as exc:
+            if not retryable(exc):
+                raise
+            log.warning("ack failed; the message will be redelivered", error=repr(exc))
+
+    async def _settle(self, msg: Any, verdict: Verdict, seq: int) -> None:
+        """Ack a judged message that is not trained, or terminate a malformed one (never redelivered,
+        so it cannot stop a resume either). If that fails the message comes back after ack_wait and
+        is judged again."""
+        try:
+            if verdict.outcome != "malformed":
                 await msg.ack()
+            elif verdict.cause == "malformed":
+                await terminate_poison(msg, ValueError(verdict.error), self.metrics)
+            else:  # it decodes: the sender is known
+                log.error("invalid group terminated", cause=verdict.cause, prompt_id=verdict.prompt_id, worker=verdict.worker,
+                          stream_seq=seq, error=verdict.error)
+                await msg.term()
         except Exception as exc:
             if not retryable(exc):
                 raise
@@ -221,7 +264,10 @@ class Trainer(Feeding):
         weights_dir = str(self.out / "weights" / f"v{self.version + 1}") if self.publish and self.s.publish_weights else None
         cmds = [Command("train", pieces=p, weights_dir=weights_dir) for p in pieces]
         res = await asyncio.to_thread(lambda: execute(self.engine, self.actor, scatter(cmds)))
+        applied = self._commit(groups)
         self.version += 1
+        for msg in applied:
+            await self._ack(msg)
         self._wake_feeder.set()
         t_train = time.monotonic()
         if res.weights_dir is not None and self.publish is not None:
@@ -245,14 +291,23 @@ class Trainer(Feeding):
     async def _publish_weights(self, weights_dir: Path) -> None:
         publish, version = self.publish, self.version
         assert publish is not None
+        taken = False
 
         async def attempt() -> Any:
+            nonlocal taken
             if not await asyncio.to_thread(Path(weights_dir).is_dir):
-                # a shared directory on our filesystem: the failed attempt moved it before announcing
-                raise BusUnavailable(f"weights v{version}: {weights_dir} was taken over by a failed publish; cannot publish it again")
+                taken = True
+                return None
             return await publish(version, version, weights_dir)
 
         await with_retries(f"publish weights v{version}", attempt, self.s.bus_retry_timeout_s)
+        if taken:
+            # A shared directory on our filesystem: the failed attempt moved the weights there before
+            # its announcement failed, so this version cannot be published again. Skipping it costs
+            # the servers one version; exiting would stop the run over a bus that is merely away.
+            log.warning("weights version not announced; the next step publishes the next one", version=version)
+            if self.metrics is not None:
+                self.metrics.count("weights_versions_skipped")
 
     def _step_values(self, batch: dict[str, Any], groups: list[Group], stats: dict[str, float], before: Counter[str],
                      t0: float, t_data: float, t_train: float, t_end: float) -> dict[str, float]:

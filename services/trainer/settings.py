@@ -172,13 +172,17 @@ class TrainerSettings(ServiceSettings):
     copied and verified on every core. Unset: an eighth of the model, within 32-512 MB."""
     record_steps: bool = True
     """Append each step's prompt ids, version and last stream sequence to output_dir/steps.jsonl (an audit log)."""
+    max_seq_len: int | None = Field(None, ge=1)
+    """Longest trajectory row (tokens) the trainer accepts; a longer group is terminated and counted
+    (`terminated_too_long`). Unset: the model config's `max_position_embeddings`."""
     fetch_batch: int = Field(16, ge=1)
     """Trajectory messages per pull request."""
     fetch_timeout_s: float = Field(1.0, gt=0)
     """How long one pull waits for trajectories before the loop checks for shutdown."""
     bus_retry_timeout_s: float = Field(300.0, gt=0)
     """How long a NATS publish or pull that fails with a retryable error (server restarting,
-    reconnecting, timeout) is retried with capped backoff; then the trainer checkpoints and exits non-zero."""
+    reconnecting, timeout) is retried with capped backoff: the trainer rides out a bus outage this
+    long; past it, it checkpoints and exits non-zero (`--resume auto` continues)."""
     ppo: PPOSettings = PPOSettings()
     feeder: FeederSettings = FeederSettings()
 

@@ -120,3 +120,47 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+async def until(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
+    """Poll `check()` (a function, or a coroutine function) until it holds; fail early if `proc` exits."""
+    import asyncio
+    import inspect
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"trainer exited with {proc.returncode} while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.1)  # the poll interval of a condition
+
+
+async def delivered_to_trainer(js: Any, run: str, seq: int) -> bool:
+    """Whether the trainer's consumer has delivered the stream up to `seq`."""
+    info = await js.consumer_info(TRAJECTORIES_STREAM, Subjects(run).trainer_consumer)
+    return bool(info.delivered.stream_seq >= seq)
+
+
+async def stream_groups(js: Any, run: str) -> dict[int, str]:
+    """Every trajectory message of the run on the TRAJECTORIES stream: stream sequence -> prompt id."""
+    from nats.js.errors import NotFoundError
+
+    from schemas.subjects import HDR_PROMPT_ID
+
+    info = await js.stream_info(TRAJECTORIES_STREAM)
+    out: dict[int, str] = {}
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            msg = await js.get_msg(TRAJECTORIES_STREAM, seq)
+        except NotFoundError:
+            continue
+        if msg.subject == Subjects(run).trajectories and msg.headers:
+            out[seq] = msg.headers[HDR_PROMPT_ID]
+    return out
