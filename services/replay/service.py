@@ -79,7 +79,7 @@ async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
         publish = None
         if settings.publish_weights:
             publisher = WeightPublisher(nc, settings.run, shared_dir=settings.weights_shared_dir,
-                                        keep_last=settings.weights_keep_last)
+                                        keep_last=settings.weights_keep_last, bus_retry_timeout_s=settings.bus_retry_timeout_s)
             publish = functools.partial(publisher.publish_dir, consume=True)  # the trainer hands each dir over
 
         async def main(sup: Supervisor) -> None:

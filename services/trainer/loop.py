@@ -339,12 +339,8 @@ class Trainer(Feeding):
         for key, total in self.intake.counts.items():
             values[f"total_{key}"] = float(total)
         if self.feeder is not None:
-            c = self.feeder.counters
-            values.update({"feeder_issued": float(c.issued), "feeder_accepted": float(c.accepted),
-                           "feeder_rejected": float(c.rejected), "feeder_in_flight": float(c.in_flight),
-                           "feeder_reissued": float(c.reissued), "feeder_filtered": float(c.filtered),
-                           "feeder_dropped": float(c.dropped), "feeder_timed_out": float(c.timed_out),
-                           "feeder_bound": float(self.feeder.bound(self.version)), "epoch": float(self.feeder.epoch)})
+            values.update(self.feeder.metric_values())
+            values.update({"feeder_bound": float(self.feeder.bound(self.version)), "epoch": float(self.feeder.epoch)})
         return values
 
     # ------------------------------------------------------------------------------ checkpoints
