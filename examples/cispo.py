@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.algorithms import LossInput, LossOutput, Standard
-from services.trainer.settings import PPOSettings
+from jetrl import LossInput, LossOutput, PPOSettings, Standard
 
 
 class CISPO(Standard):

@@ -5,7 +5,7 @@
 
 The task: the prompt `<bos>123=` asks the model to copy the three digits; the reward is the fraction
 of positions right, plus a small credit for stopping (<eos>) right after them ("partial_eos" in
-shared/reference/tiny-model-rl.md). The tiny model learns it from chance (~0.02) in ~150 steps.
+docs/reference/tiny-model-rl.md). The tiny model learns it from chance (~0.02) in ~150 steps.
 """
 
 from __future__ import annotations
@@ -13,10 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from services.rollout.engine import ModelRequest
-from services.rollout.tensors import concat_padded, sample_tensors
-from services.rollout.workflow import RolloutWorkflow
-from services.rollout.workflows.common import encode_chat, reward_items, score
+from jetrl import ModelRequest, RolloutWorkflow, concat_padded, encode_chat, reward_items, sample_tensors, score
 
 
 def reward(completion: str = "", completion_ids: list[int] | None = None, answer: str = "", **_: Any) -> float:

@@ -2,7 +2,7 @@
 rewards set on the client, the discount applied, the interactions exported."""
 
 # the seed: from areal.api.workflow_api import RolloutWorkflow; from areal.experimental.openai import ArealOpenAI
-from services.rollout.api import ArealOpenAI, RolloutWorkflow
+from jetrl import ArealOpenAI, RolloutWorkflow
 from tests.seed_workflows.rewards import copy3_reward_fn
 
 

@@ -9,7 +9,7 @@ import torch
 # the seed: from areal.api.workflow_api import RolloutWorkflow; from areal.api.io_struct import ModelRequest;
 # from areal.api.engine_api import InferenceEngine; from tensordict import TensorDict;
 # from areal.utils.data import concat_padded_tensors
-from services.rollout.api import InferenceEngine, ModelRequest, RolloutWorkflow, TensorDict, concat_padded_tensors
+from jetrl import InferenceEngine, ModelRequest, RolloutWorkflow, TensorDict, concat_padded_tensors
 
 
 class RLVRWorkflow(RolloutWorkflow):

@@ -7,7 +7,7 @@ import uuid
 import torch
 
 # the seed: from areal.api.workflow_api import RolloutWorkflow (and ModelRequest from areal.api.io_struct)
-from services.rollout.api import ModelRequest, RolloutWorkflow
+from jetrl import ModelRequest, RolloutWorkflow
 from tests.seed_workflows.rewards import copy3_reward_fn
 
 

@@ -1,0 +1,107 @@
+"""jetrl's public researcher API: everything a workflow, a reward function or an algorithm in a
+single file needs, under one import. The names follow the seeds (AReaL-lite), so a workflow written
+for AReaL runs with only its import lines changed (docs/compat.md).
+
+    import jetrl
+    from jetrl import RolloutWorkflow, ModelRequest, GenerationHyperparameters, concat_padded_tensors
+
+What is here is public and stable: it changes only with a deprecation period and a note in
+docs/api.md. Anything imported from `services.*` or `schemas.*` is internal and may move.
+
+This module re-exports and holds no logic; names are imported on first use, so `import jetrl` stays
+light (torch is loaded only by the names that need it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # the workflow API
+    "RolloutWorkflow": "services.rollout.workflow",
+    "GroupedRolloutWorkflow": "services.rollout.workflow",
+    "WorkflowError": "services.rollout.workflow",
+    "workflow_context": "services.rollout.workflow",
+    # requests to the inference engine, and what comes back
+    "InferenceEngine": "services.rollout.engine",
+    "ModelRequest": "services.rollout.engine",
+    "ModelResponse": "services.rollout.engine",
+    "GenerationHyperparameters": "services.rollout.gconfig",
+    # tensor helpers: one sample's tensors, a group padded together
+    "TensorDict": "services.rollout.api",
+    "concat_padded_tensors": "services.rollout.api",
+    "concat_padded": "services.rollout.tensors",
+    "sample_tensors": "services.rollout.tensors",
+    "turn_tensors": "services.rollout.tensors",
+    # rewards and prompts inside a workflow
+    "encode_chat": "services.rollout.workflows.common",
+    "reward_items": "services.rollout.workflows.common",
+    "score": "services.rollout.workflows.common",
+    # agents: the direct client (AReaL's ArealOpenAI)
+    "ArealOpenAI": "services.rollout.agent.direct",
+    # the algorithm API (docs/algorithms.md)
+    "Algorithm": "services.trainer.algorithms.api",
+    "AdvantageInput": "services.trainer.algorithms.api",
+    "LossInput": "services.trainer.algorithms.api",
+    "LossOutput": "services.trainer.algorithms.api",
+    "Standard": "services.trainer.algorithms.standard",
+    "PPOSettings": "services.trainer.settings",
+    # naming things in settings ("pkg.mod:Name", "pkg.mod.Name", "file.py:Name")
+    "resolve_ref": "services.common.refs",
+}
+
+__all__ = [
+    "AdvantageInput",
+    "Algorithm",
+    "ArealOpenAI",
+    "GenerationHyperparameters",
+    "GroupedRolloutWorkflow",
+    "InferenceEngine",
+    "LossInput",
+    "LossOutput",
+    "ModelRequest",
+    "ModelResponse",
+    "PPOSettings",
+    "RolloutWorkflow",
+    "Standard",
+    "TensorDict",
+    "WorkflowError",
+    "concat_padded",
+    "concat_padded_tensors",
+    "encode_chat",
+    "resolve_ref",
+    "reward_items",
+    "sample_tensors",
+    "score",
+    "turn_tensors",
+    "workflow_context",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jetrl' has no attribute {name!r} (public names: {', '.join(__all__)})")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:
+    from services.common.refs import resolve_ref
+    from services.rollout.agent.direct import ArealOpenAI
+    from services.rollout.api import TensorDict, concat_padded_tensors
+    from services.rollout.engine import InferenceEngine, ModelRequest, ModelResponse
+    from services.rollout.gconfig import GenerationHyperparameters
+    from services.rollout.tensors import concat_padded, sample_tensors, turn_tensors
+    from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError, workflow_context
+    from services.rollout.workflows.common import encode_chat, reward_items, score
+    from services.trainer.algorithms.api import AdvantageInput, Algorithm, LossInput, LossOutput
+    from services.trainer.algorithms.standard import Standard
+    from services.trainer.settings import PPOSettings
