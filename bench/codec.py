@@ -3,7 +3,7 @@ to a plain memory copy of the same padded tensor bytes, measured in the same run
 
 A copy is the least any transport must do with the tensors; the codec also drops padding, casts to
 the Arrow column types, builds one IPC message, and rebuilds the padded dict on the other side.
-Target (issue #2): ratio >= 0.3.
+Target: ratio >= 0.3.
 
 The copy baseline is the faster of two copies of the group, and both are printed:
 - `a.copy()` of each tensor (fresh arrays). On this kind of VM (AMD EPYC, glibc 2.36) it swings

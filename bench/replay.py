@@ -5,7 +5,7 @@ JetStream fetch of the same messages in the same run (an ephemeral pull consumer
 done with the bytes).
 
 Groups of 8 samples x up to `--seqlen` tokens (about what a GRPO group of short math answers holds).
-Target (issue #9): ratio >= 0.5. Rounds alternate raw / replay; medians are reported.
+Target: ratio >= 0.5. Rounds alternate raw / replay; medians are reported.
 """
 
 from __future__ import annotations

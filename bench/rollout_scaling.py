@@ -1,6 +1,6 @@
 """Rollout scaling: prompts/s with 1, 2 and 4 `jetrl rollout` worker processes (RLVR workflow, real
 reward service) against a simulate-mode inference server that is not the bottleneck, as ratios to 1
-worker (target issue #4: >= 3.5x at 4 workers; the `score`).
+worker (target: >= 3.5x at 4 workers; the `score`).
 
 Also the bus overhead per trajectory message (target >= 0.5, as raw time / jetrl time): the
 worker's publish path (headers, Nats-Msg-Id de-duplication, bounded wait for the ack) + the

@@ -1,4 +1,4 @@
-"""Headers of trajectory messages (DESIGN.md "A trajectory message")."""
+"""Headers of trajectory messages (docs/design.md "A trajectory message")."""
 
 from __future__ import annotations
 

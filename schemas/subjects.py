@@ -1,7 +1,7 @@
 """Subject, stream, consumer and bucket names, and the stream configurations, in one place.
 
 Streams are shared by every run on a server (their subjects hold a `*` for the run); consumers are
-per run. See DESIGN.md "The bus".
+per run. See docs/design.md "The bus".
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def stream_specs(
     trajectories_max_age_s: float = 0.0,
     metrics_max_age_s: float = 7 * 24 * 3600.0,
 ) -> list[StreamSpec]:
-    """The streams of DESIGN.md "The bus". Trajectories are the recording: kept by default."""
+    """The streams of docs/design.md "The bus". Trajectories are the recording: kept by default."""
     return [
         StreamSpec(PROMPTS_STREAM, ("jetrl.*.prompts.>",), "workqueue", max_msg_size=1024 * 1024),
         StreamSpec(

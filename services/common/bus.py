@@ -1,4 +1,4 @@
-"""NATS connection with reconnect, and idempotent declaration of the streams of DESIGN.md."""
+"""NATS connection with reconnect, and idempotent declaration of the streams of docs/design.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Retrying NATS calls through a server restart (DESIGN.md "Failure semantics": clients reconnect and
+"""Retrying NATS calls through a server restart (docs/design.md "Failure semantics": clients reconnect and
 continue): the trainer's calls, the weight publisher's and agent's object-store transfers, the agent's
 announcements and reports.
 

@@ -1,5 +1,5 @@
 """The default demo task, copy3: prompt `<bos>123=`, answer `123`; the tiny model learns it from
-chance (~0.02) to 0.9 in ~130 GRPO steps (shared/reference/tiny-model-rl.md)."""
+chance (~0.02) to 0.9 in ~130 GRPO steps (docs/reference/tiny-model-rl.md)."""
 
 from __future__ import annotations
 

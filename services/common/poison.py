@@ -1,5 +1,5 @@
 """Poison messages: a JetStream message that does not decode is terminated, logged and counted; the
-service goes on (DESIGN.md "The bus")."""
+service goes on (docs/design.md "The bus")."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A character-level tokenizer (the `tokenizers` library, WordLevel over single characters) saved as a
 transformers tokenizer with a chat template, and a small Llama-architecture causal LM from a config,
 random init, saved with `save_pretrained`. Llama rather than Qwen2: with `model_type: qwen2`,
-AutoTokenizer would force Qwen2's byte-level BPE and drop spaces (shared/reference/tiny-model-rl.md).
+AutoTokenizer would force Qwen2's byte-level BPE and drop spaces (docs/reference/tiny-model-rl.md).
 """
 
 from __future__ import annotations

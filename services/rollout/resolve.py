@@ -19,7 +19,7 @@ def _is_agent(obj: Any) -> bool:
 
 
 def wrap_agent(agent: Any, kwargs: Mapping[str, Any]) -> RolloutWorkflow:
-    """Extension point for agents (any object or class with `async def run()`, issue #11): wrap it in
+    """Extension point for agents (any object or class with `async def run()`): wrap it in
     a workflow that runs it against the OpenAI-compatible proxy and records its interactions."""
     from services.rollout.agent.workflow import AgentWorkflow
 

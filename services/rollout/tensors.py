@@ -1,6 +1,6 @@
 """Padded tensor dicts: one sample from its tokens, and a group from samples.
 
-The contract (DESIGN.md "A trajectory message"): batch-first, right-padded, `input_ids` int64,
+The contract (docs/design.md "A trajectory message"): batch-first, right-padded, `input_ids` int64,
 `attention_mask` int64, `loss_mask` int64 (1 where the loss applies: generated tokens), `logprobs`
 float32 (0 on prompt tokens), `versions` int64 (-1 on prompt tokens), `rewards` float32 (one per
 sample), `prompt_len` int64 (one per sample). Padding is 0 everywhere. Only the trained tokens'

@@ -1,7 +1,7 @@
 """The rollout worker loop: prompts in from the PROMPTS work queue, one trajectory message out per
 prompt, the prompt acked only after the trajectory's publish was acknowledged.
 
-Runs inside `jetrl rollout`, and in a test's event loop as is. Delivery rules (DESIGN.md "Failure
+Runs inside `jetrl rollout`, and in a test's event loop as is. Delivery rules (docs/design.md "Failure
 semantics"):
 - every worker of a run shares one durable pull consumer, so each prompt goes to one worker;
 - while an episode runs, `in_progress()` keeps the prompt from being redelivered;
@@ -287,7 +287,7 @@ class RolloutWorker:
 
     async def _publish(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
         """Publish and wait for the stream's ack, bounded: nats-py may never resolve a publish the
-        server answered with 429 (shared/reference/nats-notes.md)."""
+        server answered with 429 (docs/reference/nats-notes.md)."""
         timeout = self.config.publish_timeout_s
         ack = await asyncio.wait_for(
             self.js.publish(subject, body, timeout=timeout, stream=TRAJECTORIES_STREAM, headers=dict(headers)),

@@ -37,7 +37,7 @@ _SIDE_FILES = (
 
 def import_deepspeed() -> Any:
     """Import DeepSpeed without the shm comm op build (~60 s, 1.5 GB on CPU; losses are identical
-    without it: shared/reference/deepspeed-cpu.md)."""
+    without it: docs/reference/deepspeed-cpu.md)."""
     import deepspeed
 
     comm_torch: Any = sys.modules["deepspeed.comm.torch"]
@@ -88,7 +88,7 @@ class TrainEngine:
         deepspeed = import_deepspeed()
         torch.manual_seed(settings.seed)
         # Built in full on every rank, then partitioned by deepspeed.initialize: a bare zero.Init would
-        # skip HF's weight init (shared/reference/deepspeed-cpu.md); loading a checkpoint is exact anyway.
+        # skip HF's weight init (docs/reference/deepspeed-cpu.md); loading a checkpoint is exact anyway.
         model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32)
         optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(settings))

@@ -1,4 +1,4 @@
-"""The prompt feeder: dataset epochs in a seeded order, and the admission rule of DESIGN.md
+"""The prompt feeder: dataset epochs in a seeded order, and the admission rule of docs/design.md
 "Staleness" applied at the source.
 
 At version v with B groups per step and staleness budget eta, a prompt is issued only while

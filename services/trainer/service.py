@@ -48,7 +48,7 @@ async def run_ranks(settings: TrainerSettings, rank0: Callable[[Any, TrainEngine
     finally:
         if engine.world_size > 1:
             # Ending with barrier + os._exit avoids the ZeRO-3 abort at interpreter exit
-            # (shared/reference/deepspeed-cpu.md). On failure the other ranks lose rank 0 and die.
+            # (docs/reference/deepspeed-cpu.md). On failure the other ranks lose rank 0 and die.
             if not failed:
                 dist.barrier()
             _exit(1 if failed else 0)

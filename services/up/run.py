@@ -54,7 +54,7 @@ def validate_sections(sections: dict[str, dict[str, Any]]) -> None:
             raise SettingsError(f"--config section {name!r}: {exc}") from exc
 
 
-# The demo's defaults (copy3 on the tiny model; shared/reference/tiny-model-rl.md); a --config
+# The demo's defaults (copy3 on the tiny model; docs/reference/tiny-model-rl.md); a --config
 # section overrides any of them.
 DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
     "rollout": {"max_new_tokens": 4, "group_size": 8, "temperature": 1.0, "max_concurrent": 32},

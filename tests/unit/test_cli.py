@@ -78,7 +78,7 @@ def test_prompts_push_as_documented_and_the_short_form_both_fill_the_work_queue(
     helped = jetrl("prompts", "--help")
     assert helped.returncode == 0 and "jetrl prompts push DATASET" in helped.stdout
     assert "prompts push FILE" in jetrl("--help").stdout
-    pushed = jetrl("prompts", "push", str(data), "--nats-url", nats_url, "--run", "cli")  # DESIGN.md's spelling
+    pushed = jetrl("prompts", "push", str(data), "--nats-url", nats_url, "--run", "cli")  # docs/design.md's spelling
     assert pushed.returncode == 0, pushed.stderr
     assert "published 3 prompts to jetrl.cli.prompts.train" in pushed.stdout
     short = jetrl("prompts", str(data), "--nats-url", nats_url, "--run", "cli", "--prefix", "old", "--limit", "2")

@@ -1,4 +1,4 @@
-"""Agent workflows (issue #11): an OpenAI/Anthropic-compatible proxy that records the exact tokens of
+"""Agent workflows: an OpenAI/Anthropic-compatible proxy that records the exact tokens of
 every completion an agent asks for, so agents written with any framework train without changes.
 
 - `proxy.AgentProxy` / `server.ProxyServer`: sessions, completions through `InferenceEngine.agenerate`,
