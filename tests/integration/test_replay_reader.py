@@ -117,7 +117,12 @@ async def test_a_consumer_lost_while_waiting_for_a_live_run_is_recreated(js: Any
     records = aiter(reader)
     got = [(await anext(records)).seq for _ in range(2)]
     waiting = asyncio.ensure_future(anext(records))  # the reader's pull now waits for the live run
-    await asyncio.sleep(0.3)
+    for _ in range(200):  # until the server holds the reader's pull request
+        if (await js.consumer_info(TRAJECTORIES_STREAM, reader.consumer)).num_waiting:
+            break
+        await asyncio.sleep(0.05)  # polling the consumer's state, not waiting blindly
+    else:
+        pytest.fail("the reader's pull never reached the server")
     await js.delete_consumer(TRAJECTORIES_STREAM, reader.consumer)
     later = [await publish(js, LIVE, i) for i in range(2, 4)]
     got += [(await asyncio.wait_for(waiting, 20)).seq, (await asyncio.wait_for(anext(records), 20)).seq]
