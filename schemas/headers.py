@@ -1,4 +1,5 @@
-"""Headers of trajectory messages (docs/design.md "A trajectory message")."""
+"""Headers of prompt and trajectory messages (docs/design.md "A trajectory message"): how each is
+named for JetStream de-duplication, and how a reader finds the prompt id in them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,19 @@ from schemas.trajectory import TrajectoryMeta
 def msg_id(run: str, prompt_id: str) -> str:
     """The de-duplication id: the same for every delivery attempt of one prompt."""
     return f"{run}/{prompt_id}/result"
+
+
+def prompt_headers(run: str, prompt_id: str) -> dict[str, str]:
+    """Headers of a prompt on the PROMPTS work queue: its de-duplication id names the prompt, so a
+    worker can answer a prompt whose body does not decode (`prompt_id_of`)."""
+    return {HDR_MSG_ID: f"{run}/prompt/{prompt_id}"}
+
+
+def prompt_id_of(run: str, headers: dict[str, str] | None) -> str | None:
+    """The prompt id in a prompt's headers (`prompt_headers`), or None if they do not carry one."""
+    prefix = f"{run}/prompt/"
+    header = (headers or {}).get(HDR_MSG_ID, "")
+    return header[len(prefix) :] if header.startswith(prefix) and len(header) > len(prefix) else None
 
 
 def trajectory_headers(meta: TrajectoryMeta) -> dict[str, str]:

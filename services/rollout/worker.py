@@ -29,9 +29,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from schemas.headers import rejection_headers, trajectory_headers
+from schemas.headers import prompt_id_of, rejection_headers, trajectory_headers
 from schemas.messages import MessageError, PromptTask, RejectionMarker, decode, encode
-from schemas.subjects import HDR_MSG_ID, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
+from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import TrajectoryError, encode_group_with_meta
 from services.common.bus import declare_streams
 from services.common.logging import get_logger
@@ -219,10 +219,8 @@ class RolloutWorker:
         await terminate_poison(msg, exc, self.metrics)
 
     def _prompt_id_of(self, msg: Msg) -> str | None:
-        """The prompt id in `Nats-Msg-Id: <run>/prompt/<prompt_id>`, as the feeder publishes prompts."""
-        prefix = f"{self.run_name}/prompt/"
-        header = (msg.headers or {}).get(HDR_MSG_ID, "")
-        return header[len(prefix) :] if header.startswith(prefix) and len(header) > len(prefix) else None
+        """The prompt id in the prompt's headers, as the feeder publishes prompts (`schemas.headers`)."""
+        return prompt_id_of(self.run_name, msg.headers)
 
     async def _episode(self, msg: Msg, task: PromptTask, is_eval: bool, started: float) -> None:
         try:

@@ -12,8 +12,9 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 
+from schemas.headers import prompt_headers
 from schemas.messages import MessageError, PromptTask, decode, encode
-from schemas.subjects import HDR_MSG_ID, PROMPTS_STREAM, Subjects
+from schemas.subjects import PROMPTS_STREAM, Subjects
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
@@ -80,7 +81,7 @@ class Feeding:
                 self.metrics.counters[key] = int(value)
 
     async def _publish_prompt(self, js: Any, subject: str, task: PromptTask) -> None:
-        headers = {HDR_MSG_ID: f"{self.s.run}/prompt/{task.prompt_id}"}
+        headers = prompt_headers(self.s.run, task.prompt_id)
         body = encode(task)
 
         async def publish() -> Any:

@@ -12,8 +12,9 @@ import argparse
 import asyncio
 import sys
 
+from schemas.headers import prompt_headers
 from schemas.messages import PromptTask, encode
-from schemas.subjects import HDR_MSG_ID, PROMPTS_STREAM, Subjects
+from schemas.subjects import PROMPTS_STREAM, Subjects
 
 
 async def push(nats_url: str, run: str, path: str, *, is_eval: bool = False, limit: int = 0, prefix: str = "push") -> int:
@@ -29,7 +30,7 @@ async def push(nats_url: str, run: str, path: str, *, is_eval: bool = False, lim
         subject = subjects.prompts_eval if is_eval else subjects.prompts_train
         for i, row in enumerate(rows):
             task = PromptTask(run=run, prompt_id=f"{prefix}-{i}", data=row, is_eval=is_eval)
-            await js.publish(subject, encode(task), headers={HDR_MSG_ID: f"{run}/prompt/{task.prompt_id}"}, stream=PROMPTS_STREAM)
+            await js.publish(subject, encode(task), headers=prompt_headers(run, task.prompt_id), stream=PROMPTS_STREAM)
     finally:
         await nc.drain()
     return len(rows)

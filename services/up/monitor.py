@@ -10,14 +10,15 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from schemas import metric_names as names
 from schemas.messages import MessageError, MetricsEvent, WeightsLoaded, decode
 from schemas.subjects import Subjects
 
-# Keys the display looks for in the trainer's events (first present wins).
-REWARD_KEYS = ("reward_mean", "reward/mean", "reward")
-ACCURACY_KEYS = ("accuracy", "reward/accuracy")
-STALENESS_KEYS = ("staleness_mean", "staleness/mean", "staleness")
-WAIT_KEYS = ("data_wait_fraction", "wait_fraction")
+# What the display reads from the trainer's events: the one spelling the trainer emits.
+REWARD_KEYS = (names.REWARD_MEAN,)
+ACCURACY_KEYS = (names.ACCURACY,)
+STALENESS_KEYS = (names.STALENESS_MEAN,)
+WAIT_KEYS = (names.DATA_WAIT_FRACTION,)
 
 
 def pick(values: dict[str, float], keys: tuple[str, ...]) -> float | None:
@@ -57,8 +58,8 @@ class RunView:
             if not self.steps or self.steps[-1]["step"] != event.step:
                 values = dict(event.values)
                 mean = staleness_mean(values)
-                if mean is not None:  # a None here would hide staleness/mean or staleness from pick()
-                    values.setdefault("staleness_mean", mean)
+                if mean is not None:
+                    values.setdefault(names.STALENESS_MEAN, mean)
                 self.steps.append({"step": event.step, "version": event.version, "time": event.time - self.started, **values})
 
     @property
@@ -69,7 +70,7 @@ class RunView:
         vals = [v for s in self.steps[-n:] if (v := pick(s, keys)) is not None]
         return sum(vals) / len(vals) if vals else None
 
-    def rollout_rate(self, key: str = "episodes_per_s") -> float:
+    def rollout_rate(self, key: str = names.EPISODES_PER_S) -> float:
         return sum(e.values.get(key, 0.0) for k, e in self.latest.items() if k.startswith("rollout/"))
 
     def live_workers(self, service: str, within_s: float = 30.0) -> int:

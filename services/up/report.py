@@ -7,50 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.up.monitor import ACCURACY_KEYS, REWARD_KEYS, STALENESS_KEYS, WAIT_KEYS, pick
+from services.up.monitor import REWARD_KEYS, pick
 
 
 def write_metrics(run_dir: Path, steps: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> Path:
     path = run_dir / "metrics.json"
     path.write_text(json.dumps({"steps": steps, **(extra or {})}, indent=1))
-    return path
-
-
-def plot_curves(run_dir: Path, steps: list[dict[str, Any]], title: str = "", evals: list[dict[str, Any]] | None = None) -> Path | None:
-    if not steps:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs = [s["step"] for s in steps]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    series = [
-        (axes[0], REWARD_KEYS, "reward mean", "tab:blue"),
-        (axes[0], ACCURACY_KEYS, "accuracy", "tab:green"),
-        (axes[1], STALENESS_KEYS, "staleness (versions)", "tab:orange"),
-        (axes[2], WAIT_KEYS, "trainer wait fraction", "tab:red"),
-    ]
-    for ax, keys, label, color in series:
-        ys = [pick(s, keys) for s in steps]
-        pts = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=color, lw=1.2)
-    evals = [e for e in evals or [] if "eval_reward_mean" in e]
-    if evals:
-        eval_steps, eval_rewards = [e["step"] for e in evals], [e["eval_reward_mean"] for e in evals]
-        axes[0].plot(eval_steps, eval_rewards, "o--", ms=3, lw=1, color="tab:purple", label="eval reward")
-    for ax, name in zip(axes, ("reward", "staleness", "trainer idle"), strict=True):
-        ax.set_xlabel("trainer step")
-        ax.set_title(name)
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
-    fig.suptitle(title or f"jetrl run {run_dir.name}")
-    fig.tight_layout()
-    path = run_dir / "reward_curve.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

@@ -1,0 +1,28 @@
+"""Names of the figures services publish on the METRICS stream that other services read (the live
+display of `jetrl up`, `jetrl status`, `jetrl plot`, the benches, the tests). One spelling each,
+defined here, so a reader cannot look for a name nothing emits."""
+
+from __future__ import annotations
+
+# the trainer, one event per step
+REWARD_MEAN = "reward_mean"
+ACCURACY = "accuracy"
+STALENESS_MAX = "staleness_max"
+STALENESS_HIST_PREFIX = "staleness_"
+"""`staleness_<k>`: groups of this step trained k versions after the oldest weights they used."""
+STALENESS_MEAN = "staleness_mean"
+"""Not emitted: computed by readers from the `staleness_<k>` histogram."""
+DATA_WAIT_FRACTION = "data_wait_fraction"
+STEP_TIME_S = "step_time_s"
+TRAIN_TIME_S = "train_time_s"
+PUBLISH_TIME_S = "publish_time_s"
+TOKENS_PER_S = "tokens_per_s"
+SAMPLES = "samples"
+GROUPS = "groups"
+FEEDER_DROPPED = "feeder_dropped"
+TOTAL_PREFIX = "total_"
+"""`total_<outcome>`: the intake's verdicts since the run started (accepted, stale, terminated_<cause>...)."""
+EVAL_REWARD_MEAN = "eval_reward_mean"
+
+# a rollout worker
+EPISODES_PER_S = "episodes_per_s"
