@@ -14,7 +14,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 from schemas.subjects import StreamSpec, stream_specs
@@ -118,6 +118,16 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0, auth:
             unregister_check(f"nats:{name}")
         if not attempt.done():
             attempt.cancel()
+
+
+async def publish_acked(js: JetStreamContext, subject: str, data: bytes, *, timeout_s: float,
+                        headers: dict[str, str] | None = None, stream: str | None = None) -> PubAck:
+    """Publish to a stream and wait for its acknowledgement, bounded by `timeout_s` (+1 s): nats-py may
+    never resolve a publish the server answered with 429 (docs/reference/nats-notes.md). Every
+    JetStream publisher goes through here; retrying is the caller's (`busretry.with_retries`)."""
+    return await asyncio.wait_for(
+        js.publish(subject, data, timeout=timeout_s, headers=headers, stream=stream), timeout=timeout_s + 1.0
+    )
 
 
 def _is_refusal(exc: BaseException) -> bool:

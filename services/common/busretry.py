@@ -43,6 +43,13 @@ _RETRYABLE: tuple[type[BaseException], ...] = (
 _FATAL: tuple[type[BaseException], ...] = (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)
 
 
+def full_jitter(attempt: int, initial_s: float, max_s: float) -> float:
+    """The wait before retry `attempt` (0-based): uniform in [0, min(max_s, initial_s * 2**attempt)]
+    ("full jitter", as openai-python and AWS's architecture blog do it): the one backoff every retry
+    loop of jetrl uses."""
+    return random.uniform(0.0, min(max_s, initial_s * 2**attempt))
+
+
 class BusUnavailable(ConnectionError):
     """NATS calls kept failing with retryable errors for longer than the retry budget."""
 
@@ -76,8 +83,7 @@ class Backoff:
         waited = now - self._since
         if waited >= self.give_up_after_s:
             raise BusUnavailable(f"{self.what}: NATS unavailable for {waited:.0f}s ({self.attempt + 1} attempts): {exc!r}") from exc
-        cap = min(MAX_BACKOFF_S, INITIAL_BACKOFF_S * 2**self.attempt)
-        delay = min(random.uniform(cap / 2, cap), self.give_up_after_s - waited)
+        delay = min(full_jitter(self.attempt, INITIAL_BACKOFF_S, MAX_BACKOFF_S), self.give_up_after_s - waited)
         self.attempt += 1
         if self.on_retry is not None:
             self.on_retry(exc)

@@ -28,6 +28,7 @@ class ImportResult:
 async def import_files(js: object, settings: ImportSettings, stopping: asyncio.Event | None = None) -> ImportResult:
     from schemas.headers import msg_id
     from schemas.subjects import HDR_MSG_ID, HDR_PROMPT_ID, TRAJECTORIES_STREAM, Subjects
+    from services.common.bus import publish_acked
     from services.common.progress import Progress
     from services.replay.parquet import iter_records
 
@@ -38,7 +39,7 @@ async def import_files(js: object, settings: ImportSettings, stopping: asyncio.E
         headers = dict(record.headers or {})
         headers[HDR_MSG_ID] = msg_id(settings.run, headers[HDR_PROMPT_ID])
         subject = subjects.trajectories_eval if record.subject.endswith(".eval") else subjects.trajectories
-        ack = await js.publish(subject, record.data, headers=headers, stream=TRAJECTORIES_STREAM, timeout=30.0)  # type: ignore[attr-defined]
+        ack = await publish_acked(js, subject, record.data, timeout_s=30.0, headers=headers, stream=TRAJECTORIES_STREAM)  # type: ignore[arg-type]
         result.groups += 1
         result.duplicates += int(bool(ack.duplicate))
         result.first_seq = result.first_seq or ack.seq

@@ -33,7 +33,8 @@ from schemas.headers import prompt_id_of, rejection_headers, trajectory_headers
 from schemas.messages import MessageError, PromptTask, RejectionMarker, decode, encode
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import TrajectoryError, encode_group_with_meta
-from services.common.bus import declare_streams
+from services.common.bus import declare_streams, publish_acked
+from services.common.busretry import INITIAL_BACKOFF_S, MAX_BACKOFF_S, full_jitter
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
@@ -131,6 +132,7 @@ class RolloutWorker:
         sub = await self.js.pull_subscribe_bind(self.subjects.rollout_consumer, stream=PROMPTS_STREAM)
         log.info("rollout worker pulling", consumer=self.subjects.rollout_consumer, max_deliver=self.max_deliver)
         stop_wait = asyncio.create_task(stopping.wait(), name="stop-wait")
+        failures = 0  # consecutive failed fetches: the backoff grows as the bus stays away
         try:
             while not stopping.is_set():
                 free = self.config.max_concurrent - len(self._inflight)
@@ -141,10 +143,13 @@ class RolloutWorker:
                     msgs = await sub.fetch(free, timeout=self.config.fetch_timeout_s)
                 except (TimeoutError, nats.errors.TimeoutError):
                     continue
-                except nats.errors.Error as exc:  # reconnecting, server restarting: keep trying
-                    log.warning("fetch failed; retrying", error=repr(exc))
-                    await asyncio.wait({stop_wait}, timeout=0.5)
+                except nats.errors.Error as exc:  # reconnecting, server restarting: keep trying, never give up
+                    delay = full_jitter(failures, INITIAL_BACKOFF_S, MAX_BACKOFF_S)
+                    failures += 1
+                    log.warning("fetch failed; retrying", error=repr(exc), attempt=failures, delay_s=round(delay, 2))
+                    await asyncio.wait({stop_wait}, timeout=delay)
                     continue
+                failures = 0
                 for msg in msgs:
                     self._start(msg)
         finally:
@@ -284,13 +289,9 @@ class RolloutWorker:
         return self.subjects.trajectories_eval if is_eval else self.subjects.trajectories
 
     async def _publish(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
-        """Publish and wait for the stream's ack, bounded: nats-py may never resolve a publish the
-        server answered with 429 (docs/reference/nats-notes.md)."""
-        timeout = self.config.publish_timeout_s
-        ack = await asyncio.wait_for(
-            self.js.publish(subject, body, timeout=timeout, stream=TRAJECTORIES_STREAM, headers=dict(headers)),
-            timeout=timeout + 1.0,
-        )
+        """Publish and wait for the stream's ack, bounded (`publish_acked`)."""
+        ack = await publish_acked(self.js, subject, body, timeout_s=self.config.publish_timeout_s,
+                                  headers=dict(headers), stream=TRAJECTORIES_STREAM)
         if ack.duplicate:
             log.info("result already recorded (duplicate dropped)", subject=subject, msg_id=headers.get("Nats-Msg-Id"))
 

@@ -15,6 +15,7 @@ from nats.js.errors import NotFoundError
 from schemas.headers import prompt_headers
 from schemas.messages import MessageError, PromptTask, decode, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
+from services.common.bus import publish_acked
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
@@ -85,11 +86,7 @@ class Feeding:
         body = encode(task)
 
         async def publish() -> Any:
-            # bounded: nats-py may never resolve a publish the server answered with 429 (see rollout/worker.py)
-            return await asyncio.wait_for(
-                js.publish(subject, body, timeout=PUBLISH_TIMEOUT_S, headers=headers, stream=PROMPTS_STREAM),
-                timeout=PUBLISH_TIMEOUT_S + 1.0,
-            )
+            return await publish_acked(js, subject, body, timeout_s=PUBLISH_TIMEOUT_S, headers=headers, stream=PROMPTS_STREAM)
 
         ack = await with_retries(f"publish prompt {task.prompt_id}", publish, self.s.bus_retry_timeout_s)
         if ack.duplicate:  # an earlier attempt got through; its acknowledgement was lost

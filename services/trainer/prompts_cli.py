@@ -18,7 +18,7 @@ from schemas.subjects import PROMPTS_STREAM, Subjects
 
 
 async def push(nats_url: str, run: str, path: str, *, is_eval: bool = False, limit: int = 0, prefix: str = "push") -> int:
-    from services.common.bus import connect, declare_streams
+    from services.common.bus import connect, declare_streams, publish_acked
     from services.trainer.dataset import load_rows
 
     rows = load_rows(path)[: limit or None]
@@ -30,7 +30,8 @@ async def push(nats_url: str, run: str, path: str, *, is_eval: bool = False, lim
         subject = subjects.prompts_eval if is_eval else subjects.prompts_train
         for i, row in enumerate(rows):
             task = PromptTask(run=run, prompt_id=f"{prefix}-{i}", data=row, is_eval=is_eval)
-            await js.publish(subject, encode(task), headers=prompt_headers(run, task.prompt_id), stream=PROMPTS_STREAM)
+            await publish_acked(js, subject, encode(task), timeout_s=10.0, headers=prompt_headers(run, task.prompt_id),
+                                stream=PROMPTS_STREAM)
     finally:
         await nc.drain()
     return len(rows)

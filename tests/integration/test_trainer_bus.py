@@ -138,7 +138,7 @@ async def test_when_the_server_stays_away_the_trainer_checkpoints_and_gives_up(
     settings = _settings(tmp_path, tiny_model, nats_server.url, bus_retry_timeout_s=2, total_steps=5)
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
-    publisher = WeightPublisher(nc, RUN)
+    publisher = WeightPublisher(nc, RUN, bus_retry_timeout_s=settings.bus_retry_timeout_s)  # as the service builds it
     publish = _publish_with_outage(publisher, nats_server, None)
     trainer = Trainer(settings, TrainEngine(settings), publish=publish)
     try:
