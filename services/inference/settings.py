@@ -43,6 +43,14 @@ class InferenceSettings(ServiceSettings):
     """torch intra-op threads of the decode thread."""
     context_length: int = 0
     """Longest prompt + completion; 0 means the model's max_position_embeddings."""
+    skip_tokenizer_init: bool = False
+    """As SGLang's `--skip-tokenizer-init` (how jetrl starts real SGLang): token ids only, no `text` in
+    replies, and `stop` strings / `min_new_tokens` refused with SGLang's 400."""
+    health_check_timeout_s: float = 20.0
+    """How long `/health` waits for a paused server to go on before answering 503: SGLang's `/health`
+    runs a one-token generation, which waits out a pause the same way (`/ready` answers at once)."""
+    sglang_version: str = "0.5.23"
+    """The SGLang version whose protocol this server speaks, reported as `version` by `/server_info`."""
     simulate: bool = False
     """Serve the protocol with no model: random tokens at `sim.token_latency_s` per step (for benchmarks)."""
     sim: SimulateSettings = SimulateSettings()
