@@ -265,6 +265,11 @@ class InferenceServer:
 
 
 async def run(settings: InferenceSettings) -> None:
+    if settings.engine == "sglang":
+        from services.inference.sglang_launch import run_sglang
+
+        await run_sglang(settings)
+        return
     server = InferenceServer(settings)
 
     async def main(sup: Supervisor) -> None:

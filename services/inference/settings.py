@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import model_validator
 
@@ -27,6 +27,11 @@ class SimulateSettings(Section):
 class InferenceSettings(ServiceSettings):
     service: ClassVar[str] = "inference"
 
+    engine: Literal["cpu", "sglang"] = "cpu"
+    """`cpu`: this CPU server. `sglang`: run real SGLang (`python -m sglang.launch_server`, needs the
+    `sglang` package and a CUDA GPU) with these settings as its flags; see docs/sglang.md."""
+    sglang_args: list[str] = []
+    """Extra `sglang.launch_server` flags with `engine: sglang` (e.g. `--tp-size=2`, `--mem-fraction-static=0.8`)."""
     model_path: str = ".jetrl/models/tiny"
     """Local HF model directory (config.json + *.safetensors [+ tokenizer]); `jetrl make-model` builds the default."""
     host: str = "127.0.0.1"
