@@ -10,6 +10,7 @@ the CPU server, which stands where SGLang's GPU scheduler would be.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -28,7 +29,8 @@ from services.rollout.sglang_protocol import model_info_path, parse_server_versi
 from services.weights.server_client import ServerClient, readiness_urls
 from tests.contract import sglang_pkg
 from tests.contract.recorder import Recorder
-from tests.integration.conftest_inference import ServerProcess, running_servers
+from tests.integration.conftest_inference import ServerProcess, free_port, running_servers
+from tests.waiting import wait_http_ok
 
 VERSIONS = [sglang_pkg.OLDEST, sglang_pkg.NEWEST]
 PROMPT = [1, 5, 6, 7, 13]
@@ -68,14 +70,38 @@ def test_the_cpu_server_serves_only_routes_sglang_serves() -> None:
 
 
 def judge(version: str, requests: list[dict], replies: list[dict]) -> list[dict]:
-    path = os.pathsep.join([str(sglang_pkg.install(version)), str(sglang_pkg.install_deps()), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path, "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "true"}
+    env = {**os.environ, "PYTHONPATH": sglang_path(version)}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("sglang_check.py"))], env=env, timeout=600,
                           input=json.dumps({"requests": requests, "replies": replies}), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["version"] == version
     return list(out["verdicts"])
+
+
+def sglang_path(version: str) -> str:
+    return os.pathsep.join([str(sglang_pkg.install(version)), str(sglang_pkg.install_deps()), os.environ.get("PYTHONPATH", "")])
+
+
+@contextlib.contextmanager
+def sglang_app(version: str, upstream: str, model: Path, log: Path) -> Iterator[str]:
+    """SGLang's own HTTP app at `version` (sglang_app.py) in front of the CPU server `upstream`."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": sglang_path(version), "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("sglang_app.py")), str(port), upstream, str(model)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(url + "/model_info", timeout_s=300, proc=proc, log=log)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +117,16 @@ async def recorder(server: ServerProcess) -> AsyncIterator[Recorder]:
     await rec.stop()
 
 
+async def wait_running(url: str, task: asyncio.Task) -> None:
+    """Until the server reports a running request (the bench's load reading of `/v1/loads`)."""
+    async with httpx.AsyncClient() as http:
+        for _ in range(2000):
+            if requests_in_server((await http.get(url + "/v1/loads")).json()) > 0 or task.done():
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError("the request never started running")
+
+
 async def drive_clients(rec: Recorder, model: Path, new_weights: Path) -> None:
     """What jetrl's clients send in a run: generation with logprobs and stop strings, the engine's and
     the agent's weight updates (abort and in_place pauses), model info, readiness, loads."""
@@ -102,18 +138,27 @@ async def drive_clients(rec: Recorder, model: Path, new_weights: Path) -> None:
         stopped = await engine.agenerate(ModelRequest(PROMPT, max_new_tokens=12, temperature=0.0, stop=["\n", "a"], seed=1))
         assert stopped.output_ids and len(stopped.output_logprobs) == len(stopped.output_ids)
         task = asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, max_new_tokens=200, ignore_eos=True)))
+        await wait_running(rec.url, task)  # so the in_place pause holds it
         async with httpx.AsyncClient() as http:
-            for _ in range(2000):  # until the long request runs, so the in_place pause holds it
-                if requests_in_server((await http.get(rec.url + "/v1/loads")).json()) > 0 or task.done():
-                    break
-                await asyncio.sleep(0.01)
             await http.get(rec.url + "/v1/models")
         await agent.pause("in_place")
         await agent.update_weights_from_disk(str(new_weights), v0 + 1)
         await agent.resume()
-        await engine.update_weights(WeightUpdateMeta(path=str(model), version=v0 + 2))  # pause in abort mode, load, continue
         res = await task
-        assert {v0 + 1, v0 + 2} & set(res.output_versions)
+        assert res.passes == 1 and res.output_versions[0] == v0 and res.output_versions[-1] == v0 + 1  # held in place
+        # the engine's update: pause in abort mode (in-flight requests return, and are continued), load, go on
+        task = asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, max_new_tokens=200, ignore_eos=True)))
+        await wait_running(rec.url, task)
+        await engine.update_weights(WeightUpdateMeta(path=str(model), version=v0 + 2))
+        res = await task
+        assert res.passes >= 2 and res.output_versions[-1] == v0 + 2 and len(res.output_ids) == 200
+        # an abort of one request by its rid: the engine continues it on the next pass
+        task = asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, max_new_tokens=200, ignore_eos=True, rid="one")))
+        await wait_running(rec.url, task)
+        async with httpx.AsyncClient() as http:
+            assert (await http.post(rec.url + "/abort_request", json={"rid": "one-p1"})).status_code == 200
+        res = await task
+        assert res.passes >= 2 and len(res.output_ids) == 200
         assert await engine.get_weight_version(rec.url) == v0 + 2
     finally:
         await engine.aclose()
@@ -136,3 +181,27 @@ async def test_sglang_accepts_what_jetrl_sends_and_what_the_cpu_server_answers(
     assert verdicts[len(sent)]["ok"] is False and "skip_tokenizer_init" in verdicts[len(sent)]["error"]
     bad = [v for i, v in enumerate(verdicts) if not v["ok"] and i != len(sent)]
     assert not bad, bad
+
+
+@pytest.fixture(scope="module")
+def app(server: ServerProcess, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with sglang_app(sglang_pkg.NEWEST, server.url, tiny_model, tmp_path_factory.mktemp("sglang-app") / "app.log") as url:
+        yield url
+
+
+async def test_jetrl_clients_against_sglangs_own_http_app(app: str, tiny_model: Path, tmp_path: Path) -> None:
+    from services.inference.make_model import build_model
+
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(app + "/get_weight_version")).status_code == 404
+        assert (await http.get(app + "/server_info")).json()["version"] == sglang_pkg.NEWEST
+        refused = await http.post(app + "/generate", json={"input_ids": PROMPT, "sampling_params": {"stop": ["a"]}})
+        assert refused.status_code == 400 and "skip_tokenizer_init" in refused.text  # what jetrl used to send
+    rec = await Recorder(app).start()
+    try:
+        await drive_clients(rec, tiny_model, build_model(tmp_path / "seed1", seed=1))
+    finally:
+        await rec.stop()
+    assert all(e.status == 200 for e in rec.exchanges), [(e.path, e.status, e.reply) for e in rec.exchanges if e.status != 200]
+    generated = [e.reply for e in rec.requests("/generate")]
+    assert all("output_token_logprobs" in g["meta_info"] and "weight_versions" in g["meta_info"] for g in generated)
