@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sglang_check import install_stubs  # noqa: E402 - the stubs go in before SGLang is imported
+from sglang_check import install_stubs
 
 
 class StandIn:
@@ -25,7 +25,6 @@ class StandIn:
 
     def __init__(self, upstream: str, server_args: Any, model_config: Any, vocab_size: int) -> None:
         import httpx
-
         from sglang.srt.managers.tokenizer_manager import ServerStatus
 
         self.http = httpx.AsyncClient(base_url=upstream, timeout=600)
@@ -102,14 +101,12 @@ class StandIn:
 def main() -> None:
     port, upstream, model_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     install_stubs()
+    import httpx
     import uvicorn
-
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.entrypoints import http_server as hs
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
-
-    import httpx
 
     version = httpx.get(upstream + "/model_info", timeout=60).json()["weight_version"]  # the CPU server's, now
     args = ServerArgs(model_path=model_path, skip_tokenizer_init=True, device="cpu", weight_version=version,

@@ -205,3 +205,57 @@ async def test_jetrl_clients_against_sglangs_own_http_app(app: str, tiny_model: 
     assert all(e.status == 200 for e in rec.exchanges), [(e.path, e.status, e.reply) for e in rec.exchanges if e.status != 200]
     generated = [e.reply for e in rec.requests("/generate")]
     assert all("output_token_logprobs" in g["meta_info"] and "weight_versions" in g["meta_info"] for g in generated)
+
+
+async def test_the_weights_agent_starts_and_loads_versions_against_sglangs_app(
+    app: str, nats_url: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """`jetrl weights` as shipped, as a process, beside SGLang's app: it starts (version check, readiness,
+    weight version from /model_info) and loads two versions with `pause_mode=in_place` while generations
+    run (whether the load lands inside one is timing; the held-in-place case is `drive_clients`')."""
+    import nats
+
+    from schemas.messages import WeightsLoaded, WeightsLoadFailed, decode
+    from schemas.subjects import Subjects
+    from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
+    from tests.integration.test_weights_agent import make_version
+
+    nc = await nats.connect(nats_url)
+    reports: asyncio.Queue[WeightsLoaded | WeightsLoadFailed] = asyncio.Queue()
+    await ensure_weight_sync_stream(nc)
+    subjects = Subjects("contract")
+
+    async def on_loaded(msg: nats.aio.msg.Msg) -> None:
+        await reports.put(decode(WeightsLoaded, msg.data))
+
+    async def on_failed(msg: nats.aio.msg.Msg) -> None:
+        await reports.put(decode(WeightsLoadFailed, msg.data))
+
+    await nc.subscribe(subjects.weights_loaded_all, cb=on_loaded)
+    await nc.subscribe("jetrl.contract.weights.failed.>", cb=on_failed)
+    log = tmp_path / "agent.log"
+    args = [sys.executable, "-m", "services.weights", f"server={app}", f"nats_url={nats_url}", "run=contract",
+            f"cache_dir={tmp_path / 'cache'}", "pause_mode=in_place", "log_format=json"]
+    engine = InferenceEngine(InferenceClientSettings(servers=[app]))
+    with open(log, "wb") as out:
+        agent = subprocess.Popen(args, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        base = await engine.get_weight_version(app)
+        pub = WeightPublisher(nc, "contract", keep_last=2)
+        for v in (base + 1, base + 2):
+            task = asyncio.create_task(engine.agenerate(ModelRequest(PROMPT, max_new_tokens=300, ignore_eos=True)))
+            await wait_running(app, task)
+            await pub.publish_dir(v, v, make_version(tiny_model, tmp_path / f"c{v}", v))
+            report = await asyncio.wait_for(reports.get(), 120)
+            assert isinstance(report, WeightsLoaded) and report.version == v, f"{report!r}\n{log.read_text()[-3000:]}"
+            res = await asyncio.wait_for(task, 120)  # finished, whether or not the load landed during it
+            assert len(res.output_ids) == 300 and res.output_versions == sorted(res.output_versions)
+            assert await engine.get_weight_version(app) == v
+            after = await engine.agenerate(ModelRequest(PROMPT, max_new_tokens=4, ignore_eos=True))
+            assert after.output_versions == [v] * 4
+        assert agent.poll() is None, log.read_text()[-3000:]
+    finally:
+        agent.terminate()
+        agent.wait(20)
+        await engine.aclose()
+        await nc.close()
