@@ -259,3 +259,27 @@ async def test_the_weights_agent_starts_and_loads_versions_against_sglangs_app(
         agent.wait(20)
         await engine.aclose()
         await nc.close()
+
+
+def documented_routes() -> list[tuple[str, str, tuple[int, ...], tuple[int, ...] | None]]:
+    """The route table of docs/sglang.md: (path, method, since, gone)."""
+    rows = []
+    for line in (sglang_pkg.ROOT / "docs" / "sglang.md").read_text().splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("/"):
+            since, gone = parse_server_version(cells[2]), parse_server_version(cells[3])
+            assert since is not None, line
+            rows.append((cells[0], cells[1], since, gone))
+    return rows
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_documented_route_table_is_sglangs(version: str) -> None:
+    rows = documented_routes()
+    assert len(rows) >= 10
+    v = parse_server_version(version)
+    assert v is not None
+    table = sglang_pkg.routes(version)
+    for path, method, since, gone in rows:
+        expected = since <= v and (gone is None or v < gone)
+        assert (method in table.get(path, set())) == expected, f"docs/sglang.md: {path} {method} at SGLang {version}"
