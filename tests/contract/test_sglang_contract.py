@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -283,3 +284,35 @@ def test_the_documented_route_table_is_sglangs(version: str) -> None:
     for path, method, since, gone in rows:
         expected = since <= v and (gone is None or v < gone)
         assert (method in table.get(path, set())) == expected, f"docs/sglang.md: {path} {method} at SGLang {version}"
+
+
+async def test_the_agent_proxys_stop_strings_through_sglangs_app(app: str, tiny_model: Path) -> None:
+    """The agent proxy's generate path (OpenAI `stop`) on a `--skip-tokenizer-init` SGLang: applied by the
+    engine, never sent (SGLang would refuse it with a 400)."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from services.rollout.agent.proxy import AgentProxy, SamplingDefaults
+    from services.rollout.agent.server import ProxyServer
+
+    engine = InferenceEngine(InferenceClientSettings(servers=[app]))
+    srv = ProxyServer(AgentProxy(engine, AutoTokenizer.from_pretrained(tiny_model), SamplingDefaults(max_new_tokens=24)))
+    await srv.start()
+    try:
+        async with httpx.AsyncClient() as http:
+            async def ask(**kw: Any) -> str:
+                sid = (await http.post(f"{srv.url}/rl/start_session", json={"task_id": "t"})).json()["session_id"]
+                client = openai.AsyncOpenAI(base_url=srv.base_url(sid), api_key="x", http_client=http)
+                resp = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "123="}],
+                                                            temperature=0, **kw)
+                return str(resp.choices[0].message.content or "")
+
+            free = await ask()
+            stop = free[4:6]
+            assert len(stop) == 2, free
+            cut = free.index(stop)
+            stopped = await ask(stop=[stop])
+            assert stopped in (free[:cut], free[: cut + len(stop)])  # trimmed (or not) by the proxy, never beyond
+    finally:
+        await srv.aclose()
+        await engine.aclose()
