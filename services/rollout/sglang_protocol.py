@@ -74,6 +74,14 @@ def model_info_path(version: tuple[int, ...] | None) -> str:
     return "/get_model_info" if version is not None and version < MODEL_INFO_SINCE else "/model_info"
 
 
+def readiness_urls(base_url: str) -> tuple[str, str]:
+    """What a readiness check polls (passing when either answers 2xx): SGLang's own `/ready` (0.5.20+,
+    answers at once, also while paused), else `/health`, which runs a test generation and so waits out a
+    pause (503 after 20 s): give it a timeout of tens of seconds."""
+    base = base_url.rstrip("/")
+    return f"{base}/ready", f"{base}/health"
+
+
 def find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
     """The first stop string in `text`: (index where it ends, the stop), or None. Earliest end wins, the
     longer stop on a tie, as a server scanning token by token would see it."""

@@ -20,18 +20,14 @@ from services.rollout.sglang_protocol import (
     check_server_version,
     model_info_path,
     parse_server_version,
+    readiness_urls,
 )
+
+__all__ = ["READY_POLL_TIMEOUT_S", "ServerClient", "ServerError", "readiness_urls"]
 
 READY_POLL_TIMEOUT_S = 30.0
 """One readiness poll's timeout: SGLang's `/health` runs a test generation, which waits out a pause
 (it answered 503 after 20 s while paused), so a short timeout would call a loading server dead."""
-
-
-def readiness_urls(base_url: str) -> tuple[str, str]:
-    """What the side port's readiness check polls: SGLang's own `/ready` (0.5.20+, answers at once, also
-    while paused), else `/health` (give it `READY_POLL_TIMEOUT_S`: it waits out a pause)."""
-    base = base_url.rstrip("/")
-    return f"{base}/ready", f"{base}/health"
 
 
 class ServerError(RuntimeError):
