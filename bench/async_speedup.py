@@ -4,7 +4,7 @@ against the inference server's simulated long-tailed latency mode, so generation
 of real LLM decoding rather than of CPU decoding of the tiny model.
 
 Prints wall times (from the first to the last trainer step, start-up excluded), their ratio (the
-score), the trainer's wait fraction and the inference server's idle fraction (sampled from /get_load)
+score), the trainer's wait fraction and the inference server's idle fraction (sampled from /v1/loads)
 in each mode. AReaL reports up to 2.77x; target here: >= 2.5x with the trainer waiting < 10%.
 """
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def sample_idle(run_dir: Path, stop: threading.Event, samples: list[int]) -> None:
-    """Poll each inference server's /get_load; a sample with no running request counts as idle."""
+    """Poll the inference server's load; a sample with no running request counts as idle."""
     import httpx
 
     url = None
@@ -37,11 +37,16 @@ def sample_idle(run_dir: Path, stop: threading.Event, samples: list[int]) -> Non
                 pass
         if url:
             try:
-                load = httpx.get(f"{url}/get_load", timeout=1.0).json()
-                samples.append(int(load["num_running_reqs"]) + int(load["num_waiting_reqs"]))
+                samples.append(requests_in_server(httpx.get(f"{url}/v1/loads", timeout=1.0).json()))
             except Exception:
                 pass
         stop.wait(0.05)
+
+
+def requests_in_server(loads: dict) -> int:
+    """Running + waiting requests over the data-parallel ranks of a `/v1/loads` answer (SGLang 0.5.8+;
+    `/get_load` is gone from 0.5.21)."""
+    return sum(int(r.get("num_running_reqs", 0)) + int(r.get("num_waiting_reqs", 0)) for r in loads["loads"])
 
 
 def _server_url(pids: dict[str, int]) -> str | None:

@@ -57,6 +57,7 @@ class Scheduler:
         self._abort_all = False
         self._abort_done: list[asyncio.Future[None]] = []
         self._leaving: set[int] = set()  # sids whose rows leave the batch at the next step
+        self._holding = False  # paused in_place / retract: running requests kept but not stepped
         self.tokens_generated = 0
         self.requests_finished = 0
 
@@ -96,19 +97,29 @@ class Scheduler:
         self._wake.set()
         await fut
 
-    async def pause(self) -> None:
-        """Abort mode: in-flight requests end with `abort` and their partial output; new ones block."""
+    async def pause(self, mode: str = "abort") -> None:
+        """New requests block until `resume`. `abort`: in-flight requests end with `abort` and their
+        partial output. `in_place` / `retract`: they stay in the batch, not stepped, and go on after
+        `resume` (a weight update in between makes their later tokens carry the new version)."""
         self._resumed.clear()
-        await self.abort(None)
+        self._holding = mode != "abort"
+        if not self._holding:
+            await self.abort(None)
+
+    async def wait_resumed(self) -> None:
+        await self._resumed.wait()
 
     def resume(self) -> None:
+        self._holding = False
         self._resumed.set()
+        self._wake.set()
 
     # ---- the loop ------------------------------------------------------------------------------
     async def run(self, stopping: asyncio.Event) -> None:
         try:
             while not (stopping.is_set() and not self.waiting and not self.running):
-                if not self.waiting and not self.running and not self._abort_done:
+                idle = self._holding or (not self.waiting and not self.running)
+                if idle and not (self._abort_done or self._abort or self._abort_all):
                     waiter = asyncio.ensure_future(self._wake.wait())
                     stop = asyncio.ensure_future(stopping.wait())
                     await asyncio.wait([waiter, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -116,7 +127,8 @@ class Scheduler:
                     stop.cancel()
                 self._wake.clear()
                 await self._do_aborts()
-                await self._step()
+                if not self._holding:
+                    await self._step()
         finally:
             self.executor.shutdown(wait=False, cancel_futures=True)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -21,6 +23,22 @@ from services.inference.settings import InferenceSettings
 from services.inference.weights import WeightLoadError
 
 log = get_logger("inference")
+
+FLUSH_REFUSED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Retract or finish them, then call /flush_cache."
+)
+"""SGLang's answer to `update_weights_from_disk` with the default `flush_cache` while requests are held."""
+
+
+def _refuse_tokenizer_features(stop: tuple[str, ...], min_new_tokens: int) -> None:
+    """SGLang's check with `--skip-tokenizer-init`: what needs a tokenizer is a 400, not ignored."""
+    if stop:
+        raise RequestError(f"stop={list(stop)!r} is unavailable when skip_tokenizer_init=True "
+                           "(requires tokenizer to decode tokens to text for matching).")
+    if min_new_tokens > 0:
+        raise RequestError(f"min_new_tokens={min_new_tokens} is unavailable when skip_tokenizer_init=True "
+                           "(requires tokenizer for eos_token_id).")
 
 
 def make_backend(settings: InferenceSettings) -> Any:
@@ -64,19 +82,21 @@ class InferenceServer:
         r.add_post("/continue_generation", self.resume)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/update_weight_version", self.update_weight_version)
-        r.add_get("/get_weight_version", self.get_weight_version)
         r.add_post("/abort_request", self.abort_request)
-        r.add_route("*", "/flush_cache", self.flush_cache)
-        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/flush_cache", self.flush_cache)
+        r.add_post("/flush_cache", self.flush_cache)
+        r.add_get("/ready", self.health)  # SGLang's readiness route: answers at once, also while paused
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/get_model_info", self.model_info)  # deprecated in SGLang, still served
+        r.add_get("/server_info", self.server_info)
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/v1/models", self.models)
-        r.add_get("/get_load", self.load)
         r.add_get("/v1/loads", self.load)
         return app
 
     @web.middleware
     async def _not_ready(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if not self.ready and request.path not in ("/health", "/health_generate"):
+        if not self.ready and request.path not in ("/health", "/health_generate", "/ready"):
             return web.json_response(error_body("server is starting or shutting down"), status=503)
         return await handler(request)
 
@@ -101,8 +121,10 @@ class InferenceServer:
                 await self._json(request),
                 vocab_size=backend.vocab_size,
                 context_length=self.context_length,
-                tokenize=backend.tokenize if backend.tokenizer is not None else None,
+                tokenize=backend.tokenize if backend.tokenizer is not None and not self.settings.skip_tokenizer_init else None,
             )
+            if self.settings.skip_tokenizer_init:
+                _refuse_tokenizer_features(gen.params.stop, gen.params.min_new_tokens)
             if gen.stream and len(gen.prompts) > 1:
                 raise RequestError("stream: true with a batch input or n > 1 is not supported by the CPU server")
         except RequestError as exc:
@@ -123,7 +145,10 @@ class InferenceServer:
         return web.json_response(outs if gen.batched else outs[0])
 
     def _out(self, seq: Seq, return_logprob: bool) -> dict[str, Any]:
-        return output_body(seq, self.sched.backend, return_logprob=return_logprob, server_version=self.sched.backend.version)
+        body = output_body(seq, self.sched.backend, return_logprob=return_logprob, server_version=self.sched.backend.version)
+        if self.settings.skip_tokenizer_init:
+            body.pop("text", None)
+        return body
 
     async def _stream(self, request: web.Request, seq: Seq, return_logprob: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -148,9 +173,7 @@ class InferenceServer:
         mode = (body or {}).get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             return web.json_response(error_body(f"pause mode {mode!r}: expected abort, retract or in_place"), status=400)
-        # retract / in_place keep requests on a GPU server; here every mode aborts, which the client
-        # continues, so the observable result (one completion, tokens tagged per version) is the same.
-        await self.sched.pause()
+        await self.sched.pause(mode)
         log.info("generation paused", mode=mode)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -167,12 +190,17 @@ class InferenceServer:
         version = body.get("weight_version")
         if body.get("abort_all_requests"):
             await self.sched.abort(None)
+        held = len(self.sched.running) + len(self.sched.waiting)
         try:
             msg = await self.sched.in_model_thread(self.sched.backend.load_weights, str(path), None if version is None else str(version))
         except WeightLoadError as exc:
             log.warning("weight update failed; old weights keep serving", error=str(exc))
-            return web.json_response({"success": False, "message": str(exc)}, status=400)
+            return web.json_response({"success": False, "message": str(exc), "num_paused_requests": 0}, status=400)
         log.info("weights updated", model_path=path, version=self.sched.backend.version)
+        if body.get("flush_cache", True) and held:
+            # SGLang's order: the weights and version have changed, then the cache flush is refused
+            # because requests are held (an in_place / retract pause), and the call answers 400.
+            return web.json_response({"success": False, "message": FLUSH_REFUSED, "num_paused_requests": 0}, status=400)
         return web.json_response({"success": True, "message": msg, "num_paused_requests": 0})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
@@ -183,9 +211,6 @@ class InferenceServer:
             await self.sched.abort(None)
         self.sched.backend.version = str(body["new_version"])
         return web.json_response({"success": True, "message": "ok", "new_version": self.sched.backend.version})
-
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.sched.backend.version})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._json(request) or {}
@@ -202,18 +227,26 @@ class InferenceServer:
 
     # ---- info ----------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        if self.ready and request.path != "/ready" and self.sched.paused:
+            # SGLang's /health runs a one-token generation: it waits out a pause, then gives up with 503
+            try:
+                await asyncio.wait_for(self.sched.wait_resumed(), self.settings.health_check_timeout_s)
+            except TimeoutError:
+                return web.Response(status=503, text="paused")
         return web.Response(status=200 if self.ready else 503, text="ok" if self.ready else "starting")
 
     async def model_info(self, request: web.Request) -> web.Response:
         b = self.sched.backend
         return web.json_response({
-            "model_path": b.model_path, "tokenizer_path": b.model_path if b.tokenizer is not None else None,
+            "model_path": b.model_path, "served_model_name": b.model_path,
+            "tokenizer_path": b.model_path if b.tokenizer is not None else None,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": b.version,
         })
 
     async def server_info(self, request: web.Request) -> web.Response:
         info = self.settings.model_dump(mode="json")
-        info.update(version="jetrl-cpu", context_length=self.context_length, vocab_size=self.sched.backend.vocab_size,
+        info.update(version=self.settings.sglang_version, frontend="jetrl-cpu", context_length=self.context_length,
+                    vocab_size=self.sched.backend.vocab_size,
                     weight_version=self.sched.backend.version, tokens_generated=self.sched.tokens_generated,
                     requests_finished=self.sched.requests_finished, paused=self.sched.paused)
         return web.json_response(info)
@@ -222,12 +255,21 @@ class InferenceServer:
         return web.json_response(models_body(self.sched.backend.model_path, self.context_length))
 
     async def load(self, request: web.Request) -> web.Response:
+        """SGLang's `/v1/loads`: one entry per data-parallel rank (here one) with its core counters."""
         running, waiting = len(self.sched.running), len(self.sched.waiting)
-        return web.json_response({"num_running_reqs": running, "num_waiting_reqs": waiting, "num_reqs": running + waiting,
-                                  "num_tokens": sum(len(s.prompt) + len(s.output_ids) for s in self.sched.running.values())})
+        used = sum(len(s.prompt) + len(s.output_ids) for s in self.sched.running.values())
+        load = {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                "num_used_tokens": used, "num_total_tokens": used, "max_running_requests": self.settings.max_batch_size}
+        return web.json_response({"timestamp": datetime.now(UTC).isoformat(), "version": self.settings.sglang_version,
+                                  "accelerator": None, "num_accelerators": 0, "loads": [load]})
 
 
 async def run(settings: InferenceSettings) -> None:
+    if settings.engine == "sglang":
+        from services.inference.sglang_launch import run_sglang
+
+        await run_sglang(settings)
+        return
     server = InferenceServer(settings)
 
     async def main(sup: Supervisor) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import model_validator
 
@@ -27,6 +27,11 @@ class SimulateSettings(Section):
 class InferenceSettings(ServiceSettings):
     service: ClassVar[str] = "inference"
 
+    engine: Literal["cpu", "sglang"] = "cpu"
+    """`cpu`: this CPU server. `sglang`: run real SGLang (`python -m sglang.launch_server`, needs the
+    `sglang` package and a CUDA GPU) with these settings as its flags; see docs/sglang.md."""
+    sglang_args: list[str] = []
+    """Extra `sglang.launch_server` flags with `engine: sglang` (e.g. `--tp-size=2`, `--mem-fraction-static=0.8`)."""
     model_path: str = ".jetrl/models/tiny"
     """Local HF model directory (config.json + *.safetensors [+ tokenizer]); `jetrl make-model` builds the default."""
     host: str = "127.0.0.1"
@@ -43,6 +48,14 @@ class InferenceSettings(ServiceSettings):
     """torch intra-op threads of the decode thread."""
     context_length: int = 0
     """Longest prompt + completion; 0 means the model's max_position_embeddings."""
+    skip_tokenizer_init: bool = False
+    """As SGLang's `--skip-tokenizer-init` (how jetrl starts real SGLang): token ids only, no `text` in
+    replies, and `stop` strings / `min_new_tokens` refused with SGLang's 400."""
+    health_check_timeout_s: float = 20.0
+    """How long `/health` waits for a paused server to go on before answering 503: SGLang's `/health`
+    runs a one-token generation, which waits out a pause the same way (`/ready` answers at once)."""
+    sglang_version: str = "0.5.23"
+    """The SGLang version whose protocol this server speaks, reported as `version` by `/server_info`."""
     simulate: bool = False
     """Serve the protocol with no model: random tokens at `sim.token_latency_s` per step (for benchmarks)."""
     sim: SimulateSettings = SimulateSettings()

@@ -5,6 +5,10 @@ server) is continued with prompt + tokens so far and the remaining budget, so on
 tokens of several weight versions. Transport failures (timeouts, connection errors, 408/429/5xx) are
 retried with capped jittered backoff, then the next server takes over; a 400 is the caller's bug and
 raises at once. Payloads and replies are handled by the pure functions in `sglang_protocol.py`.
+
+Stop strings are applied here, not by the server: SGLang started with `--skip-tokenizer-init` (as jetrl
+starts it) refuses `stop` with a 400, and older versions silently ignored it. Each server's SGLang version
+is read once, at its first use, and a server too old for jetrl fails then with a message naming both.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -26,8 +30,12 @@ from services.rollout.gconfig import GenerationHyperparameters
 from services.rollout.sglang_protocol import (
     ProtocolError,
     build_generate_payload,
+    check_server_version,
+    cut_at_stop,
     error_message,
+    model_info_path,
     parse_generate_reply,
+    parse_server_version,
     parse_version,
 )
 
@@ -95,6 +103,10 @@ class ModelResponse:
     server: str
     passes: int = 1
     """How many `/generate` passes it took (more than 1 when aborts were continued)."""
+    stop_matched: str | None = None
+    """The stop string of the request that ended the output (`stop_reason` is then "stop"). The engine
+    applies stop strings itself; `output_ids` end with the token that completed the match, so the
+    decoded text still contains the stop string and the caller trims it for its API."""
 
     # AReaL's names for the same fields (aliases: reading or setting one is reading or setting the other)
     @property
@@ -163,6 +175,10 @@ class InferenceClientSettings(Section):
     """A server that failed all its retries is skipped by new choices for this long."""
     max_passes: int = 1000
     """Abort continuations allowed for one request before it is an error (a server stuck aborting)."""
+    tokenizer_path: str = ""
+    """Tokenizer (HF name or directory) that decodes outputs to apply stop strings client-side; empty:
+    the `tokenizer_path` the first server reports in its model info, loaded on the first request with
+    stop strings."""
 
 
 class InferenceEngine:
@@ -175,6 +191,8 @@ class InferenceEngine:
         self._down_until: dict[str, float] = {}
         self._rr = itertools.count()
         self._episodes: dict[str, str] = {}
+        self._versions: dict[str, tuple[int, ...] | None] = {}  # each server's SGLang version, read once
+        self._decode: Callable[[list[int]], str] | None = None
         # aiohttp rather than httpx: httpx's pool slows down sharply with many requests in flight
         # (measured: 64 concurrent generations ran slower than 16). Created on first use, in the loop.
         self._session: aiohttp.ClientSession | None = None
@@ -271,6 +289,9 @@ class InferenceEngine:
             raise BadRequestError(f"max_new_tokens must be >= 0, got {req.max_new_tokens}")
         start = time.monotonic()
         server = self._choose(episode)
+        await self.connect(server)
+        decode = await self._decoder() if req.stop else None
+        matched: str | None = None
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -287,7 +308,6 @@ class InferenceEngine:
                 top_p=req.top_p,
                 top_k=req.top_k,
                 stop_token_ids=req.stop_token_ids,
-                stop=req.stop,
                 ignore_eos=req.ignore_eos,
                 seed=req.seed,
                 rid=f"{req.rid}-p{passes}" if req.rid else None,
@@ -302,6 +322,12 @@ class InferenceEngine:
             ids += part.output_ids
             logprobs += part.output_logprobs
             versions += part.output_versions
+            cut = cut_at_stop(ids, req.stop, decode) if decode is not None else None
+            if cut is not None:
+                keep, matched = cut
+                del ids[keep:], logprobs[keep:], versions[keep:]
+                stop_reason = "stop"
+                break
             if part.finished:
                 stop_reason = part.finish_type
                 break
@@ -326,6 +352,7 @@ class InferenceEngine:
             latency_s=time.monotonic() - start,
             server=server,
             passes=passes,
+            stop_matched=matched,
         )
 
     # ---- control -------------------------------------------------------------------------------
@@ -369,17 +396,58 @@ class InferenceEngine:
             if isinstance(body, dict) and body.get("success") is False:
                 raise BadRequestError(f"{s}: update_weights_from_disk failed: {body.get('message')}")
 
-    async def get_weight_version(self, server: str) -> int:
-        url = server.rstrip("/") + "/get_weight_version"
+    async def _get(self, url: str) -> tuple[int, Any, str]:
         try:
             async with self._http().get(url, timeout=self._timeout(self.settings.control_timeout_s)) as resp:
                 status, text = resp.status, await resp.text()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise ServersUnavailableError(f"{url}: {exc!r}") from exc
-        body = _json_or_text(text)
+        return status, _json_or_text(text), text
+
+    async def connect(self, server: str) -> tuple[int, ...] | None:
+        """Read `server`'s SGLang version (once) and refuse a server too old for jetrl (InferenceError
+        naming the version and the missing feature). None: the server reports no version (a router)."""
+        server = server.rstrip("/")
+        if server in self._versions:
+            return self._versions[server]
+        version = None
+        for path in ("/server_info", "/get_server_info"):  # /server_info is the newer name
+            status, body, _ = await self._get(server + path)
+            if status == 200 and isinstance(body, dict):
+                version = parse_server_version(body.get("version"))
+                break
+        try:
+            check_server_version(server, version)
+        except ProtocolError as exc:
+            raise InferenceError(str(exc)) from exc
+        self._versions[server] = version
+        return version
+
+    async def model_info(self, server: str) -> dict[str, Any]:
+        """The server's model info (`/model_info`, or `/get_model_info` on servers before it)."""
+        url = server.rstrip("/") + model_info_path(await self.connect(server))
+        status, body, text = await self._get(url)
         if status != 200 or not isinstance(body, dict):
             raise InferenceError(f"{url}: HTTP {status}: {text[:200]}")
-        return parse_version(body.get("weight_version"))
+        return body
+
+    async def get_weight_version(self, server: str) -> int:
+        return parse_version((await self.model_info(server)).get("weight_version"))
+
+    async def _decoder(self) -> Callable[[list[int]], str]:
+        """The tokenizer's decode, for stop strings (loaded once, off the event loop)."""
+        if self._decode is None:
+            path = self.settings.tokenizer_path
+            if not path:
+                path = str((await self.model_info(self.servers[0])).get("tokenizer_path") or "")
+            if not path:
+                raise BadRequestError("stop strings need a tokenizer: set tokenizer_path (the server reports none)")
+            from transformers import AutoTokenizer
+
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+            self._decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False))
+            log.info("stop strings applied client-side", tokenizer=path)
+        return self._decode
 
     async def aclose(self) -> None:
         if self._session is not None:

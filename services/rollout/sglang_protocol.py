@@ -2,11 +2,14 @@
 
 No I/O here, so the interruptible-generation loop in `engine.py` stays small and every shape SGLang can
 answer (including the "Abort before prefill" reply with no logprobs) is tested without a server.
-Field names follow SGLang's `io_struct.py` (see shared/reference/sglang-protocol.md).
+Field names follow SGLang's `io_struct.py`; the facts per SGLang version are in docs/sglang.md and are
+checked by the contract tier (tests/contract/) against SGLang's own code.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +33,88 @@ def parse_version(raw: Any) -> int:
         raise ProtocolError(f"weight_version {raw!r} is not an integer (jetrl sends str(int))") from exc
 
 
+MIN_VERSION = (0, 5, 1)
+"""Oldest SGLang jetrl supports: `weight_version` on `update_weights_from_disk` starts here."""
+MODEL_INFO_SINCE = (0, 5, 6)
+"""`GET /model_info` (before: only `/get_model_info`, deprecated later, warns on every call)."""
+PAUSE_MODES_SINCE = (0, 5, 6)
+"""`/pause_generation`'s `mode` (older servers ignore the body and abort in-flight requests)."""
+
+
+def parse_server_version(raw: Any) -> tuple[int, ...] | None:
+    """`"0.5.23"` / `"0.5.15.post1"` / `"v0.5.6rc0"` -> (0, 5, 23) ...; None when it carries no version."""
+    match = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", str(raw or ""))
+    if match is None:
+        return None
+    return tuple(int(g) for g in match.groups() if g is not None)
+
+
+def version_text(version: tuple[int, ...] | None) -> str:
+    return "unknown" if version is None else ".".join(map(str, version))
+
+
+def check_server_version(url: str, version: tuple[int, ...] | None, *, pause_mode: str = "abort") -> None:
+    """Raise `ProtocolError` naming the version and the missing feature when `url` is too old for jetrl."""
+    if version is None:
+        return  # no version reported (a router in front): nothing to refuse on
+    if version < MIN_VERSION:
+        raise ProtocolError(
+            f"{url} runs SGLang {version_text(version)}; jetrl needs >= {version_text(MIN_VERSION)} "
+            "(weight_version on update_weights_from_disk is missing)"
+        )
+    if pause_mode != "abort" and version < PAUSE_MODES_SINCE:
+        raise ProtocolError(
+            f"{url} runs SGLang {version_text(version)}; pause_mode={pause_mode!r} needs >= "
+            f"{version_text(PAUSE_MODES_SINCE)} (older servers ignore the mode and abort)"
+        )
+
+
+def model_info_path(version: tuple[int, ...] | None) -> str:
+    """Where the server's `weight_version` is read: `/model_info`, or the deprecated route on old servers."""
+    return "/get_model_info" if version is not None and version < MODEL_INFO_SINCE else "/model_info"
+
+
+def readiness_urls(base_url: str) -> tuple[str, str]:
+    """What a readiness check polls (passing when either answers 2xx): SGLang's own `/ready` (0.5.20+,
+    answers at once, also while paused), else `/health`, which runs a test generation and so waits out a
+    pause (503 after 20 s): give it a timeout of tens of seconds."""
+    base = base_url.rstrip("/")
+    return f"{base}/ready", f"{base}/health"
+
+
+def find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """The first stop string in `text`: (index where it ends, the stop), or None. Earliest end wins, the
+    longer stop on a tie, as a server scanning token by token would see it."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        if not stop:
+            continue
+        at = text.find(stop)
+        if at < 0:
+            continue
+        end = at + len(stop)
+        if best is None or end < best[0] or (end == best[0] and len(stop) > len(best[1])):
+            best = (end, stop)
+    return best
+
+
+def cut_at_stop(ids: list[int], stops: list[str], decode: Callable[[list[int]], str]) -> tuple[int, str] | None:
+    """Apply stop strings client-side (SGLang refuses `stop` with `--skip-tokenizer-init`): the number of
+    tokens to keep (up to and including the token that completes the match) and the matched stop, or None."""
+    if not stops or not ids or find_stop(decode(ids), stops) is None:
+        return None
+    lo, hi = 1, len(ids)  # the shortest prefix whose text holds a stop (text only grows with tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if find_stop(decode(ids[:mid]), stops) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    found = find_stop(decode(ids[:lo]), stops)
+    assert found is not None
+    return lo, found[1]
+
+
 def build_generate_payload(
     input_ids: list[int],
     *,
@@ -38,12 +123,14 @@ def build_generate_payload(
     top_p: float = 1.0,
     top_k: int = -1,
     stop_token_ids: list[int] | None = None,
-    stop: list[str] | None = None,
     ignore_eos: bool = False,
     seed: int | None = None,
     rid: str | None = None,
 ) -> dict[str, Any]:
-    """The body of one `/generate` pass: token ids in, output logprobs requested, no streaming."""
+    """The body of one `/generate` pass: token ids in, output logprobs requested, no streaming. Stop
+    strings are never sent (a `--skip-tokenizer-init` server refuses them, older ones ignored them): the
+    engine applies them to the output itself. `sampling_seed` is sent but only honoured by a server
+    started with `--enable-deterministic-inference`; nothing relies on it."""
     sampling: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
@@ -53,8 +140,6 @@ def build_generate_payload(
     }
     if stop_token_ids:
         sampling["stop_token_ids"] = list(stop_token_ids)
-    if stop:
-        sampling["stop"] = list(stop)
     if seed is not None:
         sampling["sampling_seed"] = seed
     payload: dict[str, Any] = {

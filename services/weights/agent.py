@@ -37,7 +37,7 @@ from services.weights.fetch import FetchError, Retry, fetch_version
 from services.weights.files import remove_tree, version_dirs, versions_to_drop
 from services.weights.listen import AnnouncementFeed
 from services.weights.publisher import ensure_weight_sync_stream
-from services.weights.server_client import ServerClient, ServerError
+from services.weights.server_client import READY_POLL_TIMEOUT_S, ServerClient, ServerError, readiness_urls
 from services.weights.settings import WeightsSettings
 
 log = get_logger("weights.agent")
@@ -233,9 +233,9 @@ async def _start(sup: Supervisor, settings: WeightsSettings) -> None:
     nc = await connect(settings.nats_url, f"jetrl-weights-{settings.server_name}")
     sup.stack.push_async_callback(nc.drain)
     await with_retries("declare the weight-sync stream", lambda: ensure_weight_sync_stream(nc), settings.bus_retry_timeout_s)
-    server = ServerClient(settings.server, settings.request_timeout_s)
+    server = ServerClient(settings.server, settings.request_timeout_s, settings.pause_mode)
     sup.stack.push_async_callback(server.aclose)
-    register_check("inference reachable", http_check(f"{settings.server.rstrip('/')}/health"))  # side port /readyz
+    register_check("inference reachable", http_check(*readiness_urls(settings.server), timeout_s=READY_POLL_TIMEOUT_S))
     if not await server.wait_ready(settings.server_ready_timeout_s, sup.stopping):
         return
     agent = WeightsAgent(nc, server, settings, MetricsPublisher(nc, settings.run, "weights", worker=settings.server_name))

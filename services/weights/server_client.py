@@ -3,6 +3,9 @@
 The rollout client (`services/rollout/engine.py`) spreads generation over many servers with failover;
 the agent talks to exactly one, must choose the pause mode, and must tell a refused load (400, the
 server keeps its old weights) from an unreachable server, so it speaks the protocol directly.
+
+At start (`wait_ready`) it reads the server's SGLang version and refuses one too old for jetrl or for the
+configured pause mode; the version also picks the routes (`/model_info` or `/get_model_info`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,20 @@ import asyncio
 from typing import Any
 
 import httpx
+
+from services.rollout.sglang_protocol import (
+    ProtocolError,
+    check_server_version,
+    model_info_path,
+    parse_server_version,
+    readiness_urls,
+)
+
+__all__ = ["READY_POLL_TIMEOUT_S", "ServerClient", "ServerError", "readiness_urls"]
+
+READY_POLL_TIMEOUT_S = 30.0
+"""One readiness poll's timeout: SGLang's `/health` runs a test generation, which waits out a pause
+(it answered 503 after 20 s while paused), so a short timeout would call a loading server dead."""
 
 
 class ServerError(RuntimeError):
@@ -25,43 +42,74 @@ def parse_version(raw: object) -> int:
 
 
 class ServerClient:
-    def __init__(self, base_url: str, timeout_s: float) -> None:
+    def __init__(self, base_url: str, timeout_s: float, pause_mode: str = "abort") -> None:
         self.base_url = base_url.rstrip("/")
+        self.pause_mode = pause_mode
+        """The mode the agent pauses with; checked against the server's version at start."""
+        self.version: tuple[int, ...] | None = None
+        """The server's SGLang version, read by `wait_ready` (None: it reports none)."""
+        self._paused_mode: str | None = None
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
     async def wait_ready(self, timeout_s: float, stopping: asyncio.Event | None = None) -> bool:
-        """Poll `/health` until 200; False if `stopping` was set first. Raises on timeout."""
+        """Poll the server's readiness (`/ready` where SGLang has it, else `/health`) until 200, then read
+        its version and refuse a server too old (ServerError naming the version and the missing
+        feature). False if `stopping` was set first. Raises on timeout."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         last = "no answer yet"
+        path = "/ready"
         while asyncio.get_running_loop().time() < deadline:
             if stopping is not None and stopping.is_set():
                 return False
             try:
-                resp = await self._http.get("/health", timeout=5.0)
+                resp = await self._http.get(path, timeout=READY_POLL_TIMEOUT_S)
+                if resp.status_code == 404 and path == "/ready":
+                    path = "/health"  # an SGLang without its readiness route
+                    continue
                 if resp.status_code == 200:
+                    await self._check_version()
                     return True
-                last = f"HTTP {resp.status_code}"
+                last = f"{path}: HTTP {resp.status_code}"
             except httpx.HTTPError as exc:
-                last = repr(exc)
+                last = f"{path}: {exc!r}"
             await asyncio.sleep(0.2)
-        raise ServerError(f"{self.base_url} not healthy within {timeout_s}s ({last})")
+        raise ServerError(f"{self.base_url} not ready within {timeout_s}s ({last})")
+
+    async def _check_version(self) -> None:
+        for path in ("/server_info", "/get_server_info"):  # /server_info is the newer name
+            resp = await self._http.get(path)
+            if resp.status_code == 200:
+                self.version = parse_server_version(resp.json().get("version"))
+                break
+        try:
+            check_server_version(self.base_url, self.version, pause_mode=self.pause_mode)
+        except ProtocolError as exc:
+            raise ServerError(str(exc)) from exc
 
     async def get_weight_version(self) -> int:
-        body = await self._call("GET", "/get_weight_version")
+        """The version the server serves, from its model info (SGLang has no `/get_weight_version`)."""
+        body = await self._call("GET", model_info_path(self.version))
         return parse_version(body.get("weight_version"))
 
     async def pause(self, mode: str) -> None:
         await self._call("POST", "/pause_generation", {"mode": mode})
+        self._paused_mode = mode
 
     async def resume(self) -> None:
         await self._call("POST", "/continue_generation", {})
+        self._paused_mode = None
 
     async def update_weights_from_disk(self, model_path: str, version: int) -> None:
+        """Load a checkpoint. After an `in_place` or `retract` pause requests are still held by the
+        server, and SGLang refuses its default cache flush then (400, after the weights and version have
+        already changed), so the flush is asked for only when nothing can be running."""
+        flush = self._paused_mode in (None, "abort")
         body = await self._call(
-            "POST", "/update_weights_from_disk", {"model_path": model_path, "weight_version": str(version)}
+            "POST", "/update_weights_from_disk",
+            {"model_path": model_path, "weight_version": str(version), "flush_cache": flush},
         )
         if body.get("success") is False:
             raise ServerError(f"update_weights_from_disk refused: {body.get('message', body)}")

@@ -200,7 +200,7 @@ def test_scaled_stack_consumes_prompts_on_every_replica_and_advances_weights(sta
         per_replica = {name: episodes(fetch(env, name, "http://127.0.0.1:9100/metrics")) for name in replicas}
         inference = containers(env, "inference")
         if inference:
-            answer = fetch(env, inference[0], "http://127.0.0.1:30000/get_weight_version")
+            answer = fetch(env, inference[0], "http://127.0.0.1:30000/model_info")
             reported = json.loads(answer)["weight_version"] if answer else "0"
             version = int(reported) if str(reported).isdigit() else 0  # SGLang's "default" is 0
         if len(per_replica) == ROLLOUT_REPLICAS and all(v > 0 for v in per_replica.values()) and version >= 1:

@@ -32,10 +32,10 @@ async def http(server: ServerProcess) -> AsyncIterator[httpx.AsyncClient]:
 
 async def until(http: httpx.AsyncClient, key: str, value: int) -> None:
     for _ in range(2000):
-        if (await http.get("/get_load")).json()[key] >= value:
+        if (await http.get("/v1/loads")).json()["loads"][0][key] >= value:
             return
         await asyncio.sleep(0.005)
-    raise AssertionError(f"/get_load never reached {key} >= {value}")
+    raise AssertionError(f"/v1/loads never reached {key} >= {value}")
 
 
 @pytest.mark.parametrize(
@@ -103,7 +103,7 @@ async def test_bad_weight_updates_are_400_and_old_weights_keep_serving(http: htt
 
     greedy = {"input_ids": [1, 5, 6, 13], "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
     before = (await http.post("/generate", json=greedy)).json()["output_ids"]
-    version = (await http.get("/get_weight_version")).json()["weight_version"]
+    version = (await http.get("/model_info")).json()["weight_version"]
 
     missing = await http.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nope"), "weight_version": "9"})
     assert missing.status_code == 400 and not missing.json()["success"] and "does not exist" in missing.json()["message"]
@@ -111,19 +111,22 @@ async def test_bad_weight_updates_are_400_and_old_weights_keep_serving(http: htt
     shape = await http.post("/update_weights_from_disk", json={"model_path": str(wrong), "weight_version": "9"})
     assert shape.status_code == 400 and "shape mismatch" in shape.json()["message"]
 
-    assert (await http.get("/get_weight_version")).json()["weight_version"] == version
+    assert (await http.get("/model_info")).json()["weight_version"] == version
     assert (await http.post("/generate", json=greedy)).json()["output_ids"] == before
 
 
 async def test_info_endpoints(http: httpx.AsyncClient, tiny_model: Path) -> None:
-    assert (await http.get("/health")).status_code == 200
-    info = (await http.get("/get_model_info")).json()
+    assert (await http.get("/health")).status_code == 200 and (await http.get("/ready")).status_code == 200
+    assert (await http.get("/get_weight_version")).status_code == 404  # SGLang has no such route
+    assert (await http.get("/get_load")).status_code == 404
+    assert (await http.get("/get_model_info")).json() == (await http.get("/model_info")).json()
+    info = (await http.get("/model_info")).json()
     assert info["model_path"] == str(tiny_model) and info["is_generation"] is True and "weight_version" in info
     models = (await http.get("/v1/models")).json()
     assert models["object"] == "list" and models["data"][0]["max_model_len"] == 512
-    server = (await http.get("/get_server_info")).json()
-    assert server["vocab_size"] == 48 and server["max_batch_size"] == 1
-    assert (await http.get("/get_load")).json()["num_reqs"] == 0
+    server = (await http.get("/server_info")).json()
+    assert server["vocab_size"] == 48 and server["max_batch_size"] == 1 and server["version"] == "0.5.23"
+    assert (await http.get("/v1/loads")).json()["loads"][0]["num_running_reqs"] == 0
     assert (await http.post("/flush_cache")).status_code == 200
 
 

@@ -112,7 +112,7 @@ class Stack:
 
 async def server_version(url: str) -> str:
     async with httpx.AsyncClient() as http:
-        return (await http.get(f"{url}/get_weight_version")).json()["weight_version"]
+        return (await http.get(f"{url}/model_info")).json()["weight_version"]
 
 
 @pytest.fixture
@@ -195,10 +195,10 @@ async def test_servers_follow_versions_keep_generating_refuse_corruption_and_lat
 
 
 async def wait_generating(url: str) -> None:
-    """Until the server reports a running request (its /get_load), so the update lands mid-generation."""
+    """Until the server reports a running request (its /v1/loads), so the update lands mid-generation."""
     async with httpx.AsyncClient() as http:
         for _ in range(400):
-            load = (await http.get(f"{url}/get_load")).json()
+            load = (await http.get(f"{url}/v1/loads")).json()["loads"]
             if _running(load) > 0:
                 return
             await asyncio.sleep(0.01)

@@ -23,11 +23,11 @@ def reply(ids: list[int], finish: dict, *, version: str = "3", spans: list | Non
 
 
 def test_payload_carries_ids_sampling_and_logprob_request() -> None:
-    p = build_generate_payload([1, 2], max_new_tokens=5, temperature=0.5, top_k=3, stop_token_ids=[9], stop=["\n"], seed=7, rid="a")
+    p = build_generate_payload([1, 2], max_new_tokens=5, temperature=0.5, top_k=3, stop_token_ids=[9], seed=7, rid="a")
     assert p["input_ids"] == [1, 2] and p["return_logprob"] is True and p["stream"] is False and p["rid"] == "a"
     sp = p["sampling_params"]
     assert sp == {"max_new_tokens": 5, "temperature": 0.5, "top_p": 1.0, "top_k": 3, "ignore_eos": False,
-                  "stop_token_ids": [9], "stop": ["\n"], "sampling_seed": 7}
+                  "stop_token_ids": [9], "sampling_seed": 7}
 
 
 def test_payload_omits_unset_optional_fields() -> None:
