@@ -145,7 +145,7 @@ class ModelResponse:
 @dataclass(frozen=True)
 class WeightUpdateMeta:
     """What `InferenceEngine.update_weights` loads (AReaL-lite's names). Only the disk transport: an
-    HF checkpoint directory every server can read; NCCL (DESIGN.md "Weight sync") is not built."""
+    HF checkpoint directory every server can read; NCCL (docs/design.md "Weight sync") is not built."""
 
     path: str
     """HF checkpoint directory (config + safetensors) as the inference servers see it."""

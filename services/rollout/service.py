@@ -25,6 +25,7 @@ from services.common.runner import Supervisor, supervise
 from services.rollout.dump import TrajectoryDumper
 from services.rollout.resolve import resolve_workflow
 from services.rollout.settings import RolloutSettings
+from services.rollout.sglang_protocol import READY_POLL_TIMEOUT_S, readiness_urls
 from services.rollout.versions import CheckedWorkflow
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError, import_ref
@@ -80,7 +81,9 @@ async def run(settings: RolloutSettings) -> None:
         engine = InferenceEngine(settings.inference)
         sup.stack.push_async_callback(engine.aclose)
         # the side port's /readyz: an inference server and a reward service (its micro-service name) answer
-        register_check("inference reachable", http_check(*(f"{u.rstrip('/')}/health" for u in settings.inference.servers)))
+        # SGLang's /ready where it exists, else /health, which runs a test generation and waits out a pause
+        urls = [url for server in settings.inference.servers for url in readiness_urls(server)]
+        register_check("inference reachable", http_check(*urls, timeout_s=READY_POLL_TIMEOUT_S))
         register_check("reward reachable", nats_responder_check(nc, "$SRV.PING.jetrl-reward"))
 
         loaded: dict[str, Any] = {}

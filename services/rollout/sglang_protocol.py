@@ -74,6 +74,11 @@ def model_info_path(version: tuple[int, ...] | None) -> str:
     return "/get_model_info" if version is not None and version < MODEL_INFO_SINCE else "/model_info"
 
 
+READY_POLL_TIMEOUT_S = 30.0
+"""How long one readiness poll may take: SGLang's `/health` runs a test generation (a second or more,
+up to 20 s while paused)."""
+
+
 def readiness_urls(base_url: str) -> tuple[str, str]:
     """What a readiness check polls (passing when either answers 2xx): SGLang's own `/ready` (0.5.20+,
     answers at once, also while paused), else `/health`, which runs a test generation and so waits out a

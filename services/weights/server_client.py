@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from services.rollout.sglang_protocol import (
+    READY_POLL_TIMEOUT_S,
     ProtocolError,
     check_server_version,
     model_info_path,
@@ -25,7 +26,6 @@ from services.rollout.sglang_protocol import (
 
 __all__ = ["READY_POLL_TIMEOUT_S", "ServerClient", "ServerError", "readiness_urls"]
 
-READY_POLL_TIMEOUT_S = 30.0
 """One readiness poll's timeout: SGLang's `/health` runs a test generation, which waits out a pause
 (it answered 503 after 20 s while paused), so a short timeout would call a loading server dead."""
 

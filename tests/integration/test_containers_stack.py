@@ -31,7 +31,7 @@ NEEDED_BINARIES = ["podman", "buildah", "runc", "debootstrap", "iptables"]
 BASE_IMAGE = "localhost/jetrl-base:bookworm"
 ROLLOUT_REPLICAS = 3
 
-# issue #10: the job stays under 10 minutes on a fresh machine (apt, debootstrap, every image build:
+# the job stays under 10 minutes on a fresh machine (apt, debootstrap, every image build:
 # about 4 minutes measured on the shared 2-core box; warm reruns 1-2)
 pytestmark = pytest.mark.timeout(600)
 

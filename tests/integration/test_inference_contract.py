@@ -149,7 +149,7 @@ async def test_pause_update_continue_gives_one_completion_with_two_versions(
 async def test_update_weights_loads_a_checkpoint_and_never_leaves_the_server_paused(
     engine: InferenceEngine, target: Target, tmp_path: Path
 ) -> None:
-    # The AReaL-lite name of the research API (DESIGN.md "Python API"), on the disk transport.
+    # The AReaL-lite name of the research API (docs/design.md "Python API"), on the disk transport.
     if target.model is None or not target.cpu:
         pytest.skip("needs a checkpoint of the served model's shape to load")
     from services.inference.make_model import build_model

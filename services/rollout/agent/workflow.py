@@ -221,20 +221,16 @@ async def _load_tokenizer(tokenizer: Any, engine: Any) -> Any:
 
 
 async def _server_tokenizer_path(engine: Any) -> str:
-    import httpx
-
-    servers = list(getattr(engine, "servers", []))
     errors = []
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        for server in servers:
-            try:
-                info = (await client.get(f"{server}/get_model_info")).json()
-            except (httpx.HTTPError, ValueError) as exc:
-                errors.append(f"{server}: {exc!r}")
-                continue
-            path = info.get("tokenizer_path") or info.get("model_path")
-            if path:
-                return str(path)
-            errors.append(f"{server}: no tokenizer_path in /get_model_info")
+    for server in list(getattr(engine, "servers", [])):
+        try:
+            info = await engine.model_info(server)  # /model_info, or /get_model_info on older servers
+        except Exception as exc:
+            errors.append(f"{server}: {exc!r}")
+            continue
+        path = info.get("tokenizer_path") or info.get("model_path")
+        if path:
+            return str(path)
+        errors.append(f"{server}: no tokenizer_path in its model info")
     raise WorkflowError("the agent workflow needs a tokenizer: set workflow_kwargs.tokenizer (a model directory); "
                         f"asking the inference servers failed: {'; '.join(errors) or 'no servers'}")
