@@ -30,8 +30,8 @@ from services.rollout.sglang_protocol import model_info_path, parse_server_versi
 from services.weights.server_client import ServerClient, readiness_urls
 from tests.contract import sglang_pkg
 from tests.contract.recorder import Recorder
-from tests.integration.conftest_inference import ServerProcess, free_port, running_servers
-from tests.waiting import wait_http_ok
+from tests.support.inference import ServerProcess, free_port, running_servers
+from tests.support.waiting import wait_http_ok
 
 VERSIONS = [sglang_pkg.OLDEST, sglang_pkg.NEWEST]
 PROMPT = [1, 5, 6, 7, 13]

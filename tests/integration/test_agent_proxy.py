@@ -22,7 +22,7 @@ from services.rollout.agent.server import ProxyServer
 from services.rollout.agent.workflow import AgentWorkflow
 from services.rollout.engine import InferenceClientSettings, InferenceEngine, ModelRequest, ModelResponse
 from services.rollout.workflow import as_tensor_dict
-from tests.waiting import wait_http_ok
+from tests.support.waiting import wait_http_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 

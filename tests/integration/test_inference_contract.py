@@ -24,7 +24,7 @@ from services.rollout.engine import (
     ModelRequest,
     WeightUpdateMeta,
 )
-from tests.integration.conftest_inference import reference_logprobs, running_servers
+from tests.support.inference import reference_logprobs, running_servers
 
 PROMPTS = [[1, 5, 6, 7, 13], [1, 9, 13], [1, 4, 4, 4, 4, 4, 4, 13], [1, 20, 21, 22, 23, 13], [1, 8], [1, 7, 7, 13]]
 

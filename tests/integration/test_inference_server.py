@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest_inference import ServerProcess, running_servers, spawn_server, wait_ready
+from tests.support.inference import ServerProcess, running_servers, spawn_server, wait_ready
 
 LONG = {"input_ids": [1, 5, 6, 13], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}, "return_logprob": True}
 

@@ -29,7 +29,7 @@ from services.replay.export import export_range
 from services.replay.service import replay, start_replay
 from services.replay.settings import ExportSettings, ReplaySettings
 from services.trainer.engine import TrainEngine
-from tests.integration.conftest_trainer import make_group, publish_group, publish_rejection, read_steps
+from tests.support.trainer import make_group, publish_group, publish_rejection, read_steps
 
 LIVE = "live"
 

@@ -22,7 +22,7 @@ from schemas.messages import RewardItem, RewardReply, decode
 from schemas.subjects import REWARD_SUBJECT
 from services.common.bus import connect
 from services.reward.client import RewardClient
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICE = "jetrl-reward"

@@ -17,7 +17,7 @@ from services.common.health import evaluate_checks
 from services.reward.client import RewardClient, RewardRequestError, RewardUnavailableError
 from services.reward.service import RewardService
 from services.reward.settings import RewardSettings
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 RUN = "rwd"
 

@@ -33,7 +33,7 @@ from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflows.multi_turn import MultiTurnWorkflow
 from services.rollout.workflows.rlvr import RLVRWorkflow
 from tests.integration.test_rollout_worker import RUN, collect, push_prompts
-from tests.waiting import wait_http_ok
+from tests.support.waiting import wait_http_ok
 
 S = Subjects(RUN)
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from services.common.bus import connect
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from tests.integration.conftest_trainer import make_group, publish_group, publish_rejection, take_prompts, write_dataset
+from tests.support.trainer import make_group, publish_group, publish_rejection, take_prompts, write_dataset
 
 RUN = "stf"
 S = Subjects(RUN)

@@ -16,8 +16,8 @@ from typing import Any
 from schemas.messages import MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, Subjects
 from services.common.bus import connect, declare_streams
-from tests.integration.conftest_trainer import REPO, SERVICE_RUN, make_group, publish_group, start_trainer
-from tests.waiting import wait_until
+from tests.support.trainer import REPO, SERVICE_RUN, make_group, publish_group, start_trainer
+from tests.support.waiting import wait_until
 
 STEPS = 4
 

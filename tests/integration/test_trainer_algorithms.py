@@ -21,7 +21,7 @@ from services.trainer.collective import Command, execute
 from services.trainer.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.e2e.test_up import finish, processes_of, start_up
-from tests.integration.conftest_trainer import make_group
+from tests.support.trainer import make_group
 
 ROOT = Path(__file__).resolve().parents[2]
 

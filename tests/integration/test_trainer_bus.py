@@ -25,7 +25,7 @@ from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
 from services.weights.publisher import WeightPublisher, latest_published
-from tests.integration.conftest_trainer import (
+from tests.support.trainer import (
     SERVICE_RUN,
     kill_group,
     make_group,
@@ -34,7 +34,7 @@ from tests.integration.conftest_trainer import (
     start_trainer,
     take_prompts,
 )
-from tests.integration.conftest_trainer import write_dataset as _dataset
+from tests.support.trainer import write_dataset as _dataset
 
 RUN = "bus"
 OUTAGE_S = 7.0

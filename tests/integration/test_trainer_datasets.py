@@ -12,7 +12,7 @@ from services.common.bus import connect
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from tests.integration.conftest_trainer import take_prompts
+from tests.support.trainer import take_prompts
 
 RUN = "datasets"
 ROWS = [{"uid": f"q{i}", "question": f"{i:03d}=", "target": f"{i:03d}"} for i in range(8)]

@@ -19,7 +19,7 @@ from services.trainer.engine import TrainEngine
 from services.trainer.evaluation import EvalRounds
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from tests.integration.conftest_trainer import make_group, publish_group, take_prompts, write_dataset
+from tests.support.trainer import make_group, publish_group, take_prompts, write_dataset
 
 RUN = "ev"
 S = Subjects(RUN)

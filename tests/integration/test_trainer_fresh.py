@@ -16,7 +16,7 @@ from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
 from services.weights.publisher import WeightPublisher
-from tests.integration.conftest_trainer import make_group, publish_group, read_steps, take_prompts, write_dataset
+from tests.support.trainer import make_group, publish_group, read_steps, take_prompts, write_dataset
 
 RUN = "again"
 S = Subjects(RUN)

@@ -21,8 +21,8 @@ from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import TrajectoryMeta, encode_group, encode_table, group_to_table
 from services.common.bus import connect, declare_streams
 from services.status.groups import render_groups, trainer_groups
-from tests.integration.conftest_trainer import SERVICE_RUN as RUN
-from tests.integration.conftest_trainer import kill_group, make_group, publish_group, read_steps, start_trainer
+from tests.support.trainer import SERVICE_RUN as RUN
+from tests.support.trainer import kill_group, make_group, publish_group, read_steps, start_trainer
 
 BAD = "bad0"
 

@@ -15,7 +15,7 @@ from services.common.bus import connect
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from tests.integration.conftest_trainer import (
+from tests.support.trainer import (
     make_group,
     publish_group,
     publish_rejection,

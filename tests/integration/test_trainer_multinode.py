@@ -14,7 +14,7 @@ import pytest
 
 from services.common.bus import connect, declare_streams
 from services.common.nats_server import free_port
-from tests.integration.conftest_trainer import REPO, make_group, publish_group
+from tests.support.trainer import REPO, make_group, publish_group
 
 STEPS, GROUPS = 2, 2
 

@@ -16,7 +16,7 @@ from schemas.messages import PromptTask
 from schemas.subjects import Subjects
 from services.common.bus import connect
 from services.common.nats_server import NatsServer
-from tests.integration.conftest_trainer import (
+from tests.support.trainer import (
     SERVICE_RUN,
     delivered_to_trainer,
     kill_group,

@@ -11,11 +11,11 @@ import pytest
 
 from services.common.bus import connect, declare_streams
 from services.trainer import checkpoint as ckpt
-from tests.integration.conftest_trainer import SERVICE_RUN as RUN
-from tests.integration.conftest_trainer import kill_group as _kill
-from tests.integration.conftest_trainer import make_group, publish_group, read_steps
-from tests.integration.conftest_trainer import start_trainer as _start
-from tests.integration.conftest_trainer import wait_for_step as _wait_for
+from tests.support.trainer import SERVICE_RUN as RUN
+from tests.support.trainer import kill_group as _kill
+from tests.support.trainer import make_group, publish_group, read_steps
+from tests.support.trainer import start_trainer as _start
+from tests.support.trainer import wait_for_step as _wait_for
 
 SHUTDOWN_S = 10.0
 # Only SIGTERM and the end of the run write checkpoints; the feeder is off, trajectories come from the test.

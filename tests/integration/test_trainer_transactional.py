@@ -19,8 +19,8 @@ from services.common.nats_server import NatsServer
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from tests.integration.conftest_trainer import SERVICE_RUN as RUN
-from tests.integration.conftest_trainer import (
+from tests.support.trainer import SERVICE_RUN as RUN
+from tests.support.trainer import (
     delivered_to_trainer,
     kill_group,
     make_group,

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _batch(model_path: str) -> dict:
     from services.trainer.batch import collate
-    from tests.integration.conftest_trainer import make_group
+    from tests.support.trainer import make_group
 
     groups = [make_group(model_path, d, group_size=4, seed=i) for i, d in enumerate(["123", "405", "777"])]
     # Perturb the behaviour log-probs so the decoupled weight and the clip both matter.

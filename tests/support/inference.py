@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.waiting import wait_http_ok
+from tests.support.waiting import wait_http_ok
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ from schemas.messages import PromptTask, RejectionMarker, decode, encode
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import encode_group, group_to_table
 from services.common.demo_task import copy3_reward
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (not fixtures: those live in conftest.py files)."""
