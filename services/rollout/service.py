@@ -13,6 +13,7 @@ wrapped in `GroupedRolloutWorkflow(group_size)`. The weight versions of every gr
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -118,13 +119,6 @@ async def run(settings: RolloutSettings) -> None:
 
 
 def worker_config(settings: RolloutSettings) -> WorkerConfig:
-    return WorkerConfig(
-        worker=settings.worker,
-        max_concurrent=settings.max_concurrent,
-        max_deliver=settings.max_deliver,
-        ack_wait_s=settings.ack_wait_s,
-        nak_delay_s=settings.nak_delay_s,
-        publish_timeout_s=settings.publish_timeout_s,
-        drain_timeout_s=settings.drain_timeout_s,
-        episode_timeout_s=settings.episode_timeout_s,
-    )
+    """The worker's part of the settings: every WorkerConfig field the settings have, under the same name."""
+    return WorkerConfig(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(WorkerConfig)
+                           if f.name in RolloutSettings.model_fields})

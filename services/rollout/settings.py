@@ -28,9 +28,9 @@ class RolloutSettings(ServiceSettings):
     """The workflow, "package.module:Class" or "package.module.Class" (a RolloutWorkflow subclass, or an agent with `async def run`)."""
     workflow_kwargs: dict[str, Any] = {}
     """Keyword arguments of the workflow's constructor (override the standard ones below)."""
-    group_size: int = 8
+    group_size: int = Field(8, ge=1)
     """Samples per prompt (GRPO's group). A workflow without a `group_size` argument is run this many times per prompt."""
-    max_new_tokens: int = 32
+    max_new_tokens: int = Field(32, ge=1)
     """Longest completion (per turn)."""
     temperature: float = 1.0
     """Sampling temperature."""
@@ -38,19 +38,19 @@ class RolloutSettings(ServiceSettings):
     """Reward function, "module:function", on the reward service's allow-list."""
     reward_timeout_s: float = 30.0
     """Longest wait for one reward request's reply."""
-    max_concurrent: int = 16
+    max_concurrent: int = Field(16, ge=1)
     """Episodes (prompts) this worker runs at once."""
-    max_deliver: int = 3
+    max_deliver: int = Field(3, ge=1)
     """Attempts per prompt; after the last failed one the prompt is published as rejected with the error."""
-    ack_wait_s: float = 60.0
+    ack_wait_s: float = Field(60.0, gt=0)
     """How long a prompt stays with a silent worker before redelivery (running episodes send in_progress)."""
-    nak_delay_s: float = 2.0
+    nak_delay_s: float = Field(2.0, ge=0)
     """Delay before a failed episode's prompt is delivered again."""
-    publish_timeout_s: float = 10.0
+    publish_timeout_s: float = Field(10.0, gt=0)
     """Longest wait for the TRAJECTORIES stream to acknowledge a result."""
     drain_timeout_s: float = 10.0
     """On SIGTERM, how long in-flight episodes may finish before their prompts are handed back."""
-    episode_timeout_s: float = 1800.0
+    episode_timeout_s: float = Field(1800.0, ge=0)
     """Longest run of one episode; past it the attempt fails (retried after nak_delay_s, rejected at max_deliver). 0 = no limit."""
     worker: str = Field(default_factory=_default_worker)
     """This worker's name in trajectories and metrics (default hostname-pid)."""
@@ -64,20 +64,16 @@ class RolloutSettings(ServiceSettings):
     """Experiment name in dump paths (default: the run name)."""
     trial: str = "trial0"
     """Trial name in dump paths."""
-    metrics_interval_s: float = 5.0
+    metrics_interval_s: float = Field(5.0, gt=0)
     """Seconds between two metrics events on METRICS."""
+    fetch_timeout_s: float = Field(1.0, gt=0)
+    """Longest wait of one pull from the prompt queue (how soon an idle worker notices a stop)."""
+    version_poll_s: float = Field(0.5, gt=0)
+    """While a prompt waits for the weights it may be generated with (its `min_version`), re-read the
+    servers' versions this often (a load report on `weights.loaded` wakes it at once)."""
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSettings:
-        for name in ("group_size", "max_concurrent", "max_deliver", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("ack_wait_s", "publish_timeout_s", "metrics_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("nak_delay_s", "episode_timeout_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         module, _, name = self.workflow.rpartition(":") if ":" in self.workflow else self.workflow.rpartition(".")
         if not module or not name:
             raise ValueError(f"workflow {self.workflow!r}: expected 'package.module:ClassName' or 'package.module.ClassName'")
