@@ -43,6 +43,8 @@ class Feeding:
     version: int
     nonce: str
     evals: EvalRounds | None
+    _sub_dead: Any = None
+    """The dead-letter advisory subscription (`watch_dead_letters`); ended by `close_feeding`."""
     _wake_feeder: asyncio.Event
 
     async def feed_once(self) -> int:
@@ -130,6 +132,15 @@ class Feeding:
                 pass
 
         self._sub_dead = await self.nc.subscribe(subject, cb=on_advisory)
+
+    async def close_feeding(self) -> None:
+        """End the dead-letter subscription (before the connection is drained)."""
+        sub, self._sub_dead = self._sub_dead, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # the bus may be gone; shutting down matters more
+                log.warning("dead-letter unsubscribe failed", error=repr(exc))
 
     async def _issue_eval(self) -> None:
         assert self.feeder is not None and self.nc is not None

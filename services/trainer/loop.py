@@ -382,6 +382,7 @@ class Trainer(Feeding):
         """Stop reading trajectories and eval answers, before the connection is drained: a pull
         request's late status left in the subscription's queue would hold the drain to its timeout.
         Nothing unacked is lost; JetStream redelivers it."""
+        await self.close_feeding()
         if self.evals is not None:
             await self.evals.close()
         if self._sub is not None:
