@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import string
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -44,8 +46,11 @@ def build_model(
     max_positions: int = 512,
     seed: int = 0,
     force: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
-    """Write tokenizer + model to `out_dir` (skipped if a model is already there, unless `force`)."""
+    """Write tokenizer + model to `out_dir` (skipped if a model is already there, unless `force`);
+    `progress` is told each stage as it starts."""
+    say = progress or (lambda _: None)
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "model.safetensors").exists() and not force:
         return out
@@ -53,6 +58,7 @@ def build_model(
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     out.mkdir(parents=True, exist_ok=True)
+    say("writing the tokenizer")
     build_tokenizer(out)
     config = LlamaConfig(
         vocab_size=len(SPECIALS) + len(CHARS),
@@ -69,7 +75,9 @@ def build_model(
     )
     config.dtype = "float32"
     torch.manual_seed(seed)
+    say(f"initialising a {layers}-layer model, hidden {hidden}")
     model = AutoModelForCausalLM.from_config(config)
+    say(f"writing {sum(p.numel() for p in model.parameters()):,} parameters to {out}")
     model.save_pretrained(out, safe_serialization=True)
     return out
 
@@ -84,8 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="init seed")
     parser.add_argument("--force", action="store_true", help="overwrite an existing model")
     args = parser.parse_args(argv)
-    out = build_model(args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, seed=args.seed, force=args.force)
-    print(f"model ready at {out}")
+    started = time.monotonic()
+
+    def progress(stage: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f} s] {stage}", flush=True)
+
+    out = build_model(args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, seed=args.seed,
+                      force=args.force, progress=progress)
+    print(f"model ready at {out} ({time.monotonic() - started:.1f} s)")
     return 0
 
 
