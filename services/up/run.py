@@ -82,7 +82,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         loop.add_signal_handler(sig, on_signal, sig)
 
     started = time.time()
-    nats = NatsServer(run_dir / "nats", log_file=run_dir / "nats-server.log")
+    nats = NatsServer(run_dir / "nats", log_file=run_dir / "nats-server.log") if s.bus == "embedded" else None
     base_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
     base_env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     base_env["JETRL_RUN_DIR"] = str(run_dir)  # marks every process of the run, children included
@@ -91,16 +91,21 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     display = Display(s, view, stack)
     outcome = "failed"
     try:
-        nats.start()
-        (run_dir / URL_FILE).write_text(nats.url)  # lets `jetrl status` / `plot` find the live run
-        log.info("nats-server ready", url=nats.url, store=str(nats.store_dir))
+        if nats is not None:
+            nats.start()
+            url = nats.url
+            log.info("nats-server ready", url=url, store=str(nats.store_dir))
+        else:
+            url = s.nats_url
+            log.info("using the NATS at nats_url", url=url, replicas=s.nats_replicas)
+        (run_dir / URL_FILE).write_text(url)  # lets `jetrl status` / `plot` find the live run
         await asyncio.to_thread(_make_model, s.model_path)
         dataset = s.dataset_path or str(await asyncio.to_thread(_make_dataset, run_dir, s.dataset_size))
-        nc = await connect(nats.url, "jetrl-up")
-        await declare_streams(nc.jetstream())
+        nc = await connect(url, "jetrl-up")
+        await declare_streams(nc.jetstream(), replicas=s.nats_replicas)
         await watch(nc, s.run, view)
 
-        common = {"run": s.run, "nats_url": nats.url, "log_format": "json"}
+        common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json"}
         sec = lambda name: deep_merge(DEMO_DEFAULTS.get(name, {}), sections.get(name, {}))  # noqa: E731
         stack.start("reward", "services.reward", to_env("reward", deep_merge(common, sec("reward"))))
         servers = []
@@ -171,7 +176,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     finally:
         log.info("stopping the stack", outcome=outcome)
         await asyncio.to_thread(stack.stop, s.stop_timeout_s)
-        nats.stop()
+        if nats is not None:
+            nats.stop()
         (run_dir / URL_FILE).unlink(missing_ok=True)
     wall = time.time() - started
     extra = {"outcome": outcome, "wall_s": wall, "started_at": started, "servers": view.servers, "evals": view.evals}

@@ -4,7 +4,7 @@ and reach the service processes as environment variables only."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -38,3 +38,6 @@ class UpSettings(ServiceSettings):
     """On exit, how long services get to drain after SIGTERM before they are killed."""
     ready_timeout_s: float = Field(180.0, gt=0)
     """How long the inference servers may take to become healthy."""
+    bus: Literal["embedded", "external"] = "embedded"
+    """embedded: a nats-server of its own in the run directory; external: the NATS at `nats_url` (a
+    server or a cluster you run, e.g. `jetrl nats --cluster 3`; with `nats_replicas` for its streams)."""
