@@ -111,7 +111,9 @@ class RecordingSource:
         self.read = 0
 
     def bind(self, intake: Intake) -> None:
-        """Staleness off: nothing in the recording is too old to train on."""
+        """The recording's versions are the recorded run's, not this trainer's; staleness off: nothing
+        in the recording is too old to train on."""
+        intake.own_versions = False
         if self.staleness == "off":
             intake.eta = ETA_OFF
 

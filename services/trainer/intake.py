@@ -50,6 +50,9 @@ class Intake:
     eta: int
     dynamic_filtering: bool = False
     feeder: Feeder | None = None
+    own_versions: bool = True
+    """Versions on the groups are this trainer's (a live run): one newer than the trainer is an error.
+    False for a replay, where they are the recorded run's."""
     limits: Limits = field(default_factory=lambda: Limits(None, None))
     """Token ids and row lengths a group must stay within."""
     trained: set[str] = field(default_factory=set)
@@ -118,7 +121,7 @@ class Intake:
         if problem is not None:
             return Verdict("malformed", pid, error=problem.error, cause=problem.cause, worker=group.meta.worker)
         head, tail = group.meta.head_version, group.meta.tail_version
-        if tail > version or head < 0:
+        if head < 0 or (self.own_versions and tail > version):
             # weights the trainer never made (or none at all on trained tokens): the workflow or a
             # server is wrong, not the group late; never judged stale
             name = group.meta.workflow or "(unnamed workflow)"
