@@ -1,0 +1,262 @@
+"""`WeightBroadcaster`: the trainer's sending rank pushes one weight version to every inference
+server over a gloo group, speaking SGLang's distributed weight-update protocol to each server.
+
+Per version: find the live servers (`/health`); if they are not the group's members, rebuild the group
+(`/destroy_weights_update_group`, then `/init_weights_update_group` on every member while this process
+joins as rank 0 on a fresh port). Then per bucket (parameters in the served dtype, about `bucket_mb`
+each): `/update_weights_from_distributed` to every member (names, dtypes, shapes, `checksum`; the last
+bucket carries `weight_version`) while this process broadcasts the bucket's tensors, one broadcast per
+tensor in `names` order, as SGLang receives them. A member that dies mid-broadcast fails the broadcast
+within the group's deadline (`timeout_s`); the group is then rebuilt from the members still alive and
+the version is sent again, so the others still get it and the trainer never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from services.common.logging import get_logger
+from services.weights.bucket_checksum import bucket_checksum
+
+log = get_logger("weights.broadcast")
+
+ATTEMPTS = 2
+"""Sends of one version: the first, and one more on a group rebuilt without the members that failed."""
+BROKEN_GRACE_S = 2.0
+"""After a failed broadcast, how long the members' answers are still awaited."""
+
+
+@dataclass
+class VersionResult:
+    version: int
+    loaded: list[str] = field(default_factory=list)
+    """Servers that now serve the version."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Servers that do not, and why."""
+    buckets: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    rebuilds: int = 0
+
+
+@dataclass
+class Bucket:
+    names: list[str]
+    tensors: list[torch.Tensor]
+    checksum: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def make_buckets(state: dict[str, torch.Tensor], dtype: torch.dtype, bucket_bytes: int) -> list[Bucket]:
+    """The parameters in `dtype`, in order, cut into buckets of about `bucket_bytes` (a larger tensor
+    is a bucket of its own)."""
+    buckets: list[Bucket] = []
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    size = 0
+    for name, t in state.items():
+        t = t.detach().to(dtype).contiguous()
+        if tensors and size + t.numel() * t.element_size() > bucket_bytes:
+            buckets.append(Bucket(names, tensors, bucket_checksum(tensors)))
+            names, tensors, size = [], [], 0
+        names.append(name)
+        tensors.append(t)
+        size += t.numel() * t.element_size()
+    if tensors:
+        buckets.append(Bucket(names, tensors, bucket_checksum(tensors)))
+    return buckets
+
+
+class GroupBroken(RuntimeError):
+    """A broadcast over the group failed (a member died or stalled past the deadline)."""
+
+
+class WeightBroadcaster:
+    def __init__(self, servers: list[str], *, master_address: str = "127.0.0.1", dtype: str = "float32",
+                 bucket_mb: float = 64.0, timeout_s: float = 30.0, group_name: str = "jetrl-weights") -> None:
+        if not servers:
+            raise ValueError("broadcast: no servers given")
+        self.servers = [s.rstrip("/") for s in servers]
+        self.master_address = master_address
+        self.dtype: torch.dtype = getattr(torch, dtype)
+        self.dtype_name = dtype
+        self.bucket_bytes = max(1, int(bucket_mb * 1e6))
+        self.timeout_s = timeout_s
+        self.group_name = group_name
+        self.members: list[str] = []
+        self.port = 0
+        self._pg: Any = None
+        self._store: Any = None
+        # the group's collectives block a thread; one thread keeps them in order
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-send")
+        # a call may wait for a whole bucket's broadcast, which the group bounds by timeout_s
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s * 2 + 30, connect=5.0))
+
+    async def aclose(self) -> None:
+        await self._destroy_group()
+        await self._http.aclose()
+        self._sender.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self.master_address}:{self.port}" if self._pg is not None else ""
+
+    # ------------------------------------------------------------------------------ one version
+
+    async def send_version(self, version: int, state: dict[str, torch.Tensor]) -> VersionResult:
+        t0 = time.perf_counter()
+        buckets = await asyncio.to_thread(make_buckets, state, self.dtype, self.bucket_bytes)
+        result = VersionResult(version, buckets=len(buckets), bytes=sum(b.nbytes for b in buckets))
+        for attempt in range(ATTEMPTS):
+            live, down = await self._live()
+            result.failed = dict(down)
+            if not live:
+                break
+            if live != self.members or self._pg is None:
+                live = await self._rebuild(live, result.failed)
+                result.rebuilds += 1
+                if not live:
+                    break
+            refused: dict[str, str] = {}
+            try:
+                for i, bucket in enumerate(buckets):
+                    last = i == len(buckets) - 1
+                    refused.update(await self._send_bucket(bucket, str(version) if last else None))
+            except GroupBroken as exc:
+                # Who is gone is decided by /health on the next attempt: a member that merely did not
+                # answer in time (its receive was cut short by the failure) gets the version again.
+                log.warning("broadcast failed; rebuilding the group from the members still alive",
+                            version=version, attempt=attempt + 1, error=str(exc))
+                result.failed.update({s: f"broadcast failed: {exc}" for s in self.members})
+                await self._destroy_group()
+                continue
+            result.loaded = [s for s in self.members if s not in refused]
+            result.failed.update(refused)
+            break
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    async def _send_bucket(self, bucket: Bucket, version: str | None) -> dict[str, str]:
+        """Broadcast one bucket; returns the members that refused it (with why). Raises GroupBroken
+        when the broadcast itself failed (then also for members that could not be reached)."""
+        body: dict[str, Any] = {
+            "names": bucket.names, "dtypes": [self.dtype_name] * len(bucket.names),
+            "shapes": [list(t.shape) for t in bucket.tensors], "group_name": self.group_name,
+            "flush_cache": False, "checksum": bucket.checksum,
+        }
+        if version is not None:
+            body["weight_version"] = version
+        calls = [asyncio.ensure_future(self._post(s, "/update_weights_from_distributed", body)) for s in self.members]
+        sent = asyncio.get_running_loop().run_in_executor(self._sender, self._broadcast, bucket.tensors)
+        send_error = await _outcome(sent)
+        if send_error is None:
+            answers = await asyncio.gather(*calls)
+            return {s: a for s, a in zip(self.members, answers, strict=True) if a is not None}
+        # A member that still waits for the rest of the bucket would hold us up to its own deadline:
+        # give the answers a moment, then stop waiting (the group is rebuilt anyway).
+        done, pending = await asyncio.wait(calls, timeout=BROKEN_GRACE_S)
+        for c in pending:
+            c.cancel()
+        answers = [c.result() if c in done else "no answer after the broadcast failed" for c in calls]
+        raise GroupBroken(f"{_short(send_error)}; members' answers: {dict(zip(self.members, answers, strict=True))}")
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            self._pg.broadcast(t, 0).wait()
+
+    # ------------------------------------------------------------------------------ membership
+
+    async def _live(self) -> tuple[list[str], dict[str, str]]:
+        async def healthy(server: str) -> str | None:
+            try:
+                resp = await self._http.get(f"{server}/health", timeout=5.0)
+            except httpx.HTTPError as exc:
+                return f"unreachable: {exc!r}"
+            return None if resp.status_code == 200 else f"not healthy: HTTP {resp.status_code}"
+
+        candidates = self.servers
+        answers = await asyncio.gather(*(healthy(s) for s in candidates))
+        down = {s: a for s, a in zip(candidates, answers, strict=True) if a is not None}
+        return [s for s in candidates if s not in down], down
+
+    async def _rebuild(self, live: list[str], failed: dict[str, str]) -> list[str]:
+        """A new group of this rank and `live`; members that cannot join are left out (and the group
+        is built once more without them). Returns the members."""
+        for _ in range(ATTEMPTS):
+            await self._destroy_group()
+            world = len(live) + 1
+            store = await asyncio.to_thread(self._open_store, world)
+            body = {"master_address": self.master_address, "master_port": store.port, "world_size": world,
+                    "group_name": self.group_name, "backend": "gloo"}
+            calls = [self._post(s, "/init_weights_update_group", {**body, "rank_offset": i + 1}) for i, s in enumerate(live)]
+            joined = asyncio.get_running_loop().run_in_executor(self._sender, self._join, store, world)
+            *answers, error = await asyncio.gather(*calls, _outcome(joined))
+            bad = {s: f"could not join the weight-update group: {a}" for s, a in zip(live, answers, strict=True) if a}
+            if error is None and not bad:
+                self._store, self._pg, self.members, self.port = store, joined.result(), live, store.port
+                log.info("weight-update group built", members=live, address=self.address)
+                return live
+            failed.update(bad)
+            live = [s for s in live if s not in bad]
+            log.warning("building the weight-update group failed", error=repr(error), left_out=list(bad))
+            if not live:
+                break
+        self.members = []
+        return []
+
+    def _open_store(self, world: int) -> Any:
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        return dist.TCPStore(self.master_address, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+
+    def _join(self, store: Any, world: int) -> Any:
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        return dist.ProcessGroupGloo(dist.PrefixStore(self.group_name, store), 0, world, timeout)
+
+    async def _destroy_group(self) -> None:
+        if self._pg is None:
+            return
+        members, self.members = self.members, []
+        await asyncio.gather(*(self._post(s, "/destroy_weights_update_group", {"group_name": self.group_name}, quick=True)
+                               for s in members))
+        self._pg = self._store = None
+
+    async def _post(self, server: str, path: str, body: dict[str, Any], *, quick: bool = False) -> str | None:
+        """None on success, else why not."""
+        try:
+            resp = await self._http.post(f"{server}{path}", json=body,
+                                         timeout=5.0 if quick else httpx.USE_CLIENT_DEFAULT)
+        except httpx.HTTPError as exc:
+            return f"{path}: {_short(exc)}"
+        try:
+            answer = resp.json()
+        except ValueError:
+            answer = {"message": resp.text[:300]}
+        if resp.status_code == 200 and (not isinstance(answer, dict) or answer.get("success", True)):
+            return None
+        message = answer.get("message", answer) if isinstance(answer, dict) else answer
+        return f"{path}: HTTP {resp.status_code}: {message}"
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+async def _outcome(fut: Any) -> BaseException | None:
+    try:
+        await fut
+    except Exception as exc:  # the group's failure, reported with the members' answers
+        return exc
+    return None
