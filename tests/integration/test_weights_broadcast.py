@@ -90,3 +90,81 @@ async def test_versions_arrive_by_broadcast_bit_for_bit(nats_url: str, tiny_mode
             await bcast.aclose()
             await trainer.close()
             await nc.close()
+
+
+def _model_state(model_dir: Path, shift: float) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return {n: p.detach() + shift for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(180)
+async def test_a_corrupted_bucket_is_refused_and_the_old_weights_keep_serving(tiny_model: Path, tmp_path: Path) -> None:
+    from services.weights.broadcast import Bucket, WeightBroadcaster, make_buckets
+
+    with running_servers(tiny_model, tmp_path, 2) as servers:
+        urls = [s.url for s in servers]
+        sender = WeightBroadcaster(urls, dtype="bfloat16", bucket_mb=0.05, timeout_s=30)
+        try:
+            v1 = _model_state(tiny_model, 0.01)
+            assert sorted((await sender.send_version(1, v1)).loaded) == sorted(urls)
+            name = "model.layers.0.mlp.up_proj.weight"
+            served = {u: server_weights(u, name) for u in urls}
+            assert all(torch.equal(w, v1[name].to(torch.bfloat16).float()) for w in served.values())
+
+            # version 2: a bit flips on the way in the first bucket (sent with the checksum of the true bytes)
+            buckets = make_buckets(_model_state(tiny_model, 0.02), torch.bfloat16, sender.bucket_bytes)
+            first = buckets[0]
+            damaged = [t.clone() for t in first.tensors]
+            damaged[0].view(torch.int16).view(-1)[7] ^= 1
+            refused = await sender._send_bucket(Bucket(first.names, damaged, first.checksum), None)
+            assert set(refused) == set(urls) and all("checksum mismatch" in why for why in refused.values())
+            for bucket in buckets[1:]:  # the rest of the version arrives intact, but is refused too
+                last = bucket is buckets[-1]
+                refused = await sender._send_bucket(bucket, "2" if last else None)
+                assert set(refused) == set(urls) and all("earlier bucket" in why for why in refused.values())
+            for u in urls:  # old weights, old version
+                assert server_version(u) == "1"
+                assert torch.equal(server_weights(u, name), served[u])
+                gen = httpx.post(f"{u}/generate", json={"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 3}}, timeout=30)
+                assert gen.status_code == 200 and gen.json()["meta_info"]["weight_version"] == "1"
+
+            # the group is still in step: the next clean version lands
+            v3 = _model_state(tiny_model, 0.03)
+            assert sorted((await sender.send_version(3, v3)).loaded) == sorted(urls)
+            for u in urls:
+                assert server_version(u) == "3" and torch.equal(server_weights(u, name), v3[name].to(torch.bfloat16).float())
+        finally:
+            await sender.aclose()
+
+
+@pytest.mark.timeout(180)
+async def test_sigkill_of_one_server_mid_broadcast_the_other_gets_the_version(tiny_model: Path, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from services.weights.broadcast import GroupBroken, WeightBroadcaster, make_buckets
+
+    deadline = 20.0
+    with running_servers(tiny_model, tmp_path, 2) as (a, b):
+        sender = WeightBroadcaster([a.url, b.url], bucket_mb=0.05, timeout_s=deadline)
+        try:
+            assert sorted((await sender.send_version(1, _model_state(tiny_model, 0.01))).loaded) == sorted([a.url, b.url])
+            v2 = _model_state(tiny_model, 0.02)
+            buckets = make_buckets(v2, torch.float32, sender.bucket_bytes)
+            assert await sender._send_bucket(buckets[0], None) == {}  # both hold the first bucket of version 2
+            b.stop(signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(GroupBroken):  # the broadcast to a dead member fails, within the deadline
+                await sender._send_bucket(buckets[1], None)
+            result = await sender.send_version(2, v2)  # the group rebuilt from the live server; version sent again
+            assert time.monotonic() - t0 < 2 * deadline + 10
+            assert result.loaded == [a.url] and b.url in result.failed
+            name = "model.layers.1.self_attn.o_proj.weight"
+            assert server_version(a.url) == "2" and torch.equal(server_weights(a.url, name), v2[name])
+            # and training goes on: the next version reaches the survivor at once
+            assert (await sender.send_version(3, _model_state(tiny_model, 0.03))).loaded == [a.url]
+            assert server_version(a.url) == "3"
+        finally:
+            await sender.aclose()
