@@ -14,8 +14,8 @@ from schemas.subjects import WEIGHT_SYNC_STREAM, Subjects
 from services.common.bus import connect
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
-from services.trainer.settings import TrainerSettings
 from services.trainer.service import _broadcast_publisher
+from services.trainer.settings import TrainerSettings
 from services.weights.publisher import WeightPublisher
 from tests.integration.conftest_inference import running_servers
 from tests.integration.conftest_trainer import make_group, publish_group, take_prompts, write_dataset
@@ -33,16 +33,38 @@ def server_version(url: str) -> str:
     return str(httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"])
 
 
+def generated_version(url: str) -> str:
+    """The weight version a short generation reports (the server still serves)."""
+    gen = httpx.post(f"{url}/generate", json={"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 3}}, timeout=30)
+    assert gen.status_code == 200, gen.text
+    return str(gen.json()["meta_info"]["weight_version"])
+
+
+async def train_one(trainer: Trainer, tiny_model: Path) -> None:
+    """Act as the rollout side for one step: take B prompts, answer them, let the trainer step."""
+    assert trainer.nc is not None
+    js, subjects, version = trainer.nc.jetstream(), trainer.subjects, trainer.version + 1
+    await trainer.feed_once()
+    tasks = await take_prompts(js, subjects.prompts_train, subjects.rollout_consumer, trainer.s.batch_groups)
+    for i, t in enumerate(tasks):
+        await publish_group(js, trainer.s.run, t.prompt_id, make_group(tiny_model, t.data["answer"], seed=version * 10 + i))
+    assert await trainer.step() is not None and trainer.version == version
+
+
+def broadcast_trainer(nats_url: str, tiny_model: Path, tmp_path: Path, urls: list[str], **broadcast: object) -> TrainerSettings:
+    return TrainerSettings(
+        run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), zero_stage=2,
+        batch_groups=2, eta=10, checkpoint_every=0, fetch_timeout_s=0.2, weights_shared_dir=str(tmp_path / "shared"),
+        feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 50)), "max_in_flight": 8},
+        weights_broadcast={"enabled": True, "servers": ",".join(urls), "bucket_mb": 0.05, **broadcast},
+    )
+
+
 @pytest.mark.timeout(240)
 async def test_versions_arrive_by_broadcast_bit_for_bit(nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
     with running_servers(tiny_model, tmp_path, 2) as servers:
         urls = [s.url for s in servers]
-        settings = TrainerSettings(
-            run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), zero_stage=2,
-            batch_groups=2, eta=10, checkpoint_every=0, fetch_timeout_s=0.2, weights_shared_dir=str(tmp_path / "shared"),
-            feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 50)), "max_in_flight": 8},
-            weights_broadcast={"enabled": True, "servers": ",".join(urls), "bucket_mb": 0.05, "disk_every": 2},
-        )
+        settings = broadcast_trainer(nats_url, tiny_model, tmp_path, urls, disk_every=2)
         nc = await connect(nats_url, "test")
         publisher = WeightPublisher(nc, RUN, shared_dir=settings.weights_shared_dir)
         bcast = _broadcast_publisher(settings, nc, publisher)
@@ -55,11 +77,7 @@ async def test_versions_arrive_by_broadcast_bit_for_bit(nats_url: str, tiny_mode
         announced = await js.subscribe(subjects.weights_published, stream=WEIGHT_SYNC_STREAM, ordered_consumer=True)
         try:
             for version in (1, 2, 3):
-                await trainer.feed_once()
-                tasks = await take_prompts(js, subjects.prompts_train, subjects.rollout_consumer, 2)
-                for i, t in enumerate(tasks):
-                    await publish_group(js, RUN, t.prompt_id, make_group(tiny_model, t.data["answer"], seed=version * 10 + i))
-                assert await trainer.step() is not None and trainer.version == version
+                await train_one(trainer, tiny_model)
 
                 # every server reports the version, and serves exactly the trainer's parameters
                 result = bcast.history[-1]
@@ -127,8 +145,7 @@ async def test_a_corrupted_bucket_is_refused_and_the_old_weights_keep_serving(ti
             for u in urls:  # old weights, old version
                 assert server_version(u) == "1"
                 assert torch.equal(server_weights(u, name), served[u])
-                gen = httpx.post(f"{u}/generate", json={"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 3}}, timeout=30)
-                assert gen.status_code == 200 and gen.json()["meta_info"]["weight_version"] == "1"
+                assert generated_version(u) == "1"
 
             # the group is still in step: the next clean version lands
             v3 = _model_state(tiny_model, 0.03)
@@ -168,3 +185,55 @@ async def test_sigkill_of_one_server_mid_broadcast_the_other_gets_the_version(ti
             assert server_version(a.url) == "3"
         finally:
             await sender.aclose()
+
+
+@pytest.mark.timeout(300)
+async def test_a_server_started_after_version_5_catches_up_from_disk_then_gets_6_by_broadcast(
+    nats_url: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    from tests.integration.conftest_inference import free_port
+    from tests.integration.test_weights_agent import process
+    from tests.waiting import wait_http_ok, wait_until
+
+    with running_servers(tiny_model, tmp_path, 1) as (a,):
+        port = free_port()
+        late_url = f"http://127.0.0.1:{port}"  # named to the trainer from the start, started after version 5
+        settings = broadcast_trainer(nats_url, tiny_model, tmp_path, [a.url, late_url], disk_every=4)
+        nc = await connect(nats_url, "test")
+        bcast = _broadcast_publisher(settings, nc, WeightPublisher(nc, RUN, shared_dir=settings.weights_shared_dir))
+        assert bcast is not None
+        trainer = Trainer(settings, TrainEngine(settings), broadcast=bcast)
+        await trainer.start(nc)
+        js = nc.jetstream()
+        late_loaded = await js.subscribe(Subjects(RUN).weights_loaded(late_url), stream=WEIGHT_SYNC_STREAM, ordered_consumer=True)
+        try:
+            for _ in range(5):
+                await train_one(trainer, tiny_model)
+            assert [r.loaded for r in bcast.history] == [[a.url]] * 5
+            assert all(late_url in r.failed for r in bcast.history)  # down: reported, not waited for
+            assert server_version(a.url) == "5"
+
+            # the late server comes up with its agent: the last announcement is the broadcast of
+            # version 5, which names the latest disk copy (version 4): it catches up from there
+            with process(["-m", "services.inference", f"model_path={tiny_model}", f"port={port}"], tmp_path / "late.log") as proc:
+                wait_http_ok(f"{late_url}/health", timeout_s=90, proc=proc, log=tmp_path / "late.log")
+                with process(["-m", "services.weights", f"server={late_url}", f"nats_url={nats_url}", f"run={RUN}",
+                              f"cache_dir={tmp_path / 'cache'}"], tmp_path / "agent.log") as agent:
+                    report = decode(WeightsLoaded, (await late_loaded.next_msg(timeout=60)).data)
+                    assert (report.version, report.transport) == (4, "disk"), (tmp_path / "agent.log").read_text()[-3000:]
+                    wait_until("the late server to serve version 4", lambda: server_version(late_url) == "4", timeout_s=30, proc=agent)
+
+                    # version 6 reaches both servers by broadcast
+                    await train_one(trainer, tiny_model)
+                    assert sorted(bcast.history[-1].loaded) == sorted([a.url, late_url])
+                    report = decode(WeightsLoaded, (await late_loaded.next_msg(timeout=10)).data)
+                    assert (report.version, report.transport) == (6, "broadcast")
+                    trained = trainer.engine.full_state_dict()
+                    assert trained is not None
+                    name = "model.layers.1.mlp.down_proj.weight"
+                    for u in (a.url, late_url):
+                        assert server_version(u) == "6" and torch.equal(server_weights(u, name), trained[name])
+        finally:
+            await bcast.aclose()
+            await trainer.close()
+            await nc.close()
