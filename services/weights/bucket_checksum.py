@@ -18,5 +18,5 @@ def bucket_checksum(tensors: Iterable[torch.Tensor]) -> str:
     crc = 0
     for t in tensors:
         raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
-        crc = zlib.crc32(memoryview(raw), crc)
+        crc = zlib.crc32(raw.data, crc)
     return f"crc32:{crc:08x}"
