@@ -12,6 +12,7 @@ import torch
 from schemas.messages import WeightsLoaded, WeightsPublished, decode
 from schemas.subjects import WEIGHT_SYNC_STREAM, Subjects
 from services.common.bus import connect
+from services.status.weights import render_weights, weights_status
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.service import _broadcast_publisher
@@ -104,6 +105,13 @@ async def test_versions_arrive_by_broadcast_bit_for_bit(nats_url: str, tiny_mode
                 else:
                     assert not (tmp_path / "shared" / f"v{version}").exists()
                 assert pubs[0].disk_version == (None if version <= 2 else 2)  # the disk copy is written after the broadcast
+
+            # `jetrl status` says how the weights travel
+            status = await weights_status(nc, RUN)
+            assert (status.published_version, status.transport, status.members, status.disk_version) == (3, "broadcast", 2, 2)
+            assert {(s.server, s.loaded_version, s.transport) for s in status.servers} == {(u, 3, "broadcast") for u in urls}
+            text = render_weights(status)
+            assert "v3" in text and "by broadcast to 2 server(s); latest disk copy v2" in text
         finally:
             await bcast.aclose()
             await trainer.close()
