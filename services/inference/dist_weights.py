@@ -160,9 +160,11 @@ class DistWeights:
                 raise DistUpdateError(f"an earlier bucket of this version was refused ({reason})")
             self._verify(names, buffers, body.get("checksum"))
             group.held.update(zip(names, buffers, strict=True))
+            swapped = ""
             if version is not None:
                 held, group.held = group.held, {}
-                await self.server.sched.in_model_thread(self._swap_in, held, str(version))
+                seconds = await self.server.sched.in_model_thread(self._swap_in, held, str(version))
+                swapped = f"; version {version} swapped in ({len(held)} tensors) between two steps in {seconds:.4f}s"
         except DistUpdateError as exc:
             group.held.clear()
             if version is None and not group.spoiled:
@@ -171,7 +173,7 @@ class DistWeights:
             log.warning("bucket refused; old weights keep serving", group=name, error=str(exc), version=version)
             return _fail(str(exc))
         self.buckets_received += 1
-        return web.json_response({"success": True, "message": f"received {len(names)} tensors"})
+        return web.json_response({"success": True, "message": f"received {len(names)} tensors{swapped}"})
 
     @staticmethod
     def _buffers(dtypes: list[torch.dtype], shapes: list[Any]) -> list[torch.Tensor]:
@@ -205,16 +207,21 @@ class DistWeights:
             raise DistUpdateError("this server has no model (simulate mode) to update")
         return dict(model.state_dict())
 
-    def _swap_in(self, tensors: dict[str, torch.Tensor], version: str) -> None:
-        """In the model thread, between two steps."""
+    def _swap_in(self, tensors: dict[str, torch.Tensor], version: str) -> float:
+        """In the model thread, between two steps; returns how long decoding waited for it."""
+        import time
+
         import torch
 
+        t0 = time.perf_counter()
         state = self._state()
         with torch.no_grad():
             for n, t in tensors.items():
                 state[n].copy_(t.to(state[n].dtype))
         self.server.sched.backend.version = version
-        log.info("weights updated from distributed", tensors=len(tensors), version=version)
+        seconds = time.perf_counter() - t0
+        log.info("weights updated from distributed", tensors=len(tensors), version=version, swap_s=round(seconds, 5))
+        return seconds
 
     # ---- inspection ----------------------------------------------------------------------------
     async def get_weights_by_name(self, request: web.Request) -> web.Response:

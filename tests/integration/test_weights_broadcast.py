@@ -3,7 +3,10 @@ inference servers (`python -m services.inference`), against a real nats-server."
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -245,3 +248,49 @@ async def test_a_server_started_after_version_5_catches_up_from_disk_then_gets_6
             await bcast.aclose()
             await trainer.close()
             await nc.close()
+
+
+async def _stream_until_first_token(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[Any, AsyncIterator[str]]:
+    """Open a streamed /generate; returns (response context, line iterator) once a token was made."""
+    ctx = http.stream("POST", f"{url}/generate", json=body, timeout=120)
+    resp = await ctx.__aenter__()
+    lines = resp.aiter_lines()
+    async for line in lines:
+        if line.startswith("data: {") and json.loads(line[6:])["output_ids"]:
+            break
+    return ctx, lines
+
+
+@pytest.mark.timeout(180)
+async def test_generation_goes_on_across_an_update_and_a_completion_spans_both_versions(tiny_model: Path, tmp_path: Path) -> None:
+    from services.weights.broadcast import WeightBroadcaster
+
+    with running_servers(tiny_model, tmp_path, 1) as (server,):
+        sender = WeightBroadcaster([server.url], bucket_mb=0.05, timeout_s=30)
+        body = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}, "stream": True}
+        try:
+            assert (await sender.send_version(1, _model_state(tiny_model, 0.01))).loaded == [server.url]
+            async with httpx.AsyncClient() as http:
+                # A completion that finished before the update landed spans one version: try again
+                # with the next version (the decode speed is the machine's, not the test's).
+                for version in range(2, 7):
+                    ctx, lines = await _stream_until_first_token(http, server.url, body)
+                    try:
+                        result = await sender.send_version(version, _model_state(tiny_model, 0.01 * version))
+                        assert result.loaded == [server.url]
+                        last = None
+                        async for line in lines:
+                            if line.startswith("data: {"):
+                                last = json.loads(line[6:])
+                    finally:
+                        await ctx.__aexit__(None, None, None)
+                    assert last is not None
+                    meta = last["meta_info"]
+                    assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 500  # never interrupted
+                    spans = meta["weight_versions"]
+                    if len(spans) > 1:
+                        break
+                assert [s["version"] for s in spans] == [str(version - 1), str(version)], spans
+                assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 500
+        finally:
+            await sender.aclose()
