@@ -158,13 +158,14 @@ class DistWeights:
                 if version is not None:  # the version's last bucket: the next version starts clean
                     group.spoiled = ""
                 raise DistUpdateError(f"an earlier bucket of this version was refused ({reason})")
-            self._verify(names, buffers, body.get("checksum"))
-            group.held.update(zip(names, buffers, strict=True))
+            ready = await asyncio.get_running_loop().run_in_executor(
+                group.receiver, self._verify, names, buffers, body.get("checksum"))
+            group.held.update(zip(names, ready, strict=True))
             swapped = ""
             if version is not None:
                 held, group.held = group.held, {}
                 seconds = await self.server.sched.in_model_thread(self._swap_in, held, str(version))
-                swapped = f"; version {version} swapped in ({len(held)} tensors) between two steps in {seconds:.4f}s"
+                swapped = f"; version {version} swapped in ({len(held)} tensors) between two steps in {seconds:.6f}s"
         except DistUpdateError as exc:
             group.held.clear()
             if version is None and not group.spoiled:
@@ -185,13 +186,15 @@ class DistWeights:
         for t in buffers:
             group.pg.broadcast(t, 0).wait()
 
-    def _verify(self, names: list[str], buffers: list[torch.Tensor], checksum: Any) -> None:
-        state = self._state()
+    def _verify(self, names: list[str], buffers: list[torch.Tensor], checksum: Any) -> list[torch.Tensor]:
+        """In the receiving thread: names, shapes and checksum checked; each tensor in the model's
+        dtype, ready to be swapped in."""
+        targets = self._targets()
         for n, t in zip(names, buffers, strict=True):
-            if n not in state:
+            if n not in targets:
                 raise DistUpdateError(f"tensor the model does not have: {n}")
-            if tuple(t.shape) != tuple(state[n].shape):
-                raise DistUpdateError(f"shape mismatch for {n}: sent {tuple(t.shape)}, model {tuple(state[n].shape)}")
+            if tuple(t.shape) != tuple(targets[n].shape):
+                raise DistUpdateError(f"shape mismatch for {n}: sent {tuple(t.shape)}, model {tuple(targets[n].shape)}")
         if checksum is not None:
             from services.weights.bucket_checksum import bucket_checksum
 
@@ -200,27 +203,34 @@ class DistWeights:
                 raise DistUpdateError(
                     f"bucket checksum mismatch: announced {checksum}, received {got} ({len(names)} tensors from {names[0]})"
                 )
+        return [t if t.dtype == targets[n].dtype else t.to(targets[n].dtype) for n, t in zip(names, buffers, strict=True)]
 
-    def _state(self) -> dict[str, torch.Tensor]:
+    def _model(self) -> Any:
         model = getattr(self.server.sched.backend, "model", None)
         if model is None:
             raise DistUpdateError("this server has no model (simulate mode) to update")
-        return dict(model.state_dict())
+        return model
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers by name, tied ones under each of their names."""
+        model = self._model()
+        return {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        return dict(self._model().state_dict())
 
     def _swap_in(self, tensors: dict[str, torch.Tensor], version: str) -> float:
-        """In the model thread, between two steps; returns how long decoding waited for it."""
+        """In the model thread, between two steps; returns how long decoding waited for it. The
+        received tensors become the parameters' storage (no copy): the wait is a pointer per tensor."""
         import time
 
-        import torch
-
         t0 = time.perf_counter()
-        state = self._state()
-        with torch.no_grad():
-            for n, t in tensors.items():
-                state[n].copy_(t.to(state[n].dtype))
+        targets = self._targets()
+        for n, t in tensors.items():
+            targets[n].data = t
         self.server.sched.backend.version = version
         seconds = time.perf_counter() - t0
-        log.info("weights updated from distributed", tensors=len(tensors), version=version, swap_s=round(seconds, 5))
+        log.info("weights updated from distributed", tensors=len(tensors), version=version, swap_s=round(seconds, 6))
         return seconds
 
     # ---- inspection ----------------------------------------------------------------------------

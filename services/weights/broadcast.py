@@ -59,9 +59,10 @@ class Bucket:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
-def make_buckets(state: dict[str, torch.Tensor], dtype: torch.dtype, bucket_bytes: int) -> list[Bucket]:
+def make_buckets(state: dict[str, torch.Tensor], dtype: torch.dtype, bucket_bytes: int, *, checksum: bool = True) -> list[Bucket]:
     """The parameters in `dtype`, in order, cut into buckets of about `bucket_bytes` (a larger tensor
-    is a bucket of its own)."""
+    is a bucket of its own). checksum=False leaves each bucket's checksum to be computed later
+    (`WeightBroadcaster` computes bucket n+1's while bucket n is on the wire)."""
     buckets: list[Bucket] = []
     names: list[str] = []
     tensors: list[torch.Tensor] = []
@@ -69,14 +70,19 @@ def make_buckets(state: dict[str, torch.Tensor], dtype: torch.dtype, bucket_byte
     for name, t in state.items():
         t = t.detach().to(dtype).contiguous()
         if tensors and size + t.numel() * t.element_size() > bucket_bytes:
-            buckets.append(Bucket(names, tensors, bucket_checksum(tensors)))
+            buckets.append(Bucket(names, tensors, bucket_checksum(tensors) if checksum else ""))
             names, tensors, size = [], [], 0
         names.append(name)
         tensors.append(t)
         size += t.numel() * t.element_size()
     if tensors:
-        buckets.append(Bucket(names, tensors, bucket_checksum(tensors)))
+        buckets.append(Bucket(names, tensors, bucket_checksum(tensors) if checksum else ""))
     return buckets
+
+
+async def _checksum(bucket: Bucket) -> None:
+    if not bucket.checksum:
+        bucket.checksum = await asyncio.to_thread(bucket_checksum, bucket.tensors)
 
 
 class GroupBroken(RuntimeError):
@@ -117,7 +123,7 @@ class WeightBroadcaster:
 
     async def send_version(self, version: int, state: dict[str, torch.Tensor]) -> VersionResult:
         t0 = time.perf_counter()
-        buckets = await asyncio.to_thread(make_buckets, state, self.dtype, self.bucket_bytes)
+        buckets = await asyncio.to_thread(make_buckets, state, self.dtype, self.bucket_bytes, checksum=False)
         result = VersionResult(version, buckets=len(buckets), bytes=sum(b.nbytes for b in buckets))
         for attempt in range(ATTEMPTS):
             live, down = await self._live()
@@ -131,9 +137,7 @@ class WeightBroadcaster:
                     break
             refused: dict[str, str] = {}
             try:
-                for i, bucket in enumerate(buckets):
-                    last = i == len(buckets) - 1
-                    refused.update(await self._send_bucket(bucket, str(version) if last else None))
+                refused = await self._send_buckets(buckets, version)
             except GroupBroken as exc:
                 # Who is gone is decided by /health on the next attempt: a member that merely did not
                 # answer in time (its receive was cut short by the failure) gets the version again.
@@ -147,6 +151,23 @@ class WeightBroadcaster:
             break
         result.seconds = time.perf_counter() - t0
         return result
+
+    async def _send_buckets(self, buckets: list[Bucket], version: int) -> dict[str, str]:
+        """Every bucket in order, the last with `weight_version`; bucket n+1's checksum is computed
+        while bucket n is on the wire. Returns the members that refused any (with why)."""
+        refused: dict[str, str] = {}
+        ahead = asyncio.ensure_future(_checksum(buckets[0]))
+        try:
+            for i, bucket in enumerate(buckets):
+                await ahead
+                if i + 1 < len(buckets):
+                    ahead = asyncio.ensure_future(_checksum(buckets[i + 1]))
+                last = i == len(buckets) - 1
+                for server, why in (await self._send_bucket(bucket, str(version) if last else None)).items():
+                    refused.setdefault(server, why)
+        finally:
+            ahead.cancel()
+        return refused
 
     async def _send_bucket(self, bucket: Bucket, version: str | None) -> dict[str, str]:
         """Broadcast one bucket; returns the members that refused it (with why). Raises GroupBroken
