@@ -91,6 +91,8 @@ class DistWeights:
             return _fail(f"backend {backend!r}: the CPU server joins weight-update groups over gloo only")
         if not 0 < rank < world:
             return _fail(f"rank_offset {rank} outside 1..{world - 1} (rank 0 is the trainer)")
+        if getattr(self.server.sched.backend, "model", None) is None:
+            return _fail("this server has no model (simulate mode): it cannot take weights")
         self._drop(name)
         try:
             group = await asyncio.to_thread(self._join, name, addr, port, rank, world)
@@ -164,7 +166,10 @@ class DistWeights:
             swapped = ""
             if version is not None:
                 held, group.held = group.held, {}
-                seconds = await self.server.sched.in_model_thread(self._swap_in, held, str(version))
+                seconds, old = await self.server.sched.in_model_thread(self._swap_in, held, str(version))
+                # the old weights are freed here, not in the model thread: unmapping a model's worth
+                # of memory takes longer than the swap itself
+                await asyncio.get_running_loop().run_in_executor(group.receiver, old.clear)
                 swapped = f"; version {version} swapped in ({len(held)} tensors) between two steps in {seconds:.6f}s"
         except DistUpdateError as exc:
             group.held.clear()
@@ -219,19 +224,21 @@ class DistWeights:
     def _state(self) -> dict[str, torch.Tensor]:
         return dict(self._model().state_dict())
 
-    def _swap_in(self, tensors: dict[str, torch.Tensor], version: str) -> float:
-        """In the model thread, between two steps; returns how long decoding waited for it. The
-        received tensors become the parameters' storage (no copy): the wait is a pointer per tensor."""
+    def _swap_in(self, tensors: dict[str, torch.Tensor], version: str) -> tuple[float, list[torch.Tensor]]:
+        """In the model thread, between two steps; returns how long decoding waited for it, and the
+        old weights (for the caller to free). The received tensors become the parameters' storage
+        (no copy): the wait is a pointer per tensor."""
         import time
 
         t0 = time.perf_counter()
         targets = self._targets()
+        old = [targets[n].data for n in tensors]
         for n, t in tensors.items():
             targets[n].data = t
         self.server.sched.backend.version = version
         seconds = time.perf_counter() - t0
         log.info("weights updated from distributed", tensors=len(tensors), version=version, swap_s=round(seconds, 6))
-        return seconds
+        return seconds, old
 
     # ---- inspection ----------------------------------------------------------------------------
     async def get_weights_by_name(self, request: web.Request) -> web.Response:

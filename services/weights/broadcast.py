@@ -31,6 +31,10 @@ log = get_logger("weights.broadcast")
 
 ATTEMPTS = 2
 """Sends of one version: the first, and one more on a group rebuilt without the members that failed."""
+JOIN_FAILED = "joining group"
+"""How the server's answer starts when the rendezvous itself failed (not a refusal)."""
+SHUN_VERSIONS = 10
+"""A server that refused to join is left out of this many versions before it is asked again."""
 BROKEN_GRACE_S = 2.0
 """After a failed broadcast, how long the members' answers are still awaited."""
 
@@ -102,6 +106,10 @@ class WeightBroadcaster:
         self.timeout_s = timeout_s
         self.group_name = group_name
         self.members: list[str] = []
+        self.shunned: dict[str, tuple[int, str]] = {}
+        """Servers that refused to join (answered, not unreachable): left out until the version given,
+        with why. Building a group waits for every rank up to the deadline, so a server that keeps
+        refusing must not cost every version that wait."""
         self.port = 0
         self._pg: Any = None
         self._store: Any = None
@@ -126,12 +134,12 @@ class WeightBroadcaster:
         buckets = await asyncio.to_thread(make_buckets, state, self.dtype, self.bucket_bytes, checksum=False)
         result = VersionResult(version, buckets=len(buckets), bytes=sum(b.nbytes for b in buckets))
         for attempt in range(ATTEMPTS):
-            live, down = await self._live()
+            live, down = await self._live(version)
             result.failed = dict(down)
             if not live:
                 break
             if live != self.members or self._pg is None:
-                live = await self._rebuild(live, result.failed)
+                live = await self._rebuild(live, result.failed, version)
                 result.rebuilds += 1
                 if not live:
                     break
@@ -199,7 +207,7 @@ class WeightBroadcaster:
 
     # ------------------------------------------------------------------------------ membership
 
-    async def _live(self) -> tuple[list[str], dict[str, str]]:
+    async def _live(self, version: int) -> tuple[list[str], dict[str, str]]:
         async def healthy(server: str) -> str | None:
             try:
                 resp = await self._http.get(f"{server}/health", timeout=5.0)
@@ -207,12 +215,13 @@ class WeightBroadcaster:
                 return f"unreachable: {exc!r}"
             return None if resp.status_code == 200 else f"not healthy: HTTP {resp.status_code}"
 
-        candidates = self.servers
+        shunned = {s: f"left out until version {until}: {why}" for s, (until, why) in self.shunned.items() if version < until}
+        candidates = [s for s in self.servers if s not in shunned]
         answers = await asyncio.gather(*(healthy(s) for s in candidates))
-        down = {s: a for s, a in zip(candidates, answers, strict=True) if a is not None}
+        down = {s: a for s, a in zip(candidates, answers, strict=True) if a is not None} | shunned
         return [s for s in candidates if s not in down], down
 
-    async def _rebuild(self, live: list[str], failed: dict[str, str]) -> list[str]:
+    async def _rebuild(self, live: list[str], failed: dict[str, str], version: int) -> list[str]:
         """A new group of this rank and `live`; members that cannot join are left out (and the group
         is built once more without them). Returns the members."""
         for _ in range(ATTEMPTS):
@@ -221,17 +230,30 @@ class WeightBroadcaster:
             store = await asyncio.to_thread(self._open_store, world)
             body = {"master_address": self.master_address, "master_port": store.port, "world_size": world,
                     "group_name": self.group_name, "backend": "gloo"}
-            calls = [self._post(s, "/init_weights_update_group", {**body, "rank_offset": i + 1}) for i, s in enumerate(live)]
+            calls = [asyncio.ensure_future(self._post(s, "/init_weights_update_group", {**body, "rank_offset": i + 1}))
+                     for i, s in enumerate(live)]
             joined = asyncio.get_running_loop().run_in_executor(self._sender, self._join, store, world)
-            *answers, error = await asyncio.gather(*calls, _outcome(joined))
+            error = await _outcome(joined)
+            # Members still waiting in a rendezvous that failed here would answer only at their own
+            # deadline: wait a moment for the answers (a refusal comes at once), then stop waiting.
+            done, pending = await asyncio.wait(calls, timeout=None if error is None else BROKEN_GRACE_S)
+            for c in pending:
+                c.cancel()
+            answers = [c.result() if c in done else f"{JOIN_FAILED}: no answer after the rendezvous failed" for c in calls]
             bad = {s: f"could not join the weight-update group: {a}" for s, a in zip(live, answers, strict=True) if a}
             if error is None and not bad:
                 self._store, self._pg, self.members, self.port = store, joined.result(), live, store.port
                 log.info("weight-update group built", members=live, address=self.address)
                 return live
-            failed.update(bad)
-            live = [s for s in live if s not in bad]
-            log.warning("building the weight-update group failed", error=repr(error), left_out=list(bad))
+            # A member that refused up front makes every other member's rendezvous time out too:
+            # leave out only the ones that refused, if any did, and build again.
+            refused = {s: why for s, why in bad.items() if "HTTP 4" in why and JOIN_FAILED not in why}
+            left_out = refused or bad
+            failed.update(left_out)
+            for server, why in refused.items():  # it answered and refused: it will refuse again for a while
+                self.shunned[server] = (version + SHUN_VERSIONS, why)
+            live = [s for s in live if s not in left_out]
+            log.warning("building the weight-update group failed", error=repr(error), left_out=list(left_out))
             if not live:
                 break
         self.members = []

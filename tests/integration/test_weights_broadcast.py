@@ -294,3 +294,22 @@ async def test_generation_goes_on_across_an_update_and_a_completion_spans_both_v
                 assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 500
         finally:
             await sender.aclose()
+
+
+@pytest.mark.timeout(180)
+async def test_a_server_that_refuses_to_join_is_left_out_and_the_others_are_served(tiny_model: Path, tmp_path: Path) -> None:
+    from services.weights.broadcast import SHUN_VERSIONS, WeightBroadcaster
+
+    with running_servers(tiny_model, tmp_path, 1) as (real,), running_servers(None, tmp_path, 1, "simulate=true") as (sim,):
+        sender = WeightBroadcaster([real.url, sim.url], bucket_mb=0.05, timeout_s=5)
+        try:
+            first = await sender.send_version(1, _model_state(tiny_model, 0.01))
+            assert first.loaded == [real.url] and "simulate mode" in first.failed[sim.url]
+            # asked again only after SHUN_VERSIONS versions: meanwhile no group is rebuilt for it
+            for version in range(2, 4):
+                result = await sender.send_version(version, _model_state(tiny_model, 0.01 * version))
+                assert result.loaded == [real.url] and result.rebuilds == 0
+                assert f"left out until version {1 + SHUN_VERSIONS}" in result.failed[sim.url]
+            assert server_version(real.url) == "3" and server_version(sim.url) == "0"
+        finally:
+            await sender.aclose()
