@@ -226,12 +226,16 @@ class WeightBroadcaster:
         is built once more without them). Returns the members."""
         for _ in range(ATTEMPTS):
             await self._destroy_group()
-            world = len(live) + 1
+            # SGLang's tensor-parallel ranks each join the group: a server of tp_size k takes ranks
+            # rank_offset .. rank_offset + k - 1 (the CPU server has one).
+            tp = await asyncio.gather(*(self._tp_size(s) for s in live))
+            offsets = [1 + sum(tp[:i]) for i in range(len(live))]
+            world = 1 + sum(tp)
             store = await asyncio.to_thread(self._open_store, world)
             body = {"master_address": self.master_address, "master_port": store.port, "world_size": world,
                     "group_name": self.group_name, "backend": "gloo"}
-            calls = [asyncio.ensure_future(self._post(s, "/init_weights_update_group", {**body, "rank_offset": i + 1}))
-                     for i, s in enumerate(live)]
+            calls = [asyncio.ensure_future(self._post(s, "/init_weights_update_group", {**body, "rank_offset": off}))
+                     for s, off in zip(live, offsets, strict=True)]
             joined = asyncio.get_running_loop().run_in_executor(self._sender, self._join, store, world)
             error = await _outcome(joined)
             # Members still waiting in a rendezvous that failed here would answer only at their own
@@ -258,6 +262,14 @@ class WeightBroadcaster:
                 break
         self.members = []
         return []
+
+    async def _tp_size(self, server: str) -> int:
+        """The server's tensor-parallel size from `/get_server_info` (1 if it does not say)."""
+        try:
+            body = (await self._http.get(f"{server}/get_server_info", timeout=5.0)).json()
+            return max(1, int(body.get("tp_size") or 1)) if isinstance(body, dict) else 1
+        except (httpx.HTTPError, ValueError, TypeError):
+            return 1
 
     def _open_store(self, world: int) -> Any:
         timeout = datetime.timedelta(seconds=self.timeout_s)

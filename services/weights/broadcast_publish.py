@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from schemas.messages import Message, WeightsLoaded, WeightsLoadFailed, WeightsPublished, encode
 from schemas.subjects import Subjects
 from services.common.logging import get_logger
+from services.common.metrics import MetricsPublisher
 from services.weights.broadcast import VersionResult, WeightBroadcaster
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
 
@@ -40,6 +41,7 @@ class BroadcastPublisher:
         self.history: list[VersionResult] = []
         """Every version's outcome (for metrics and tests)."""
         self._ready = False
+        self.metrics: MetricsPublisher | None = MetricsPublisher(nc, run, "weights_broadcast")
 
     def wants_disk(self, version: int) -> bool:
         """Whether version `version` is also written to disk / the object store."""
@@ -66,6 +68,12 @@ class BroadcastPublisher:
             uri=disk.uri if disk else "", files=list(disk.files) if disk else [], disk_version=disk.version if disk else None,
         )
         await self.js.publish(self.subjects.weights_published, encode(msg))
+        if self.metrics is not None:
+            await self.metrics.emit({
+                "broadcast_seconds": result.seconds, "broadcast_bytes": float(result.bytes), "broadcast_buckets": float(result.buckets),
+                "broadcast_members": float(len(result.loaded)), "broadcast_failed": float(len(result.failed)),
+                "broadcast_rebuilds": float(result.rebuilds),
+            }, step=version, version=version)
         log.info("weights broadcast", version=version, members=result.loaded, failed=list(result.failed),
                  seconds=round(result.seconds, 3), bytes=result.bytes, buckets=result.buckets, rebuilds=result.rebuilds)
         if hf_dir is not None and self.disk is not None:

@@ -12,8 +12,8 @@ import httpx
 import pytest
 import torch
 
-from schemas.messages import WeightsLoaded, WeightsPublished, decode
-from schemas.subjects import WEIGHT_SYNC_STREAM, Subjects
+from schemas.messages import MetricsEvent, WeightsLoaded, WeightsPublished, decode
+from schemas.subjects import METRICS_STREAM, WEIGHT_SYNC_STREAM, Subjects
 from services.common.bus import connect
 from services.status.weights import render_weights, weights_status
 from services.trainer.engine import TrainEngine
@@ -108,6 +108,12 @@ async def test_versions_arrive_by_broadcast_bit_for_bit(nats_url: str, tiny_mode
                 else:
                     assert not (tmp_path / "shared" / f"v{version}").exists()
                 assert pubs[0].disk_version == (None if version <= 2 else 2)  # the disk copy is written after the broadcast
+
+            # per-version metrics of the broadcast
+            msub = await js.subscribe(subjects.metrics("weights_broadcast"), stream=METRICS_STREAM, ordered_consumer=True)
+            events = [decode(MetricsEvent, (await msub.next_msg(timeout=5)).data) for _ in range(3)]
+            assert [e.version for e in events] == [1, 2, 3]
+            assert all(e.values["broadcast_members"] == 2 and e.values["broadcast_failed"] == 0 for e in events)
 
             # `jetrl status` says how the weights travel
             status = await weights_status(nc, RUN)
