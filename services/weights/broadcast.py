@@ -156,6 +156,10 @@ class WeightBroadcaster:
                 continue
             result.loaded = [s for s in self.members if s not in refused]
             result.failed.update(refused)
+            if refused:
+                # A member that refused a bucket may not have taken its bytes off the wire (a request
+                # it could not parse): the group may be out of step, so the next version builds anew.
+                await self._destroy_group()
             break
         result.seconds = time.perf_counter() - t0
         return result

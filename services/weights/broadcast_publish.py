@@ -9,6 +9,7 @@ shared directory), where a server that joins late or missed versions catches up.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from nats.aio.client import Client as NATS
 
 from schemas.messages import Message, WeightsLoaded, WeightsLoadFailed, WeightsPublished, encode
 from schemas.subjects import Subjects
+from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.weights.broadcast import VersionResult, WeightBroadcaster
@@ -29,7 +31,8 @@ log = get_logger("weights.broadcast")
 
 
 class BroadcastPublisher:
-    def __init__(self, nc: NATS, run: str, broadcaster: WeightBroadcaster, disk: WeightPublisher | None, disk_every: int) -> None:
+    def __init__(self, nc: NATS, run: str, broadcaster: WeightBroadcaster, disk: WeightPublisher | None, disk_every: int,
+                 retry_s: float = 300.0) -> None:
         self.js = nc.jetstream()
         self.nc = nc
         self.run = run
@@ -37,6 +40,8 @@ class BroadcastPublisher:
         self.broadcaster = broadcaster
         self.disk = disk
         self.disk_every = disk_every
+        self.retry_s = retry_s
+        """How long a NATS publish is retried through a server restart (the trainer's bus_retry_timeout_s)."""
         self.last_disk: WeightsPublished | None = None
         self.history: list[VersionResult] = []
         """Every version's outcome (for metrics and tests)."""
@@ -67,7 +72,8 @@ class BroadcastPublisher:
             group=self.broadcaster.address, dtype=self.broadcaster.dtype_name, buckets=result.buckets, bytes=result.bytes,
             uri=disk.uri if disk else "", files=list(disk.files) if disk else [], disk_version=disk.version if disk else None,
         )
-        await self.js.publish(self.subjects.weights_published, encode(msg))
+        data = encode(msg)
+        await with_retries(f"announce weights v{version}", lambda: self.js.publish(self.subjects.weights_published, data), self.retry_s)
         if self.metrics is not None:
             await self.metrics.emit({
                 "broadcast_seconds": result.seconds, "broadcast_bytes": float(result.bytes), "broadcast_buckets": float(result.buckets),
@@ -79,7 +85,14 @@ class BroadcastPublisher:
         if hf_dir is not None and self.disk is not None:
             # after the broadcast: members already hold this version, so their agents skip the disk copy
             t0 = time.perf_counter()
-            self.last_disk = await self.disk.publish_dir(version, version, hf_dir, consume=True)
+            writer = self.disk
+
+            async def publish_disk() -> WeightsPublished:
+                if not await asyncio.to_thread(Path(hf_dir).is_dir):  # a failed attempt moved it before announcing
+                    raise BusUnavailable(f"weights v{version}: {hf_dir} was taken over by a failed publish")
+                return await writer.publish_dir(version, version, hf_dir, consume=True)
+
+            self.last_disk = await with_retries(f"publish weights v{version}", publish_disk, self.retry_s)
             log.info("disk copy published", version=version, seconds=round(time.perf_counter() - t0, 3))
             return self.last_disk
         return msg
