@@ -56,6 +56,9 @@ class Group:
     receiver: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="weights-recv"))
     """Receives run here, in order, off the model thread. One per group: a receive stuck on a broken
     group (until its deadline) must not hold up the group that replaces it."""
+    checker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="weights-check"))
+    """Checks (names, shapes, checksum) and dtype conversion run here, in order, while the receiver
+    takes the next bucket."""
     held: dict[str, torch.Tensor] = field(default_factory=dict)
     """Received, verified tensors of the version in flight, swapped in by its last bucket."""
     spoiled: str = ""
@@ -124,6 +127,7 @@ class DistWeights:
             log.warning("weight-update group destroyed with buckets held; they are dropped", group=name, held=len(group.held))
         group.held.clear()
         group.receiver.shutdown(wait=False, cancel_futures=True)
+        group.checker.shutdown(wait=False, cancel_futures=True)
         log.info("left weight-update group", group=name)
         return True
 
@@ -155,13 +159,13 @@ class DistWeights:
             log.warning("receiving a bucket failed; old weights keep serving", group=name, error=repr(exc))
             return _fail(f"receiving the bucket failed: {str(exc)[:300]}")
         try:
-            if group.spoiled:
-                reason = group.spoiled
-                if version is not None:  # the version's last bucket: the next version starts clean
-                    group.spoiled = ""
-                raise DistUpdateError(f"an earlier bucket of this version was refused ({reason})")
+            # Checked in the group's second thread, so the next bucket is received meanwhile. Both
+            # threads take buckets in order, so when this returns every earlier bucket of the version
+            # has been checked and its handler has run (held it, or marked the version spoiled).
             ready = await asyncio.get_running_loop().run_in_executor(
-                group.receiver, self._verify, names, buffers, body.get("checksum"))
+                group.checker, self._verify, names, buffers, body.get("checksum"))
+            if group.spoiled:
+                raise DistUpdateError(f"an earlier bucket of this version was refused ({group.spoiled})")
             group.held.update(zip(names, ready, strict=True))
             swapped = ""
             if version is not None:
@@ -169,11 +173,13 @@ class DistWeights:
                 seconds, old = await self.server.sched.in_model_thread(self._swap_in, held, str(version))
                 # the old weights are freed here, not in the model thread: unmapping a model's worth
                 # of memory takes longer than the swap itself
-                await asyncio.get_running_loop().run_in_executor(group.receiver, old.clear)
+                await asyncio.get_running_loop().run_in_executor(group.checker, old.clear)
                 swapped = f"; version {version} swapped in ({len(held)} tensors) between two steps in {seconds:.6f}s"
         except DistUpdateError as exc:
             group.held.clear()
-            if version is None and not group.spoiled:
+            if version is not None:  # the version's last bucket: the next version starts clean
+                group.spoiled = ""
+            elif not group.spoiled:
                 group.spoiled = str(exc)
             self.buckets_refused += 1
             log.warning("bucket refused; old weights keep serving", group=name, error=str(exc), version=version)

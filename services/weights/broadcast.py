@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.logging import get_logger
-from services.weights.bucket_checksum import bucket_checksum
+from services.weights.buckets import Bucket, ensure_checksum, make_buckets
 
 log = get_logger("weights.broadcast")
 
@@ -35,6 +36,8 @@ JOIN_FAILED = "joining group"
 """How the server's answer starts when the rendezvous itself failed (not a refusal)."""
 SHUN_VERSIONS = 10
 """A server that refused to join is left out of this many versions before it is asked again."""
+WINDOW = 4
+"""Buckets sent whose answers are not yet in (the members check one while receiving the next)."""
 BROKEN_GRACE_S = 2.0
 """After a failed broadcast, how long the members' answers are still awaited."""
 
@@ -50,43 +53,6 @@ class VersionResult:
     bytes: int = 0
     seconds: float = 0.0
     rebuilds: int = 0
-
-
-@dataclass
-class Bucket:
-    names: list[str]
-    tensors: list[torch.Tensor]
-    checksum: str
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-def make_buckets(state: dict[str, torch.Tensor], dtype: torch.dtype, bucket_bytes: int, *, checksum: bool = True) -> list[Bucket]:
-    """The parameters in `dtype`, in order, cut into buckets of about `bucket_bytes` (a larger tensor
-    is a bucket of its own). checksum=False leaves each bucket's checksum to be computed later
-    (`WeightBroadcaster` computes bucket n+1's while bucket n is on the wire)."""
-    buckets: list[Bucket] = []
-    names: list[str] = []
-    tensors: list[torch.Tensor] = []
-    size = 0
-    for name, t in state.items():
-        t = t.detach().to(dtype).contiguous()
-        if tensors and size + t.numel() * t.element_size() > bucket_bytes:
-            buckets.append(Bucket(names, tensors, bucket_checksum(tensors) if checksum else ""))
-            names, tensors, size = [], [], 0
-        names.append(name)
-        tensors.append(t)
-        size += t.numel() * t.element_size()
-    if tensors:
-        buckets.append(Bucket(names, tensors, bucket_checksum(tensors) if checksum else ""))
-    return buckets
-
-
-async def _checksum(bucket: Bucket) -> None:
-    if not bucket.checksum:
-        bucket.checksum = await asyncio.to_thread(bucket_checksum, bucket.tensors)
 
 
 class GroupBroken(RuntimeError):
@@ -165,25 +131,45 @@ class WeightBroadcaster:
         return result
 
     async def _send_buckets(self, buckets: list[Bucket], version: int) -> dict[str, str]:
-        """Every bucket in order, the last with `weight_version`; bucket n+1's checksum is computed
-        while bucket n is on the wire. Returns the members that refused any (with why)."""
+        """Every bucket in order, the last with `weight_version`. Pipelined: bucket n+1's checksum is
+        computed while bucket n is on the wire, and bucket n+1 goes out while the members still check
+        bucket n (up to WINDOW buckets unanswered). Returns the members that refused any (with why)."""
         refused: dict[str, str] = {}
-        ahead = asyncio.ensure_future(_checksum(buckets[0]))
+        unanswered: deque[list[asyncio.Future[str | None]]] = deque()
+
+        async def collect(calls: list[asyncio.Future[str | None]]) -> None:
+            for server, why in zip(self.members, await asyncio.gather(*calls), strict=True):
+                if why is not None:
+                    refused.setdefault(server, why)
+
+        ahead = asyncio.ensure_future(ensure_checksum(buckets[0]))
         try:
             for i, bucket in enumerate(buckets):
                 await ahead
                 if i + 1 < len(buckets):
-                    ahead = asyncio.ensure_future(_checksum(buckets[i + 1]))
+                    ahead = asyncio.ensure_future(ensure_checksum(buckets[i + 1]))
+                if len(unanswered) >= WINDOW:
+                    await collect(unanswered.popleft())
                 last = i == len(buckets) - 1
-                for server, why in (await self._send_bucket(bucket, str(version) if last else None)).items():
-                    refused.setdefault(server, why)
+                unanswered.append(await self._put_bucket(bucket, str(version) if last else None))
+            while unanswered:
+                await collect(unanswered.popleft())
         finally:
             ahead.cancel()
+            for calls in unanswered:
+                for c in calls:
+                    c.cancel()
         return refused
 
     async def _send_bucket(self, bucket: Bucket, version: str | None) -> dict[str, str]:
-        """Broadcast one bucket; returns the members that refused it (with why). Raises GroupBroken
-        when the broadcast itself failed (then also for members that could not be reached)."""
+        """One bucket, answers awaited: the members that refused it (with why)."""
+        calls = await self._put_bucket(bucket, version)
+        answers = await asyncio.gather(*calls)
+        return {s: a for s, a in zip(self.members, answers, strict=True) if a is not None}
+
+    async def _put_bucket(self, bucket: Bucket, version: str | None) -> list[asyncio.Future[str | None]]:
+        """Announce one bucket to every member and broadcast it; returns the members' answers still
+        to come. Raises GroupBroken when the broadcast itself failed."""
         body: dict[str, Any] = {
             "names": bucket.names, "dtypes": [self.dtype_name] * len(bucket.names),
             "shapes": [list(t.shape) for t in bucket.tensors], "group_name": self.group_name,
@@ -191,12 +177,12 @@ class WeightBroadcaster:
         }
         if version is not None:
             body["weight_version"] = version
-        calls = [asyncio.ensure_future(self._post(s, "/update_weights_from_distributed", body)) for s in self.members]
+        calls: list[asyncio.Future[str | None]] = [
+            asyncio.ensure_future(self._post(s, "/update_weights_from_distributed", body)) for s in self.members]
         sent = asyncio.get_running_loop().run_in_executor(self._sender, self._broadcast, bucket.tensors)
         send_error = await _outcome(sent)
         if send_error is None:
-            answers = await asyncio.gather(*calls)
-            return {s: a for s, a in zip(self.members, answers, strict=True) if a is not None}
+            return calls
         # A member that still waits for the rest of the bucket would hold us up to its own deadline:
         # give the answers a moment, then stop waiting (the group is rebuilt anyway).
         done, pending = await asyncio.wait(calls, timeout=BROKEN_GRACE_S)
