@@ -61,7 +61,8 @@ class GroupBroken(RuntimeError):
 
 class WeightBroadcaster:
     def __init__(self, servers: list[str], *, master_address: str = "127.0.0.1", dtype: str = "float32",
-                 bucket_mb: float = 64.0, timeout_s: float = 30.0, group_name: str = "jetrl-weights") -> None:
+                 bucket_mb: float = 64.0, timeout_s: float = 30.0, group_name: str = "jetrl-weights",
+                 checksum: bool = True) -> None:
         if not servers:
             raise ValueError("broadcast: no servers given")
         self.servers = [s.rstrip("/") for s in servers]
@@ -71,6 +72,7 @@ class WeightBroadcaster:
         self.bucket_bytes = max(1, int(bucket_mb * 1e6))
         self.timeout_s = timeout_s
         self.group_name = group_name
+        self.checksum = checksum
         self.members: list[str] = []
         self.shunned: dict[str, tuple[int, str]] = {}
         """Servers that refused to join (answered, not unreachable): left out until the version given,
@@ -142,12 +144,16 @@ class WeightBroadcaster:
                 if why is not None:
                     refused.setdefault(server, why)
 
-        ahead = asyncio.ensure_future(ensure_checksum(buckets[0]))
+        async def no_checksum(bucket: Bucket) -> None:
+            return None
+
+        checksum = ensure_checksum if self.checksum else no_checksum
+        ahead = asyncio.ensure_future(checksum(buckets[0]))
         try:
             for i, bucket in enumerate(buckets):
                 await ahead
                 if i + 1 < len(buckets):
-                    ahead = asyncio.ensure_future(ensure_checksum(buckets[i + 1]))
+                    ahead = asyncio.ensure_future(checksum(buckets[i + 1]))
                 if len(unanswered) >= WINDOW:
                     await collect(unanswered.popleft())
                 last = i == len(buckets) - 1
@@ -173,8 +179,10 @@ class WeightBroadcaster:
         body: dict[str, Any] = {
             "names": bucket.names, "dtypes": [self.dtype_name] * len(bucket.names),
             "shapes": [list(t.shape) for t in bucket.tensors], "group_name": self.group_name,
-            "flush_cache": False, "checksum": bucket.checksum,
+            "flush_cache": False,
         }
+        if self.checksum:
+            body["checksum"] = bucket.checksum
         if version is not None:
             body["weight_version"] = version
         calls: list[asyncio.Future[str | None]] = [

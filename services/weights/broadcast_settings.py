@@ -28,6 +28,9 @@ class BroadcastSettings(Section):
     disk_every: int = Field(10, ge=0)
     """Also write the version to disk / the object store every this many versions (late joiners and
     restarted servers catch up from the latest copy); 0: never."""
+    checksum: bool = True
+    """Send each bucket's CRC-32 (the `checksum` field jetrl adds to SGLang's request) for the server
+    to check; off only for a server that refuses unknown request fields (then nothing is checked)."""
     group_name: str = "jetrl-weights"
     """Name of the weight-update group on the servers."""
 
