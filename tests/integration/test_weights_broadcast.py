@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from schemas.messages import MetricsEvent, WeightsLoaded, WeightsPublished, decode
+from schemas.messages import MetricsEvent, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode
 from schemas.subjects import METRICS_STREAM, WEIGHT_SYNC_STREAM, Subjects
 from services.common.bus import connect
 from services.status.weights import render_weights, weights_status
@@ -320,3 +320,57 @@ async def test_a_server_that_refuses_to_join_is_left_out_and_the_others_are_serv
             assert server_version(real.url) == "3" and server_version(sim.url) == "0"
         finally:
             await sender.aclose()
+
+
+@pytest.mark.timeout(300)
+async def test_trainer_process_broadcasts_and_carries_on_when_a_server_is_sigkilled(
+    nats_url: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    """`python -m services.trainer` with weights_broadcast: versions reach both servers; one server is
+    SIGKILLed after version 1; the trainer finishes its steps and the other server gets every version."""
+    import signal
+    import subprocess
+
+    from services.common.bus import declare_streams
+    from tests.integration.conftest_trainer import SERVICE_RUN, kill_group, start_trainer
+
+    out = tmp_path / "trainer"
+    out.mkdir()
+    with running_servers(tiny_model, tmp_path, 2) as (a, b):
+        nc = await connect(nats_url, "test")
+        js = nc.jetstream()
+        await declare_streams(js)
+        subjects = Subjects(SERVICE_RUN)
+        loaded = {s.url: await js.subscribe(subjects.weights_loaded(s.url), stream=WEIGHT_SYNC_STREAM, ordered_consumer=True)
+                  for s in (a, b)}
+        failed_b = await js.subscribe(subjects.weights_failed(b.url), stream=WEIGHT_SYNC_STREAM, ordered_consumer=True)
+
+        async def publish(first: int, n: int) -> None:
+            for i in range(first, first + n):
+                await publish_group(js, SERVICE_RUN, f"p{i}", make_group(tiny_model, f"{i:03d}", seed=i))
+
+        trainer = start_trainer(nats_url, tiny_model, out, "publish_weights=true", "total_steps=3", "checkpoint_every=0",
+                                f"weights_shared_dir={tmp_path / 'shared'}", "weights_broadcast.enabled=true",
+                                f"weights_broadcast.servers={a.url},{b.url}", "weights_broadcast.timeout_s=20",
+                                "weights_broadcast.disk_every=2")
+        try:
+            await publish(0, 2)
+            for s in (a, b):
+                report = decode(WeightsLoaded, (await loaded[s.url].next_msg(timeout=180)).data)
+                assert (report.version, report.transport) == (1, "broadcast")
+            b.stop(signal.SIGKILL)
+            await publish(2, 4)
+            for version in (2, 3):
+                report = decode(WeightsLoaded, (await loaded[a.url].next_msg(timeout=120)).data)
+                assert (report.server, report.version) == (a.url, version)
+            assert trainer.wait(timeout=120) == 0
+            assert server_version(a.url) == "3"
+            failure = decode(WeightsLoadFailed, (await failed_b.next_msg(timeout=10)).data)
+            assert failure.version == 2 and failure.transport == "broadcast"
+            assert (tmp_path / "shared" / "v2" / "model.safetensors").exists()  # the disk copy, every 2nd version
+        except (AssertionError, TimeoutError, subprocess.TimeoutExpired):
+            print(next(tmp_path.glob("trainer-*.log")).read_text()[-4000:])
+            raise
+        finally:
+            kill_group(trainer)
+            await nc.close()
