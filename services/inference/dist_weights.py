@@ -3,11 +3,13 @@
 
 The trainer's sending rank (rank 0) broadcasts each tensor of a bucket, in the order of `names`, over
 a gloo group that this server joined at `rank_offset`. Receiving runs in its own thread, so decoding
-goes on while the bytes arrive; the bucket lands in fresh buffers, is checked (names, shapes and, when
-the request carries one, the `checksum` jetrl sends alongside), and is held. The bucket that carries a
+goes on while the bytes arrive; the bucket lands in fresh buffers, is checked in a second thread
+(names, shapes and, when the request carries one, the `checksum` jetrl sends alongside) while the
+next bucket arrives, converted to the model's dtype, and held. The bucket that carries a
 `weight_version` swaps every held bucket of the version into the live model at once, in the model
-thread, i.e. between two decode steps: no token is ever made by a mix of two versions and generation
-is not paused. Any failure drops what was held; the old weights keep serving.
+thread, i.e. between two decode steps, by pointing each parameter at its new tensor: no token is
+ever made by a mix of two versions and generation is not paused. Any failure drops what was held;
+the old weights keep serving.
 """
 
 from __future__ import annotations
