@@ -11,6 +11,12 @@ The checkpoint is written as the trainer writes it: safetensors shards of at mos
 version that is handed over to the publisher (`consume=True`). Making that directory (the trainer's
 own save) is not timed.
 
+The broadcast (`services/weights/broadcast.py`): the trainer's sending side holds the parameters in
+memory (as it does after a step; loading them from the checkpoint is not timed) and sends them over a
+gloo group to the server, in float32, 64 MB buckets, each checksummed; publish-to-loaded is until the
+server answered that the version is swapped in. The group is built by an untimed first version.
+`pause ms` is the swap-in: the only time decoding waits (read from the server's log).
+
 The nats-server's own CPU time is measured across each publish-to-loaded too: through the object
 store every byte goes into the server's file store and out again, and `bound` is the ratio this
 machine could reach if the Python clients cost nothing and the server's work were spread over every
@@ -44,6 +50,7 @@ from nats.aio.msg import Msg  # noqa: E402
 
 from schemas.messages import WeightsLoaded, WeightsLoadFailed, decode  # noqa: E402
 from services.common.nats_server import NatsServer, free_port  # noqa: E402
+from services.weights.broadcast import WeightBroadcaster  # noqa: E402
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream  # noqa: E402
 
 CORES = os.cpu_count() or 1
@@ -173,6 +180,7 @@ async def bench_size(mb: int, work: Path, server: NatsServer, repeats: int, rows
                              "agent_s": report.seconds, "total_s": total, "ratio": copy_s / total,
                              "nats_cpu_s": nats_cpu,
                              "bound": copy_s * CORES / nats_cpu if transport == "object store" else None})
+            version = await bench_broadcast(model, url, version, copy_s, size, work / f"procs{mb}.log", rows)
     finally:
         await nc.close()
         for p in procs:
@@ -185,6 +193,36 @@ async def bench_size(mb: int, work: Path, server: NatsServer, repeats: int, rows
                 p.wait()
         logs.close()
         shutil.rmtree(model, ignore_errors=True)
+
+
+async def bench_broadcast(model: Path, url: str, version: int, copy_s: float, size: int, log: Path, rows: list[dict]) -> int:
+    """One broadcast of the model to the server (after an untimed one that builds the group)."""
+    from safetensors.torch import load_file
+
+    def load() -> dict:
+        state: dict = {}
+        for f in sorted(model.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        return state
+
+    state = await asyncio.to_thread(load)
+    sender = WeightBroadcaster([url], dtype="float32", bucket_mb=64, timeout_s=300)
+    try:
+        for _ in ("build the group", "timed"):
+            version += 1
+            t0 = time.perf_counter()
+            result = await sender.send_version(version, state)
+            total = time.perf_counter() - t0
+            if result.loaded != [url]:
+                raise RuntimeError(f"broadcast failed: {result.failed}")
+        lines = (await asyncio.to_thread(log.read_text)).splitlines()
+        swaps = [json.loads(line).get("swap_s") for line in lines if '"swap_s"' in line]
+        rows.append({"mb": round(size / 1e6), "transport": "broadcast", "copy_s": copy_s, "publish_s": total, "agent_s": 0.0,
+                     "total_s": total, "ratio": copy_s / total, "nats_cpu_s": 0.0, "bound": None,
+                     "pause_ms": 1000 * swaps[-1] if swaps else float("nan")})
+    finally:
+        await sender.aclose()
+    return version
 
 
 async def main() -> None:
@@ -203,11 +241,11 @@ async def main() -> None:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
     print(f"{'model':>8} {'transport':<13} {'copy s':>8} {'publish s':>10} {'agent s':>8} {'total s':>8} {'ratio':>6}"
-          f" {'nats cpu s':>11} {'bound':>6}")
+          f" {'nats cpu s':>11} {'bound':>6} {'pause ms':>9}")
     for r in rows:
         bound_text = f"{r['bound']:>6.2f}" if r["bound"] else f"{'-':>6}"
         print(f"{r['mb']:>6}MB {r['transport']:<13} {r['copy_s']:>8.2f} {r['publish_s']:>10.2f} {r['agent_s']:>8.2f} "
-              f"{r['total_s']:>8.2f} {r['ratio']:>6.2f} {r['nats_cpu_s']:>11.2f} {bound_text}")
+              f"{r['total_s']:>8.2f} {r['ratio']:>6.2f} {r['nats_cpu_s']:>11.2f} {bound_text} {r.get('pause_ms', float('nan')):>9.1f}")
     print("ratio = local-disk copy time of the same bytes / publish-to-loaded time (publish + fetch + verify + load)")
     print(f"nats cpu s = CPU the nats-server used meanwhile; bound = copy s / (nats cpu s / {CORES} cores): the best"
           " ratio possible here if the clients cost nothing and the server's work were spread over every core")
@@ -231,6 +269,9 @@ async def main() -> None:
         "ratio_100mb_shared_dir": best(100, "shared dir"),
         "ratio_1gb_object_store": best(1000, "object store"),
         "ratio_1gb_shared_dir": best(1000, "shared dir"),
+        "ratio_100mb_broadcast": best(100, "broadcast"),
+        "ratio_1gb_broadcast": best(1000, "broadcast"),
+        "pause_ms_100mb_broadcast": min((r["pause_ms"] for r in rows if r["mb"] < 500 and r["transport"] == "broadcast"), default=None),
         "bound_1gb_object_store": bound(1000),
         "seconds_1gb_object_store": min((r["total_s"] for r in rows if r["mb"] > 500 and r["transport"] == "object store"), default=None),
     }

@@ -101,6 +101,22 @@ class WeightsPublished(Message):
     files: list[WeightFile]
     step: int
     published_at: float = Field(default_factory=time.time)
+    transport: Literal["disk", "broadcast"] = "disk"
+    """How this version reached the servers. `disk`: fetch `uri`. `broadcast`: the trainer sent it over
+    a torch.distributed group to `members`; then `uri`/`files` name the latest disk copy (version
+    `disk_version`, empty if none yet), where a server outside the group catches up."""
+    members: list[str] = Field(default_factory=list)
+    """broadcast: the servers that now serve this version."""
+    group: str = ""
+    """broadcast: the group's rendezvous address (host:port)."""
+    dtype: str = ""
+    """broadcast: the dtype the parameters were sent in."""
+    buckets: int = 0
+    """broadcast: buckets the version was sent in (each checksummed)."""
+    bytes: int = 0
+    """broadcast: bytes sent to each member."""
+    disk_version: int | None = None
+    """broadcast: the version of the disk copy `uri` names (None: no disk copy yet)."""
 
 
 class WeightsLoaded(Message):
@@ -109,6 +125,7 @@ class WeightsLoaded(Message):
     version: int
     seconds: float
     loaded_at: float = Field(default_factory=time.time)
+    transport: Literal["disk", "broadcast"] = "disk"
 
 
 class WeightsLoadFailed(Message):
@@ -117,6 +134,7 @@ class WeightsLoadFailed(Message):
     version: int
     reason: str
     failed_at: float = Field(default_factory=time.time)
+    transport: Literal["disk", "broadcast"] = "disk"
 
 
 # ---------------------------------------------------------------------------------------------- reward

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from services.common.logging import get_logger
 from services.common.runner import Supervisor, supervise
+from services.inference.dist_weights import DistWeights
 from services.inference.replies import error_body, models_body, output_body
 from services.inference.requests import RequestError, parse_generate
 from services.inference.scheduler import Scheduler, Seq
@@ -58,6 +59,7 @@ class InferenceServer:
         self.settings = settings
         self.scheduler: Scheduler | None = None
         self.stopping = False
+        self.dist_weights = DistWeights(self, settings.weights_group_timeout_s)
 
     @property
     def ready(self) -> bool:
@@ -92,6 +94,7 @@ class InferenceServer:
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/v1/models", self.models)
         r.add_get("/v1/loads", self.load)
+        self.dist_weights.register(r)  # SGLang's distributed weight update (dist_weights.py)
         return app
 
     @web.middleware

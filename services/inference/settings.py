@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from services.common.settings import Section, ServiceSettings
 
@@ -60,6 +60,9 @@ class InferenceSettings(ServiceSettings):
     """Serve the protocol with no model: random tokens at `sim.token_latency_s` per step (for benchmarks)."""
     sim: SimulateSettings = SimulateSettings()
     """Simulation knobs (used when `simulate` is true)."""
+    weights_group_timeout_s: float = Field(60.0, gt=0)
+    """Deadline of the gloo weight-update group: joining it, and each broadcast received over it. A
+    trainer that dies mid-broadcast costs the server at most this; its old weights keep serving."""
 
     @model_validator(mode="after")
     def _check(self) -> InferenceSettings:

@@ -22,6 +22,8 @@ class ServerWeights:
     load_seconds: float | None = None
     lag: int | None = None
     """Published versions the server is behind (None before its first load)."""
+    transport: str = ""
+    """How its loaded version arrived: disk (fetched and loaded) or broadcast (in memory)."""
     last_failure: str = ""
     failed_version: int | None = None
     failed_at: float | None = None
@@ -34,6 +36,12 @@ class WeightsStatus:
     published_step: int | None = None
     published_at: float | None = None
     uri: str = ""
+    transport: str = ""
+    """How the last published version travelled: disk or broadcast."""
+    members: int = 0
+    """broadcast: servers that received the last version."""
+    disk_version: int | None = None
+    """broadcast: the version of the latest disk copy (where late joiners catch up)."""
     servers: list[ServerWeights] = field(default_factory=list)
     malformed: int = 0
 
@@ -52,10 +60,13 @@ async def weights_status(nc: NATS, run: str, timeout_s: float = 5.0) -> WeightsS
                 pub = decode(WeightsPublished, msg.data)
                 status.published_version, status.published_step = pub.version, pub.step
                 status.published_at, status.uri = pub.published_at, pub.uri
+                status.transport, status.members = pub.transport, len(pub.members)
+                status.disk_version = pub.version if pub.transport == "disk" else pub.disk_version
             elif msg.subject.startswith(f"jetrl.{run}.weights.loaded."):
                 loaded = decode(WeightsLoaded, msg.data)
                 s = servers.setdefault(loaded.server, ServerWeights(loaded.server))
                 s.loaded_version, s.loaded_at, s.load_seconds = loaded.version, loaded.loaded_at, loaded.seconds
+                s.transport = loaded.transport
             elif msg.subject.startswith(f"jetrl.{run}.weights.failed."):
                 failed = decode(WeightsLoadFailed, msg.data)
                 s = servers.setdefault(failed.server, ServerWeights(failed.server))
@@ -99,8 +110,12 @@ def render_weights(status: WeightsStatus, now: float | None = None) -> str:
     if status.published_version is None:
         lines.append("  published: nothing yet")
     else:
+        where = status.uri
+        if status.transport == "broadcast":
+            disk = "none yet" if status.disk_version is None else f"v{status.disk_version} {status.uri}"
+            where = f"by broadcast to {status.members} server(s); latest disk copy {disk}"
         lines.append(
-            f"  published: v{status.published_version} (step {status.published_step}, {_ago(now, status.published_at)}) {status.uri}"
+            f"  published: v{status.published_version} (step {status.published_step}, {_ago(now, status.published_at)}) {where}"
         )
     if not status.servers:
         lines.append("  servers:   none has reported")
@@ -110,7 +125,7 @@ def render_weights(status: WeightsStatus, now: float | None = None) -> str:
         lag = "?" if s.lag is None else str(s.lag)
         line = f"  {s.server:<{width}}  loaded {loaded:<6} lag {lag:<3}"
         if s.loaded_at is not None:
-            line += f" ({_ago(now, s.loaded_at)}, took {s.load_seconds:.2f}s)"
+            line += f" ({_ago(now, s.loaded_at)}, {s.transport or 'disk'}, took {s.load_seconds:.2f}s)"
         if s.failed_at is not None and (s.loaded_at is None or s.failed_at > s.loaded_at):
             line += f"  LAST LOAD FAILED v{s.failed_version}: {s.last_failure}"
         lines.append(line)

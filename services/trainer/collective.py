@@ -22,6 +22,8 @@ class Command:
     """train: this rank's piece of each mini-batch."""
     weights_dir: str | None = None
     """train: after the update, gather the weights and write a HF dir here (rank 0)."""
+    weights_state: bool = False
+    """train: after the update, gather the weights into memory for the broadcast (rank 0)."""
     directory: str = ""
     tag: str | None = None
     client_state: dict[str, Any] = field(default_factory=dict)
@@ -31,6 +33,8 @@ class Command:
 class Result:
     stats: dict[str, float] = field(default_factory=dict)
     weights_dir: Path | None = None
+    state: dict[str, Any] | None = None
+    """The gathered float32 parameters (rank 0, when asked by `weights_state`)."""
     client_state: dict[str, Any] = field(default_factory=dict)
 
 
@@ -54,7 +58,8 @@ def execute(engine: TrainEngine, actor: PPOActor, cmd: Command) -> Result:
     if cmd.op == "train":
         stats = actor.ppo_update(cmd.pieces)
         weights = engine.upload_weights(cmd.weights_dir) if cmd.weights_dir else None
-        return Result(stats=stats, weights_dir=weights)
+        state = engine.full_state_dict() if cmd.weights_state else None
+        return Result(stats=stats, weights_dir=weights, state=state)
     if cmd.op == "save":
         engine.save(cmd.directory, cmd.tag or "latest", cmd.client_state)
         return Result()

@@ -60,7 +60,7 @@ publisher may take it over."""
 
 class Trainer(Feeding):
     def __init__(self, settings: TrainerSettings, engine: TrainEngine, *, publish: Publish | None = None,
-                 source: Any = None) -> None:
+                 source: Any = None, broadcast: Any = None) -> None:
         self.s = settings
         # A group source (`jetrl replay`: `collect(trainer, stopping) -> list[Group] | None`) replaces
         # the durable consumer: same steps, different origin of the groups.
@@ -69,6 +69,8 @@ class Trainer(Feeding):
         self.actor = PPOActor(engine, settings.ppo)
         self.subjects = Subjects(settings.run)
         self.publish = publish
+        self.broadcast = broadcast
+        """A `BroadcastPublisher`: weights go to the servers in memory; `publish` is then not used."""
         self.version = 0
         self.last_seq = 0
         self.resumed = False
@@ -261,8 +263,10 @@ class Trainer(Feeding):
         # In a thread: with ppo.kl_in=reward the advantages need a reference forward pass.
         batch = await asyncio.to_thread(self.actor.compute_advantages, collate([g.tensors for g in groups]))
         pieces = shard(batch, self.engine.world_size, self.s.ppo.n_minibatches)
-        weights_dir = str(self.out / "weights" / f"v{self.version + 1}") if self.publish and self.s.publish_weights else None
-        cmds = [Command("train", pieces=p, weights_dir=weights_dir) for p in pieces]
+        bcast = self.broadcast if self.s.publish_weights else None
+        to_disk = self.publish is not None if bcast is None else bcast.wants_disk(self.version + 1)
+        weights_dir = str(self.out / "weights" / f"v{self.version + 1}") if to_disk and self.s.publish_weights else None
+        cmds = [Command("train", pieces=p, weights_dir=weights_dir, weights_state=bcast is not None) for p in pieces]
         res = await asyncio.to_thread(lambda: execute(self.engine, self.actor, scatter(cmds)))
         applied = self._commit(groups)
         self.version += 1
@@ -270,7 +274,13 @@ class Trainer(Feeding):
             await self._ack(msg)
         self._wake_feeder.set()
         t_train = time.monotonic()
-        if res.weights_dir is not None and self.publish is not None:
+        if bcast is not None and res.state is not None:
+            try:
+                await bcast.publish(self.version, res.state, res.weights_dir)
+            finally:
+                if res.weights_dir is not None:
+                    _remove(res.weights_dir)
+        elif res.weights_dir is not None and self.publish is not None:
             try:
                 await self._publish_weights(res.weights_dir)
             finally:

@@ -62,9 +62,12 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine) -> None:
         publisher = WeightPublisher(nc, settings.run, shared_dir=settings.weights_shared_dir, keep_last=settings.weights_keep_last,
                                     bus_retry_timeout_s=settings.bus_retry_timeout_s)
         publish = functools.partial(publisher.publish_dir, consume=True)  # the trainer hands each dir over
-        trainer = Trainer(settings, engine, publish=publish if settings.publish_weights else None)
+        broadcast = _broadcast_publisher(settings, nc, publisher)
+        trainer = Trainer(settings, engine, publish=publish if settings.publish_weights else None, broadcast=broadcast)
 
         async def main(sup: Supervisor) -> None:
+            if broadcast is not None:
+                sup.stack.push_async_callback(broadcast.aclose)
             await trainer.start(nc)
             sup.stack.push_async_callback(trainer.close)
             await trainer.watch_dead_letters()
@@ -78,6 +81,19 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine) -> None:
             await asyncio.wait_for(nc.drain(), timeout=5.0)
         except Exception as exc:  # the bus may be gone; exiting matters more
             log.warning("nats drain failed", error=repr(exc))
+
+
+def _broadcast_publisher(settings: TrainerSettings, nc: Any, disk: Any) -> Any:
+    """The in-memory weight path, if `weights_broadcast.enabled` (see services/weights/broadcast*.py)."""
+    b = settings.weights_broadcast
+    if not (b.enabled and settings.publish_weights):
+        return None
+    from services.weights.broadcast import WeightBroadcaster
+    from services.weights.broadcast_publish import BroadcastPublisher
+
+    sender = WeightBroadcaster(b.servers, master_address=b.master_address, dtype=b.dtype, bucket_mb=b.bucket_mb,
+                               timeout_s=b.timeout_s, group_name=b.group_name, checksum=b.checksum)
+    return BroadcastPublisher(nc, settings.run, sender, disk, b.disk_every, retry_s=settings.bus_retry_timeout_s)
 
 
 async def _train(trainer: Trainer, sup: Supervisor) -> None:

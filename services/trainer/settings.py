@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from services.common.settings import Section, ServiceSettings
 from services.trainer.dataset import DatasetOptions
+from services.weights.broadcast_settings import BroadcastSettings
 
 
 class PPOSettings(Section):
@@ -170,6 +171,8 @@ class TrainerSettings(ServiceSettings):
     weights_shard_mb: float | None = Field(None, gt=0)
     """Largest safetensors file of published weights (MB): a model in several files is hashed,
     copied and verified on every core. Unset: an eighth of the model, within 32-512 MB."""
+    weights_broadcast: BroadcastSettings = BroadcastSettings()
+    """The in-memory weight path: each version broadcast to the servers (see docs/weights.md)."""
     record_steps: bool = True
     """Append each step's prompt ids, version and last stream sequence to output_dir/steps.jsonl (an audit log)."""
     max_seq_len: int | None = Field(None, ge=1)
@@ -190,6 +193,8 @@ class TrainerSettings(ServiceSettings):
     def _check(self) -> TrainerSettings:
         if self.resume not in ("auto", "never") and not self.resume.strip():
             raise ValueError("resume: expected auto, never or a checkpoint directory")
+        if self.weights_broadcast.enabled and not self.weights_broadcast.servers:
+            raise ValueError("weights_broadcast.enabled is set but weights_broadcast.servers is empty")
         if self.feeder.enabled and self.feeder.eval_every and not self.feeder.eval_dataset_path:
             raise ValueError("feeder.eval_every is set but feeder.eval_dataset_path is not")
         return self

@@ -105,10 +105,39 @@ class WeightsAgent:
             self._handled = self._received
             target = self._wanted
             assert target is not None
+            if target.transport == "broadcast":
+                caught_up = await self.catch_up_target(target)
+                if caught_up is None:
+                    continue
+                target = caught_up
             if target.version == self.loaded_version:
                 log.info("server already holds the announced version", version=target.version)
                 continue
             await self.load(target)
+
+    async def catch_up_target(self, announced: WeightsPublished) -> WeightsPublished | None:
+        """A version the trainer broadcast: a member already holds it; a server outside the group
+        catches up from the latest disk copy (if newer than what it serves) and joins the broadcast
+        at a later version. Returns the disk version to load, or None."""
+        if self.settings.server in announced.members:
+            self.loaded_version = announced.version
+            log.info("server received the version by broadcast", version=announced.version)
+            return None
+        if announced.disk_version is None or not announced.uri:
+            log.info("version broadcast without this server and no disk copy yet; waiting for the next broadcast",
+                     version=announced.version)
+            return None
+        try:
+            serving = await self.server.get_weight_version()
+        except ServerError as exc:
+            log.warning("cannot read the server's version; not catching up now", error=str(exc))
+            return None
+        if serving >= announced.disk_version:
+            self.loaded_version = serving
+            return None
+        log.info("catching up from the latest disk copy", version=announced.disk_version, broadcast=announced.version, serving=serving)
+        self.metrics.count("catch_ups")
+        return announced.model_copy(update={"version": announced.disk_version, "transport": "disk", "members": []})
 
     async def load(self, target: WeightsPublished) -> bool:
         """Fetch, verify and load one version. True if the server now serves it."""

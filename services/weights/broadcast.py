@@ -1,0 +1,315 @@
+"""`WeightBroadcaster`: the trainer's sending rank pushes one weight version to every inference
+server over a gloo group, speaking SGLang's distributed weight-update protocol to each server.
+
+Per version: find the live servers (`/health`); if they are not the group's members, rebuild the group
+(`/destroy_weights_update_group`, then `/init_weights_update_group` on every member while this process
+joins as rank 0 on a fresh port). Then per bucket (parameters in the served dtype, about `bucket_mb`
+each): `/update_weights_from_distributed` to every member (names, dtypes, shapes, `checksum`; the last
+bucket carries `weight_version`) while this process broadcasts the bucket's tensors, one broadcast per
+tensor in `names` order, as SGLang receives them. A member that dies mid-broadcast fails the broadcast
+within the group's deadline (`timeout_s`); the group is then rebuilt from the members still alive and
+the version is sent again, so the others still get it and the trainer never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from services.common.logging import get_logger
+from services.weights.buckets import Bucket, ensure_checksum, make_buckets
+
+log = get_logger("weights.broadcast")
+
+ATTEMPTS = 2
+"""Sends of one version: the first, and one more on a group rebuilt without the members that failed."""
+JOIN_FAILED = "joining group"
+"""How the server's answer starts when the rendezvous itself failed (not a refusal)."""
+SHUN_VERSIONS = 10
+"""A server that refused to join is left out of this many versions before it is asked again."""
+WINDOW = 4
+"""Buckets sent whose answers are not yet in (the members check one while receiving the next)."""
+BROKEN_GRACE_S = 2.0
+"""After a failed broadcast, how long the members' answers are still awaited."""
+
+
+@dataclass
+class VersionResult:
+    version: int
+    loaded: list[str] = field(default_factory=list)
+    """Servers that now serve the version."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Servers that do not, and why."""
+    buckets: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    rebuilds: int = 0
+
+
+class GroupBroken(RuntimeError):
+    """A broadcast over the group failed (a member died or stalled past the deadline)."""
+
+
+class WeightBroadcaster:
+    def __init__(self, servers: list[str], *, master_address: str = "127.0.0.1", dtype: str = "float32",
+                 bucket_mb: float = 64.0, timeout_s: float = 30.0, group_name: str = "jetrl-weights",
+                 checksum: bool = True) -> None:
+        if not servers:
+            raise ValueError("broadcast: no servers given")
+        self.servers = [s.rstrip("/") for s in servers]
+        self.master_address = master_address
+        self.dtype: torch.dtype = getattr(torch, dtype)
+        self.dtype_name = dtype
+        self.bucket_bytes = max(1, int(bucket_mb * 1e6))
+        self.timeout_s = timeout_s
+        self.group_name = group_name
+        self.checksum = checksum
+        self.members: list[str] = []
+        self.shunned: dict[str, tuple[int, str]] = {}
+        """Servers that refused to join (answered, not unreachable): left out until the version given,
+        with why. Building a group waits for every rank up to the deadline, so a server that keeps
+        refusing must not cost every version that wait."""
+        self.port = 0
+        self._pg: Any = None
+        self._store: Any = None
+        # the group's collectives block a thread; one thread keeps them in order
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-send")
+        # a call may wait for a whole bucket's broadcast, which the group bounds by timeout_s
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s * 2 + 30, connect=5.0))
+
+    async def aclose(self) -> None:
+        await self._destroy_group()
+        await self._http.aclose()
+        self._sender.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self.master_address}:{self.port}" if self._pg is not None else ""
+
+    # ------------------------------------------------------------------------------ one version
+
+    async def send_version(self, version: int, state: dict[str, torch.Tensor]) -> VersionResult:
+        t0 = time.perf_counter()
+        buckets = await asyncio.to_thread(make_buckets, state, self.dtype, self.bucket_bytes, checksum=False)
+        result = VersionResult(version, buckets=len(buckets), bytes=sum(b.nbytes for b in buckets))
+        for attempt in range(ATTEMPTS):
+            live, down = await self._live(version)
+            result.failed = dict(down)
+            if not live:
+                break
+            if live != self.members or self._pg is None:
+                live = await self._rebuild(live, result.failed, version)
+                result.rebuilds += 1
+                if not live:
+                    break
+            refused: dict[str, str] = {}
+            try:
+                refused = await self._send_buckets(buckets, version)
+            except GroupBroken as exc:
+                # Who is gone is decided by /health on the next attempt: a member that merely did not
+                # answer in time (its receive was cut short by the failure) gets the version again.
+                log.warning("broadcast failed; rebuilding the group from the members still alive",
+                            version=version, attempt=attempt + 1, error=str(exc))
+                result.failed.update({s: f"broadcast failed: {exc}" for s in self.members})
+                await self._destroy_group()
+                continue
+            result.loaded = [s for s in self.members if s not in refused]
+            result.failed.update(refused)
+            if refused:
+                # A member that refused a bucket may not have taken its bytes off the wire (a request
+                # it could not parse): the group may be out of step, so the next version builds anew.
+                await self._destroy_group()
+            break
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    async def _send_buckets(self, buckets: list[Bucket], version: int) -> dict[str, str]:
+        """Every bucket in order, the last with `weight_version`. Pipelined: bucket n+1's checksum is
+        computed while bucket n is on the wire, and bucket n+1 goes out while the members still check
+        bucket n (up to WINDOW buckets unanswered). Returns the members that refused any (with why)."""
+        refused: dict[str, str] = {}
+        unanswered: deque[list[asyncio.Future[str | None]]] = deque()
+
+        async def collect(calls: list[asyncio.Future[str | None]]) -> None:
+            for server, why in zip(self.members, await asyncio.gather(*calls), strict=True):
+                if why is not None:
+                    refused.setdefault(server, why)
+
+        async def no_checksum(bucket: Bucket) -> None:
+            return None
+
+        checksum = ensure_checksum if self.checksum else no_checksum
+        ahead = asyncio.ensure_future(checksum(buckets[0]))
+        try:
+            for i, bucket in enumerate(buckets):
+                await ahead
+                if i + 1 < len(buckets):
+                    ahead = asyncio.ensure_future(checksum(buckets[i + 1]))
+                if len(unanswered) >= WINDOW:
+                    await collect(unanswered.popleft())
+                last = i == len(buckets) - 1
+                unanswered.append(await self._put_bucket(bucket, str(version) if last else None))
+            while unanswered:
+                await collect(unanswered.popleft())
+        finally:
+            ahead.cancel()
+            for calls in unanswered:
+                for c in calls:
+                    c.cancel()
+        return refused
+
+    async def _send_bucket(self, bucket: Bucket, version: str | None) -> dict[str, str]:
+        """One bucket, answers awaited: the members that refused it (with why)."""
+        calls = await self._put_bucket(bucket, version)
+        answers = await asyncio.gather(*calls)
+        return {s: a for s, a in zip(self.members, answers, strict=True) if a is not None}
+
+    async def _put_bucket(self, bucket: Bucket, version: str | None) -> list[asyncio.Future[str | None]]:
+        """Announce one bucket to every member and broadcast it; returns the members' answers still
+        to come. Raises GroupBroken when the broadcast itself failed."""
+        body: dict[str, Any] = {
+            "names": bucket.names, "dtypes": [self.dtype_name] * len(bucket.names),
+            "shapes": [list(t.shape) for t in bucket.tensors], "group_name": self.group_name,
+            "flush_cache": False,
+        }
+        if self.checksum:
+            body["checksum"] = bucket.checksum
+        if version is not None:
+            body["weight_version"] = version
+        calls: list[asyncio.Future[str | None]] = [
+            asyncio.ensure_future(self._post(s, "/update_weights_from_distributed", body)) for s in self.members]
+        sent = asyncio.get_running_loop().run_in_executor(self._sender, self._broadcast, bucket.tensors)
+        send_error = await _outcome(sent)
+        if send_error is None:
+            return calls
+        # A member that still waits for the rest of the bucket would hold us up to its own deadline:
+        # give the answers a moment, then stop waiting (the group is rebuilt anyway).
+        done, pending = await asyncio.wait(calls, timeout=BROKEN_GRACE_S)
+        for c in pending:
+            c.cancel()
+        answers = [c.result() if c in done else "no answer after the broadcast failed" for c in calls]
+        raise GroupBroken(f"{_short(send_error)}; members' answers: {dict(zip(self.members, answers, strict=True))}")
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            self._pg.broadcast(t, 0).wait()
+
+    # ------------------------------------------------------------------------------ membership
+
+    async def _live(self, version: int) -> tuple[list[str], dict[str, str]]:
+        async def healthy(server: str) -> str | None:
+            try:
+                resp = await self._http.get(f"{server}/health", timeout=5.0)
+            except httpx.HTTPError as exc:
+                return f"unreachable: {exc!r}"
+            return None if resp.status_code == 200 else f"not healthy: HTTP {resp.status_code}"
+
+        shunned = {s: f"left out until version {until}: {why}" for s, (until, why) in self.shunned.items() if version < until}
+        candidates = [s for s in self.servers if s not in shunned]
+        answers = await asyncio.gather(*(healthy(s) for s in candidates))
+        down = {s: a for s, a in zip(candidates, answers, strict=True) if a is not None} | shunned
+        return [s for s in candidates if s not in down], down
+
+    async def _rebuild(self, live: list[str], failed: dict[str, str], version: int) -> list[str]:
+        """A new group of this rank and `live`; members that cannot join are left out (and the group
+        is built once more without them). Returns the members."""
+        for _ in range(ATTEMPTS):
+            await self._destroy_group()
+            # SGLang's tensor-parallel ranks each join the group: a server of tp_size k takes ranks
+            # rank_offset .. rank_offset + k - 1 (the CPU server has one).
+            tp = await asyncio.gather(*(self._tp_size(s) for s in live))
+            offsets = [1 + sum(tp[:i]) for i in range(len(live))]
+            world = 1 + sum(tp)
+            store = await asyncio.to_thread(self._open_store, world)
+            body = {"master_address": self.master_address, "master_port": store.port, "world_size": world,
+                    "group_name": self.group_name, "backend": "gloo"}
+            calls = [asyncio.ensure_future(self._post(s, "/init_weights_update_group", {**body, "rank_offset": off}))
+                     for s, off in zip(live, offsets, strict=True)]
+            joined = asyncio.get_running_loop().run_in_executor(self._sender, self._join, store, world)
+            error = await _outcome(joined)
+            # Members still waiting in a rendezvous that failed here would answer only at their own
+            # deadline: wait a moment for the answers (a refusal comes at once), then stop waiting.
+            done, pending = await asyncio.wait(calls, timeout=None if error is None else BROKEN_GRACE_S)
+            for c in pending:
+                c.cancel()
+            answers = [c.result() if c in done else f"{JOIN_FAILED}: no answer after the rendezvous failed" for c in calls]
+            bad = {s: f"could not join the weight-update group: {a}" for s, a in zip(live, answers, strict=True) if a}
+            if error is None and not bad:
+                self._store, self._pg, self.members, self.port = store, joined.result(), live, store.port
+                log.info("weight-update group built", members=live, address=self.address)
+                return live
+            # A member that refused up front makes every other member's rendezvous time out too:
+            # leave out only the ones that refused, if any did, and build again.
+            refused = {s: why for s, why in bad.items() if "HTTP 4" in why and JOIN_FAILED not in why}
+            left_out = refused or bad
+            failed.update(left_out)
+            for server, why in refused.items():  # it answered and refused: it will refuse again for a while
+                self.shunned[server] = (version + SHUN_VERSIONS, why)
+            live = [s for s in live if s not in left_out]
+            log.warning("building the weight-update group failed", error=repr(error), left_out=list(left_out))
+            if not live:
+                break
+        self.members = []
+        return []
+
+    async def _tp_size(self, server: str) -> int:
+        """The server's tensor-parallel size from `/get_server_info` (1 if it does not say)."""
+        try:
+            body = (await self._http.get(f"{server}/get_server_info", timeout=5.0)).json()
+            return max(1, int(body.get("tp_size") or 1)) if isinstance(body, dict) else 1
+        except (httpx.HTTPError, ValueError, TypeError):
+            return 1
+
+    def _open_store(self, world: int) -> Any:
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        return dist.TCPStore(self.master_address, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+
+    def _join(self, store: Any, world: int) -> Any:
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        return dist.ProcessGroupGloo(dist.PrefixStore(self.group_name, store), 0, world, timeout)
+
+    async def _destroy_group(self) -> None:
+        if self._pg is None:
+            return
+        members, self.members = self.members, []
+        await asyncio.gather(*(self._post(s, "/destroy_weights_update_group", {"group_name": self.group_name}, quick=True)
+                               for s in members))
+        self._pg = self._store = None
+
+    async def _post(self, server: str, path: str, body: dict[str, Any], *, quick: bool = False) -> str | None:
+        """None on success, else why not."""
+        try:
+            resp = await self._http.post(f"{server}{path}", json=body,
+                                         timeout=5.0 if quick else httpx.USE_CLIENT_DEFAULT)
+        except httpx.HTTPError as exc:
+            return f"{path}: {_short(exc)}"
+        try:
+            answer = resp.json()
+        except ValueError:
+            answer = {"message": resp.text[:300]}
+        if resp.status_code == 200 and (not isinstance(answer, dict) or answer.get("success", True)):
+            return None
+        message = answer.get("message", answer) if isinstance(answer, dict) else answer
+        return f"{path}: HTTP {resp.status_code}: {message}"
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+async def _outcome(fut: Any) -> BaseException | None:
+    try:
+        await fut
+    except Exception as exc:  # the group's failure, reported with the members' answers
+        return exc
+    return None

@@ -1,0 +1,34 @@
+"""The broadcast's settings and buckets, without processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.settings import SettingsError, load_settings
+from services.trainer.settings import TrainerSettings
+from services.weights.bucket_checksum import bucket_checksum
+from services.weights.buckets import make_buckets
+
+
+def test_servers_are_a_list_or_comma_separated_and_must_be_urls() -> None:
+    s = load_settings(TrainerSettings, None, ["weights_broadcast.enabled=true",
+                                              "weights_broadcast.servers=http://a:1/, http://b:2"])
+    assert s.weights_broadcast.servers == ["http://a:1", "http://b:2"]
+    with pytest.raises(SettingsError, match="not an http"):
+        load_settings(TrainerSettings, None, ["weights_broadcast.servers=a:1"])
+    with pytest.raises(SettingsError, match="servers is empty"):
+        load_settings(TrainerSettings, None, ["weights_broadcast.enabled=true"])
+
+
+def test_buckets_keep_order_respect_the_size_and_checksum_the_sent_bytes() -> None:
+    state = {f"p{i}": torch.full((250,), float(i)) for i in range(10)}  # 1000 bytes each in fp32
+    buckets = make_buckets(state, torch.bfloat16, bucket_bytes=1200)  # 500 bytes each in bf16: two per bucket
+    assert [b.names for b in buckets] == [[f"p{i}", f"p{i + 1}"] for i in range(0, 10, 2)]
+    assert all(t.dtype == torch.bfloat16 for b in buckets for t in b.tensors)
+    assert buckets[0].checksum == bucket_checksum(buckets[0].tensors) != buckets[1].checksum
+    flipped = [t.clone() for t in buckets[0].tensors]
+    flipped[1].view(torch.int16)[3] ^= 1
+    assert bucket_checksum(flipped) != buckets[0].checksum
+    big = make_buckets({"a": torch.zeros(10), "huge": torch.zeros(1000), "b": torch.zeros(10)}, torch.float32, 100)
+    assert [b.names for b in big] == [["a"], ["huge"], ["b"]]  # a tensor larger than a bucket is one of its own
