@@ -1,8 +1,8 @@
 """Version gating: a prompt's episode starts only once this worker's inference servers hold at least
 the prompt's `min_version`, so no group is generated with weights the trainer will refuse.
 
-The worker asks each of its servers (`InferenceEngine.get_weight_version`, the server's
-`/get_weight_version`) and takes the lowest answer: an episode may go to any of them. The answer is
+The worker asks each of its servers (`InferenceEngine.get_weight_version`, from the server's
+`/model_info`) and takes the lowest answer: an episode may go to any of them. The answer is
 cached; it is read again when a prompt needs more than the cache says, at once when any server of the
 run reports a load on `jetrl.<run>.weights.loaded.*`, else every `poll_s` while a prompt waits. One read
 serves every waiting prompt. A server that does not answer is left out (the engine fails over from it

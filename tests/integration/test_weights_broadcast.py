@@ -21,8 +21,8 @@ from services.trainer.loop import Trainer
 from services.trainer.service import _broadcast_publisher
 from services.trainer.settings import TrainerSettings
 from services.weights.publisher import WeightPublisher
-from tests.integration.conftest_inference import running_servers
-from tests.integration.conftest_trainer import make_group, publish_group, take_prompts, write_dataset
+from tests.support.inference import running_servers
+from tests.support.trainer import make_group, publish_group, take_prompts, write_dataset
 
 RUN = "bc"
 
@@ -34,7 +34,7 @@ def server_weights(url: str, name: str) -> torch.Tensor:
 
 
 def server_version(url: str) -> str:
-    return str(httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"])
+    return str(httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"])
 
 
 def generated_version(url: str) -> str:
@@ -209,9 +209,9 @@ async def test_sigkill_of_one_server_mid_broadcast_the_other_gets_the_version(ti
 async def test_a_server_started_after_version_5_catches_up_from_disk_then_gets_6_by_broadcast(
     nats_url: str, tiny_model: Path, tmp_path: Path
 ) -> None:
-    from tests.integration.conftest_inference import free_port
     from tests.integration.test_weights_agent import process
-    from tests.waiting import wait_http_ok, wait_until
+    from tests.support.inference import free_port
+    from tests.support.waiting import wait_http_ok, wait_until
 
     with running_servers(tiny_model, tmp_path, 1) as (a,):
         port = free_port()
@@ -332,7 +332,7 @@ async def test_trainer_process_broadcasts_and_carries_on_when_a_server_is_sigkil
     import subprocess
 
     from services.common.bus import declare_streams
-    from tests.integration.conftest_trainer import SERVICE_RUN, kill_group, start_trainer
+    from tests.support.trainer import SERVICE_RUN, kill_group, start_trainer
 
     out = tmp_path / "trainer"
     out.mkdir()
