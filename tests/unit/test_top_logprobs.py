@@ -49,7 +49,7 @@ def test_tokens_the_filters_removed_are_not_reported() -> None:
 def test_request_field_is_top_level_bounded_and_needs_return_logprob() -> None:
     assert parse({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 3}).top_logprobs_num == 3
     assert parse({"input_ids": [1], "top_logprobs_num": 3}).top_logprobs_num == 0
-    with pytest.raises(RequestError, match="top_logprobs_num must be in 0..20"):
+    with pytest.raises(RequestError, match=r"top_logprobs_num must be in 0\.\.20"):
         parse({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 21})
     with pytest.raises(RequestError, match="unknown field"):
         parse({"input_ids": [1], "sampling_params": {"top_logprobs_num": 2}})
