@@ -21,10 +21,12 @@ from transformers.cache_utils import CacheLayerMixin
 
 from services.common.logging import get_logger
 from services.inference.requests import Joining, SamplingParams
-from services.inference.sampling import sample
+from services.inference.sampling import TopLogprobs, sample_top
 from services.inference.weights import load_safetensors_into
 
 log = get_logger("inference.model")
+Token = tuple[int, int, float, TopLogprobs | None]
+"""One generated token: (sid, token, logprob, the position's top log-probs when its request asked)."""
 
 
 @dataclass
@@ -65,9 +67,9 @@ class TransformersBackend:
     def batch_size(self) -> int:
         return len(self._rows)
 
-    def step(self, remove: set[int], joining: list[Joining]) -> tuple[list[tuple[int, int, float]], str]:
+    def step(self, remove: set[int], joining: list[Joining]) -> tuple[list[Token], str]:
         """One iteration in one call (one thread hand-off): drop `remove`, decode one token for every
-        row already in the batch, then prefill `joining` (their first token). Returns (sid, token, logprob)."""
+        row already in the batch, then prefill `joining` (their first token). Returns `Token`s."""
         self.remove(remove)
         out, _ = self.decode()
         if joining:
@@ -80,21 +82,21 @@ class TransformersBackend:
         return torch.Generator().manual_seed(params.seed)
 
     @torch.inference_mode()
-    def prefill(self, joining: list[Joining]) -> tuple[list[tuple[int, int, float]], str]:
-        """Run the prompts of `joining`, add them to the batch; returns (sid, first token, logprob)."""
+    def prefill(self, joining: list[Joining]) -> tuple[list[Token], str]:
+        """Run the prompts of `joining`, add them to the batch; returns their first `Token`s."""
         by_len: dict[int, list[Joining]] = defaultdict(list)
         for j in joining:
             by_len[len(j.prompt)].append(j)
-        out: list[tuple[int, int, float]] = []
+        out: list[Token] = []
         for length, group in by_len.items():
             ids = torch.tensor([j.prompt for j in group], dtype=torch.long)
             cache = DynamicCache()
             logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
             rows = [_Row(j.sid, j.params, self._generator(j.params), next_pos=length) for j in group]
-            tokens, logps = sample(logits, [r.params for r in rows], [r.generator for r in rows])
-            for row, tok, lp in zip(rows, tokens, logps, strict=True):
+            tokens, logps, tops = sample_top(logits, [r.params for r in rows], [r.generator for r in rows])
+            for row, tok, lp, top in zip(rows, tokens, logps, tops, strict=True):
                 row.last_token = tok
-                out.append((row.sid, tok, lp))
+                out.append((row.sid, tok, lp, top))
             layers = _keys_values(cache)
             self._merge(rows, layers, torch.ones(len(group), length, dtype=torch.long))
         return out, self.version
@@ -114,8 +116,8 @@ class TransformersBackend:
         self._rows = self._rows + rows
 
     @torch.inference_mode()
-    def decode(self) -> tuple[list[tuple[int, int, float]], str]:
-        """One token for every sequence in the batch: (sid, token, logprob)."""
+    def decode(self) -> tuple[list[Token], str]:
+        """One `Token` for every sequence in the batch."""
         if not self._rows:
             return [], self.version
         ids = torch.tensor([[r.last_token] for r in self._rows], dtype=torch.long)
@@ -129,12 +131,12 @@ class TransformersBackend:
         self._keys = [k for k, _ in layers]
         self._values = [v for _, v in layers]
         self._mask = mask
-        tokens, logps = sample(logits, [r.params for r in self._rows], [r.generator for r in self._rows])
-        out = []
-        for row, tok, lp in zip(self._rows, tokens, logps, strict=True):
+        tokens, logps, tops = sample_top(logits, [r.params for r in self._rows], [r.generator for r in self._rows])
+        out: list[Token] = []
+        for row, tok, lp, top in zip(self._rows, tokens, logps, tops, strict=True):
             row.last_token = tok
             row.next_pos += 1
-            out.append((row.sid, tok, lp))
+            out.append((row.sid, tok, lp, top))
         return out, self.version
 
     def remove(self, sids: set[int]) -> None:

@@ -19,6 +19,16 @@ def version_spans(versions: list[str]) -> list[dict[str, Any]]:
     return spans
 
 
+def top_rows(seq: Seq) -> list[list[list[Any]]]:
+    """SGLang's `output_top_logprobs`: per output position its most likely tokens as
+    `[logprob, token_id, null]` triples, most likely first. A position the backend gave none for (the
+    simulator has no distribution) holds the sampled token alone."""
+    rows = []
+    for lp, tok, top in zip(seq.logprobs, seq.output_ids, seq.top_logprobs, strict=True):
+        rows.append([[v, t, None] for v, t in top] if top is not None else [[lp, tok, None]])
+    return rows
+
+
 def output_body(seq: Seq, backend: Any, *, return_logprob: bool, server_version: str) -> dict[str, Any]:
     """One output object of `/generate`. A request aborted before prefill gets SGLang's exact shape:
     empty text and ids, zero token counts and no `output_token_logprobs` key."""
@@ -40,7 +50,7 @@ def output_body(seq: Seq, backend: Any, *, return_logprob: bool, server_version:
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, ids, strict=True)]
         meta["output_token_logprobs_length"] = len(ids)
-        meta["output_top_logprobs"] = None
+        meta["output_top_logprobs"] = top_rows(seq) if seq.params.top_logprobs_num > 0 else None
     body: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
     text = backend.decode_text(ids, seq.params.skip_special_tokens)
     if text is not None:

@@ -7,13 +7,15 @@ error shape (HTTP 400 `{"error": {"message": ...}}`) with a message that names t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
 class RequestError(ValueError):
     """A request the server will not run (HTTP 400)."""
 
+MAX_TOP_LOGPROBS = 20
+"""The most `top_logprobs_num` the CPU server computes (OpenAI's own limit for `top_logprobs`)."""
 
 # Known SGLang sampling params this server accepts only at their neutral value.
 _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
@@ -37,6 +39,9 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    top_logprobs_num: int = 0
+    """How many most likely tokens to report per output position (a top-level request field in SGLang,
+    carried here so the decode loop sees it); 0 unless `return_logprob` is set."""
 
     @property
     def greedy(self) -> bool:
@@ -82,7 +87,7 @@ def parse_sampling(raw: Any) -> SamplingParams:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
-    known = set(SamplingParams.__dataclass_fields__) - {"seed"} | {"sampling_seed", "n"} | set(_NEUTRAL) | _IGNORED
+    known = set(SamplingParams.__dataclass_fields__) - {"seed", "top_logprobs_num"} | {"sampling_seed", "n"} | set(_NEUTRAL) | _IGNORED
     unknown = sorted(set(raw) - known)
     if unknown:
         raise RequestError(f"sampling_params: unknown field(s) {', '.join(unknown)}")
@@ -144,8 +149,9 @@ def parse_generate(
         raise RequestError("Either text or input_ids should be provided (exactly one of them).")
     if body.get("input_embeds") is not None or body.get("lora_path") is not None:
         raise RequestError("input_embeds and lora_path are not supported by the CPU server")
-    if _int("top_logprobs_num", body.get("top_logprobs_num", 0) or 0) > 0:
-        raise RequestError("top_logprobs_num > 0 is not supported by the CPU server")
+    top_n = _int("top_logprobs_num", body.get("top_logprobs_num", 0) or 0)
+    if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs_num must be in 0..{MAX_TOP_LOGPROBS} on the CPU server, got {top_n}")
     if body.get("logprob_start_len") not in (None, -1):
         raise RequestError("input logprobs (logprob_start_len >= 0) are not supported by the CPU server")
 
@@ -164,7 +170,9 @@ def parse_generate(
             raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
         batched = isinstance(ids[0], list)
         prompts = [list(p) for p in ids] if batched else [ids]
-    params = parse_sampling(body.get("sampling_params"))
+    return_logprob = bool(body.get("return_logprob", False))
+    # as in SGLang, top log-probs come only with `return_logprob`
+    params = replace(parse_sampling(body.get("sampling_params")), top_logprobs_num=top_n if return_logprob else 0)
     n = _int("n", (body.get("sampling_params") or {}).get("n", 1))
     if n < 1:
         raise RequestError(f"n must be >= 1, got {n}")
@@ -197,7 +205,7 @@ def parse_generate(
         prompts=expanded,
         batched=batched or n > 1,
         params=params,
-        return_logprob=bool(body.get("return_logprob", False)),
+        return_logprob=return_logprob,
         stream=bool(body.get("stream", False)),
         rids=rids,
     )

@@ -4,6 +4,9 @@ distribution it was actually drawn from (temperature, top-k and top-p applied, r
 Each row draws its uniform number from its own generator, so a request with `sampling_seed` gets the
 same tokens whatever else is in the batch; the draw is an inverse-CDF lookup, one batched op.
 Greedy rows (temperature 0 or top_k 1) take the argmax and report its logprob under softmax(logits).
+A row whose params ask for `top_logprobs_num` N also gets the N most likely tokens of that same
+distribution (so the sampled token is among them whenever it ranks in the top N); tokens the filters
+removed (probability 0) are left out, so a row may get fewer than N.
 """
 
 from __future__ import annotations
@@ -30,10 +33,35 @@ def _filter(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
 
 
+TopLogprobs = list[tuple[float, int]]
+"""The most likely tokens of one position, most likely first: (logprob, token id)."""
+
+
+def _top(logp: torch.Tensor, params: list[SamplingParams]) -> list[TopLogprobs | None]:
+    """Per row: its `top_logprobs_num` most likely tokens (finite logprobs only), None when not asked."""
+    ns = [min(p.top_logprobs_num, logp.shape[-1]) for p in params]
+    if not any(ns):
+        return [None] * len(params)
+    values, ids = torch.topk(logp, max(ns), dim=-1)  # sorted, most likely first
+    out: list[TopLogprobs | None] = []
+    for row, n in enumerate(ns):
+        pairs = zip(values[row, :n].tolist(), ids[row, :n].tolist(), strict=True)
+        out.append([(v, t) for v, t in pairs if v != float("-inf")] if n else None)
+    return out
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> tuple[list[int], list[float]]:
     """logits [B, V] -> (token per row, its logprob)."""
+    tokens, chosen, _ = sample_top(logits, params, generators)
+    return tokens, chosen
+
+
+def sample_top(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
+    """logits [B, V] -> (token per row, its logprob, the row's top log-probs or None)."""
     logits = logits.float()
     greedy = [p.greedy for p in params]
     temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]).unsqueeze(1)
@@ -52,4 +80,4 @@ def sample(
         drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
         tokens = torch.where(torch.tensor(greedy), logp.argmax(dim=-1), drawn)
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens.tolist(), chosen.tolist()
+    return tokens.tolist(), chosen.tolist(), _top(logp, params)

@@ -33,6 +33,9 @@ class Seq:
     created: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    """Per output position, its most likely (logprob, token id) when `params.top_logprobs_num` asks;
+    None where the backend reports none (the simulator)."""
     versions: list[str] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     prefilled: bool = False
@@ -170,13 +173,15 @@ class Scheduler:
         )
         self._apply(out, version)
 
-    def _apply(self, out: list[tuple[int, int, float]], version: str) -> None:
-        for sid, tok, lp in out:
+    def _apply(self, out: list[tuple[Any, ...]], version: str) -> None:
+        # (sid, token, logprob) and, from a backend that computes them, the position's top log-probs
+        for sid, tok, lp, *top in out:
             seq = self.running.get(sid)
             if seq is None:  # aborted while the step ran; its row leaves next step
                 continue
             seq.output_ids.append(tok)
             seq.logprobs.append(lp)
+            seq.top_logprobs.append(top[0] if top else None)
             seq.versions.append(version)
             seq.progress.set()
             finish = self._stop_check(seq, tok)

@@ -66,6 +66,9 @@ class ModelRequest:
     ignore_eos: bool = False
     seed: int | None = None
     rid: str | None = None
+    top_logprobs: int = 0
+    """Also report this many most likely tokens per output position (SGLang's `top_logprobs_num`),
+    in `ModelResponse.output_top_logprobs`; 0: none."""
     gconfig: GenerationHyperparameters | None = None
     """AReaL's way to give the sampling settings; when set, its values replace the flat fields above."""
     tokenizer: Any = None
@@ -103,6 +106,9 @@ class ModelResponse:
     server: str
     passes: int = 1
     """How many `/generate` passes it took (more than 1 when aborts were continued)."""
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """With `ModelRequest.top_logprobs` > 0: per output token its most likely (token id, logprob), most
+    likely first, from the distribution the token was drawn from; empty otherwise."""
     stop_matched: str | None = None
     """The stop string of the request that ended the output (`stop_reason` is then "stop"). The engine
     applies stop strings itself; `output_ids` end with the token that completed the match, so the
@@ -287,6 +293,8 @@ class InferenceEngine:
         """Generate until `stop`/`length`, continuing across aborts; tokens carry their versions."""
         if req.max_new_tokens < 0:
             raise BadRequestError(f"max_new_tokens must be >= 0, got {req.max_new_tokens}")
+        if req.top_logprobs < 0:
+            raise BadRequestError(f"top_logprobs must be >= 0, got {req.top_logprobs}")
         start = time.monotonic()
         server = self._choose(episode)
         await self.connect(server)
@@ -295,6 +303,7 @@ class InferenceEngine:
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        tops: list[list[tuple[int, float]]] = []
         passes = 0
         idle_aborts = 0
         while True:
@@ -311,6 +320,7 @@ class InferenceEngine:
                 ignore_eos=req.ignore_eos,
                 seed=req.seed,
                 rid=f"{req.rid}-p{passes}" if req.rid else None,
+                top_logprobs_num=req.top_logprobs,
             )
             body, server = await self._post(server, "/generate", payload, episode)
             if episode is not None:
@@ -319,13 +329,16 @@ class InferenceEngine:
                 part = parse_generate_reply(body)
             except ProtocolError as exc:
                 raise InferenceError(f"{server}: {exc}") from exc
+            if req.top_logprobs > 0 and part.output_ids and not part.output_top_logprobs:
+                raise InferenceError(f"{server}: asked for top_logprobs_num={req.top_logprobs}, got no output_top_logprobs")
             ids += part.output_ids
             logprobs += part.output_logprobs
             versions += part.output_versions
+            tops += part.output_top_logprobs
             cut = cut_at_stop(ids, req.stop, decode) if decode is not None else None
             if cut is not None:
                 keep, matched = cut
-                del ids[keep:], logprobs[keep:], versions[keep:]
+                del ids[keep:], logprobs[keep:], versions[keep:], tops[keep:]
                 stop_reason = "stop"
                 break
             if part.finished:
@@ -348,6 +361,7 @@ class InferenceEngine:
             output_ids=ids,
             output_logprobs=logprobs,
             output_versions=versions,
+            output_top_logprobs=tops,
             stop_reason=stop_reason,
             latency_s=time.monotonic() - start,
             server=server,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 FINISHED = ("stop", "length")
@@ -131,11 +131,13 @@ def build_generate_payload(
     ignore_eos: bool = False,
     seed: int | None = None,
     rid: str | None = None,
+    top_logprobs_num: int = 0,
 ) -> dict[str, Any]:
     """The body of one `/generate` pass: token ids in, output logprobs requested, no streaming. Stop
     strings are never sent (a `--skip-tokenizer-init` server refuses them, older ones ignored them): the
     engine applies them to the output itself. `sampling_seed` is sent but only honoured by a server
-    started with `--enable-deterministic-inference`; nothing relies on it."""
+    started with `--enable-deterministic-inference`; nothing relies on it. `top_logprobs_num` > 0 asks
+    for that many most likely tokens per output position as well."""
     sampling: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
@@ -154,6 +156,8 @@ def build_generate_payload(
         "logprob_start_len": -1,
         "stream": False,
     }
+    if top_logprobs_num > 0:
+        payload["top_logprobs_num"] = top_logprobs_num
     if rid is not None:
         payload["rid"] = rid
     return payload
@@ -168,6 +172,9 @@ class GeneratePass:
     output_versions: list[int]
     finish_type: str
     """"stop" | "length" | "abort"."""
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per output token its most likely (token id, logprob), most likely first; empty when the reply
+    carries none (not asked, or an abort before prefill)."""
     finish_message: str = ""
     status_code: int | None = None
     """Set on an abort the server caused for a reason of its own (e.g. 400 for a bad request)."""
@@ -193,6 +200,21 @@ def _versions(meta: dict[str, Any], n: int) -> list[int]:
             for i in range(start, end):
                 out[i] = version
     return out
+
+
+def _top_logprobs(meta: dict[str, Any], n: int) -> list[list[tuple[int, float]]]:
+    """`output_top_logprobs` (per position a list of `[logprob, token_id, text_or_null]`) as
+    (token id, logprob) pairs; [] when null or absent."""
+    rows = meta.get("output_top_logprobs")
+    if rows is None:
+        return []
+    if not isinstance(rows, list) or len(rows) != n:
+        got = len(rows) if isinstance(rows, list) else type(rows).__name__
+        raise ProtocolError(f"/generate output_top_logprobs has {got} positions for {n} output tokens")
+    try:
+        return [[(int(entry[1]), float(entry[0])) for entry in row or ()] for row in rows]
+    except (TypeError, ValueError, IndexError) as exc:
+        raise ProtocolError(f"/generate output_top_logprobs entries are not [logprob, token_id, text]: {exc}") from exc
 
 
 def parse_generate_reply(body: Any) -> GeneratePass:
@@ -234,6 +256,7 @@ def parse_generate_reply(body: Any) -> GeneratePass:
         output_logprobs=logprobs,
         output_versions=_versions(meta, len(ids)),
         finish_type=ftype,
+        output_top_logprobs=_top_logprobs(meta, len(ids)) if ids else [],
         finish_message=str(finish.get("message") or ""),
         status_code=int(status) if isinstance(status, int) else None,
     )

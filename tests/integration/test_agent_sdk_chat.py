@@ -86,19 +86,30 @@ async def test_stop_strings_are_cut_from_the_text_and_the_record(server: ProxySe
 
 
 async def test_logprobs_and_top_logprobs_are_the_engines(server: ProxyServer, engine: RecordingEngine) -> None:
+    chat = server.proxy.chat
     async with httpx.AsyncClient() as http:
         sid = await session(http, server)
         oai = client(server, sid, http)
-        resp = await oai.chat.completions.create(model="p", messages=ASK, max_tokens=5, logprobs=True, top_logprobs=2)
+        ask: dict[str, Any] = {"model": "p", "messages": ASK, "max_tokens": 5, "seed": 7, "logprobs": True, "top_logprobs": 3}
+        resp = await oai.chat.completions.create(**ask)
         got = resp.choices[0].logprobs
         assert got is not None and got.content is not None
-        assert [e.logprob for e in got.content] == engine.calls[0].output_logprobs
-        assert [[t.logprob for t in e.top_logprobs] for e in got.content] == [[lp] for lp in engine.calls[0].output_logprobs]
-        stream = await oai.chat.completions.create(model="p", messages=ASK, max_tokens=5, logprobs=True, stream=True)
-        streamed = [e.logprob async for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or ()]
-        assert streamed == engine.calls[1].output_logprobs
+        call = engine.calls[0]
+        assert [e.logprob for e in got.content] == call.output_logprobs
+        for entry, tok, logprob in zip(got.content, call.output_ids, call.output_logprobs, strict=True):
+            top = entry.top_logprobs
+            assert len(top) == 3 and len({t.token for t in top}) == 3  # the real top 3, not the sampled token thrice
+            assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+            assert all(t.bytes == list(t.token.encode()) for t in top)
+            sampled = chat.decode([tok], skip_special_tokens=False)
+            assert entry.token == sampled and all(t.logprob == logprob for t in top if t.token == sampled)
+        assert [[(t.token, t.logprob) for t in e.top_logprobs] for e in got.content] == [
+            [(chat.decode([t], skip_special_tokens=False), lp) for t, lp in row] for row in call.output_top_logprobs]
+        stream = await oai.chat.completions.create(**ask, stream=True)  # same seed: same tokens, same top 3
+        streamed = [e async for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or ()]
+        assert [e.model_dump() for e in streamed] == [e.model_dump() for e in got.content]
         plain = await oai.chat.completions.create(model="p", messages=ASK, max_tokens=5)
-        assert plain.choices[0].logprobs is None
+        assert plain.choices[0].logprobs is None and not engine.calls[2].output_top_logprobs
         with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
             await oai.chat.completions.create(model="p", messages=ASK, top_logprobs=2)
 

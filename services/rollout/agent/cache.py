@@ -35,6 +35,8 @@ class Interaction:
     output_logprobs: list[float]
     output_versions: list[int]
     stop_reason: str
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per output token its most likely (token id, logprob), when the request asked for top_logprobs."""
     stop_sequence: str | None = None
     """The stop string the completion was cut at (stop_reason "stop"), if any."""
     incremental: bool = False

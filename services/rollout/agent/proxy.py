@@ -147,6 +147,7 @@ class AgentProxy:
             top_k=request.top_k or -1,
             stop=list(request.stop),
             seed=request.seed,
+            top_logprobs=request.top_logprobs if request.logprobs else 0,
         )
         # n samples of one prompt; a given seed is varied per sample or they would all be the same
         samples = [replace(model_request, seed=None if request.seed is None else request.seed + i) for i in range(request.n)]
@@ -189,6 +190,7 @@ class AgentProxy:
             id=interaction_id, api=api, messages=prompt.messages, reply=reply,
             prompt_ids=list(resp.input_ids), output_ids=list(resp.output_ids[: cut.keep]),
             output_logprobs=list(resp.output_logprobs[: cut.keep]), output_versions=list(resp.output_versions[: cut.keep]),
+            output_top_logprobs=list(resp.output_top_logprobs[: cut.keep]),
             stop_reason="stop" if cut.matched is not None else resp.stop_reason, stop_sequence=cut.matched,
             incremental=prompt.incremental, parent=prompt.parent,
         )

@@ -3,8 +3,9 @@ Responses `response`, an Anthropic `message`. Pure functions of the interactions
 the SDKs parse these as their own types, and `streaming` cuts the same answers into events.
 
 Logprobs are one entry per recorded output token (an end-of-turn or stop token included, so the list
-is exactly the tokens trained on). The engine reports the logprob of the sampled token only, so each
-entry's `top_logprobs` holds that one token, whatever number was asked for.
+is exactly the tokens trained on). Each entry's `top_logprobs` holds the `top_logprobs` most likely
+tokens the inference server reported for that position (from the distribution the token was drawn
+from, most likely first), each decoded with the proxy's tokenizer.
 """
 
 from __future__ import annotations
@@ -27,12 +28,17 @@ def usage(items: list[Interaction]) -> tuple[int, int]:
     return len(items[0].prompt_ids), sum(len(i.output_ids) for i in items)
 
 
+def _token(chat: ChatTokenizer, tok: int, logprob: float) -> dict[str, Any]:
+    text = chat.decode([tok], skip_special_tokens=False)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
 def logprob_entries(item: Interaction, request: CanonicalRequest, chat: ChatTokenizer) -> list[dict[str, Any]]:
     entries = []
-    for tok, logprob in zip(item.output_ids, item.output_logprobs, strict=True):
-        text = chat.decode([tok], skip_special_tokens=False)
-        token = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-        entries.append({**token, "top_logprobs": [token] if request.top_logprobs else []})
+    tops = item.output_top_logprobs if request.top_logprobs else []
+    for i, (tok, logprob) in enumerate(zip(item.output_ids, item.output_logprobs, strict=True)):
+        top = [_token(chat, t, lp) for t, lp in tops[i][: request.top_logprobs]] if i < len(tops) else []
+        entries.append({**_token(chat, tok, logprob), "top_logprobs": top})
     return entries
 
 
