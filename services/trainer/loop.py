@@ -92,6 +92,8 @@ class Trainer(Feeding):
         from a group source): a collect cut short by a stop keeps them for the next one."""
         self._read_seq = 0
         """Highest stream sequence judged so far; `last_seq` catches up with it when a step is applied."""
+        self._unjudged: list[Any] = []
+        """Messages delivered beyond the batch being collected (not judged, not acked): the next step's first."""
         self.out = Path(settings.output_dir)
         self.nc: NATS | None = None
         self.metrics: MetricsPublisher | None = None
@@ -168,6 +170,10 @@ class Trainer(Feeding):
         while len(held) < self.s.batch_groups:
             if stopping is not None and stopping.is_set():
                 return None
+            if self._unjudged:  # delivered beyond the last step's batch: judged now, at this version
+                msgs, self._unjudged = self._unjudged, []
+                self._unjudged = await self._judge_into(held, msgs)
+                continue
             try:
                 # Never pull more than the step needs: later groups must be judged at a later version.
                 msgs = await self._sub.fetch(min(self.s.fetch_batch, self.s.batch_groups - len(held)), timeout=self.s.fetch_timeout_s)
@@ -184,17 +190,25 @@ class Trainer(Feeding):
                 await backoff.failed(exc)
                 continue
             backoff.reset()
-            for msg in msgs:
-                seq = msg.metadata.sequence.stream
-                verdict = self.intake.judge(msg.data, msg.headers, seq, self.version)
-                self._read_seq = max(self._read_seq, seq)
-                if verdict.group is not None:
-                    held.append((verdict.group, msg))  # acknowledged once its step is applied
-                    continue
-                await self._settle(msg, verdict, seq)
-                if verdict.outcome != "duplicate":
-                    self._wake_feeder.set()
+            self._unjudged = await self._judge_into(held, msgs)
         return [g for g, _ in held]
+
+    async def _judge_into(self, held: list[tuple[Group, Any]], msgs: list[Any]) -> list[Any]:
+        """Judge messages in order until the batch is full; returns the rest, unjudged. More can come
+        than was asked for: pull requests made before a reconnect are answered after it."""
+        for i, msg in enumerate(msgs):
+            if len(held) >= self.s.batch_groups:
+                return msgs[i:]
+            seq = msg.metadata.sequence.stream
+            verdict = self.intake.judge(msg.data, msg.headers, seq, self.version)
+            self._read_seq = max(self._read_seq, seq)
+            if verdict.group is not None:
+                held.append((verdict.group, msg))  # acknowledged once its step is applied
+                continue
+            await self._settle(msg, verdict, seq)
+            if verdict.outcome != "duplicate":
+                self._wake_feeder.set()
+        return []
 
     def _commit(self, groups: list[Group]) -> list[Any]:
         """The step training `groups` was applied: they are trained and `last_seq` covers every
