@@ -39,7 +39,9 @@ _SIDE_FILES = (
 
 def import_deepspeed() -> Any:
     """Import DeepSpeed without the shm comm op build (~60 s, 1.5 GB on CPU; losses are identical
-    without it: docs/reference/deepspeed-cpu.md)."""
+    without it: docs/reference/deepspeed-cpu.md). The accelerator follows what is present (CUDA when
+    torch sees a GPU, else CPU) unless DS_ACCELERATOR says otherwise."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     import deepspeed
 
     comm_torch: Any = sys.modules["deepspeed.comm.torch"]
@@ -209,7 +211,7 @@ class TrainEngine:
         return out if self.is_main else None
 
     def upload_weights(self, out_dir: str | Path) -> Path | None:
-        """Gather the weights and write a HF checkpoint dir (float32 safetensors + config + tokenizer)
+        """Gather the weights and write a HF checkpoint dir (`publish_dtype` safetensors + config + tokenizer)
         on rank 0; returns its path on rank 0, None elsewhere. Collective."""
         sd = self.full_state_dict()
         if not self.is_main:
@@ -220,11 +222,17 @@ class TrainEngine:
             shutil.rmtree(out)
         out.mkdir(parents=True)
         module = self.engine.module
-        module.config.dtype = "float32"
+        dtype = self.settings.publish_dtype
+        if dtype != "float32":  # cast from the fp32 master copy, once, as the server will hold them
+            sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
+        module.config.dtype = dtype
         # transformers pops tensors out of the dict it is given: pass a copy.
         mb = self.settings.weights_shard_mb
         shard = int(mb * 1e6) if mb is not None else shard_bytes(sum(t.numel() * t.element_size() for t in sd.values()))
         module.save_pretrained(out, state_dict=dict(sd), safe_serialization=True, max_shard_size=shard)
+        if dtype != "float32":  # save_pretrained writes the module's own (float32) dtype into the config
+            module.config.dtype = dtype
+            module.config.to_json_file(out / "config.json")
         src = Path(self.settings.model_path)
         for name in _SIDE_FILES:
             if (src / name).exists():

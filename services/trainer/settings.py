@@ -140,7 +140,11 @@ class TrainerSettings(ServiceSettings):
     zero_stage: Literal[1, 2, 3] = 2
     """DeepSpeed ZeRO stage."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Training precision (fp16 does not work on CPU); published weights are always float32."""
+    """Training precision: bfloat16 turns on DeepSpeed's bf16 mode (bf16 forward/backward, fp32 master
+    weights and Adam states in the optimizer), meant for GPUs; keep float32 on CPU. fp16 is not offered."""
+    publish_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the published weights (cast from the fp32 master copy): bfloat16 halves what is hashed,
+    moved and loaded, for a server that serves in bf16."""
     lr: float = Field(1e-3, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)

@@ -114,3 +114,22 @@ def test_no_reference_model_exists_when_the_kl_term_is_off(tiny_model: Path) -> 
         off.forward({"input_ids": torch.ones(1, 3), "attention_mask": torch.ones(1, 3)}, reference=True)
     on = TrainEngine(TrainerSettings(model_path=str(tiny_model), ppo={"kl_coef": 0.1}))
     assert on.ref_model is not None and not any(p.requires_grad for p in on.ref_model.parameters())
+
+
+@pytest.mark.timeout(300)
+def test_weights_are_published_in_the_publish_dtype(tiny_model: Path, tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    engine = TrainEngine(TrainerSettings(model_path=str(tiny_model), publish_dtype="bfloat16"))
+    master = engine.full_state_dict() or {}
+    out = engine.upload_weights(tmp_path / "w")
+    assert out is not None
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            assert all(st.get_tensor(k).dtype == torch.bfloat16 for k in st.keys())
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert reloaded.config.dtype == torch.bfloat16
+    for name, p in reloaded.state_dict().items():
+        if name in master:
+            assert torch.equal(p, master[name].to(torch.bfloat16)), name
