@@ -19,6 +19,7 @@ from services.trainer.algorithms.kl import kl_estimate
 from services.trainer.algorithms.registry import load_algorithm
 from services.trainer.batch import to_tensors
 from services.trainer.engine import TrainEngine
+from services.trainer.logprobs import lean_logp_entropy
 from services.trainer.ppo import aggregate, entropy_from_logits, logp_from_logits
 from services.trainer.settings import PPOSettings
 
@@ -37,7 +38,14 @@ class PPOActor:
 
     def compute_logp(self, batch: dict[str, Any], *, reference: bool = False) -> torch.Tensor:
         logits = self.engine.forward(batch, reference=reference)
-        return logp_from_logits(logits, batch["input_ids"].long(), self.cfg.temperature).cpu()
+        return self._logp_entropy(logits, batch["input_ids"].long(), entropy=False)[0].cpu()
+
+    def _logp_entropy(self, logits: torch.Tensor, ids: torch.Tensor, *, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logp, entropy or None): chunked with `logp_chunk_tokens`, else the whole-vocabulary way."""
+        chunk, temp = self.engine.settings.logp_chunk_tokens, self.cfg.temperature
+        if chunk > 0:
+            return lean_logp_entropy(logits, ids, temp, chunk)
+        return logp_from_logits(logits, ids, temp), entropy_from_logits(logits, temp) if entropy else None
 
     def compute_advantages(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Adds `advantages` (per token) and `sample_advantages` to a collated batch (whole groups),
@@ -60,9 +68,9 @@ class PPOActor:
 
     def ppo_update(self, pieces: list[dict[str, Any]]) -> dict[str, float]:
         """Train on this rank's pieces (one per mini-batch). Returns global stats (same on every rank)."""
-        mbs = [to_tensors(p) for p in pieces]
+        mbs = [self.engine.micro_batches(to_tensors(p)) for p in pieces]
         # The proximal policy is the current one BEFORE any mini-batch step of this update.
-        for mb in mbs:
+        for mb in (m for micros in mbs for m in micros):
             if self.cfg.decoupled:
                 mb["proximal_logp"] = self.compute_logp(mb)
             if self.cfg.kl_coef > 0 and self.cfg.kl_in == "loss":
@@ -73,13 +81,14 @@ class PPOActor:
     def _loss(self, logits: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.cfg
         ids = mb["input_ids"].long().to(logits.device)
-        logp = logp_from_logits(logits, ids, cfg.temperature)
+        logp, entropy = self._logp_entropy(logits, ids)
+        assert entropy is not None
         inp = loss_input(mb, logp, cfg)
         out = checked_loss(self.algorithm, inp)
         mask = inp.loss_mask
         n_tok, n_seq, norm = mb["total_tokens"], mb["total_seqs"], cfg.loss_agg_norm
         pg = aggregate(out.loss, mask, cfg.loss_agg, n_tok, n_seq, norm)
-        ent = aggregate(entropy_from_logits(logits, cfg.temperature), mask, cfg.loss_agg, n_tok, n_seq, norm)
+        ent = aggregate(entropy, mask, cfg.loss_agg, n_tok, n_seq, norm)
         loss = pg - cfg.entropy_coef * ent
         kl = torch.zeros(())
         if inp.ref_logp is not None:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from services.common.logging import get_logger
+from services.trainer import micro
+from services.trainer.schedule import scheduler
 from services.trainer.settings import TrainerSettings
 from services.weights.files import shard_bytes
 
@@ -37,7 +39,9 @@ _SIDE_FILES = (
 
 def import_deepspeed() -> Any:
     """Import DeepSpeed without the shm comm op build (~60 s, 1.5 GB on CPU; losses are identical
-    without it: docs/reference/deepspeed-cpu.md)."""
+    without it: docs/reference/deepspeed-cpu.md). The accelerator follows what is present (CUDA when
+    torch sees a GPU, else CPU) unless DS_ACCELERATOR says otherwise."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     import deepspeed
 
     comm_torch: Any = sys.modules["deepspeed.comm.torch"]
@@ -90,8 +94,14 @@ class TrainEngine:
         # Built in full on every rank, then partitioned by deepspeed.initialize: a bare zero.Init would
         # skip HF's weight init (docs/reference/deepspeed-cpu.md); loading a checkpoint is exact anyway.
         model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(settings))
+        if settings.gradient_checkpointing:
+            # non-reentrant: works with inputs that need no grad and under ZeRO-3's parameter hooks
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+                                      betas=settings.adam_betas, eps=settings.adam_eps)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(settings),
+                                               lr_scheduler=scheduler(settings, optimizer))
         self.ref_model: torch.nn.Module | None = None
         if settings.ppo.kl_coef > 0:
             # typed as a Module: transformers' decorated PreTrainedModel.to reads as unbound to mypy
@@ -123,24 +133,50 @@ class TrainEngine:
         finally:
             self.engine.module.train(was_training)
 
+    def micro_batches(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
+        """This rank's piece of a mini-batch cut by `max_tokens_per_microbatch` (one micro-batch when
+        0). Collective when the budget is on and there are several ranks: every rank gets as many
+        micro-batches as the rank that needs the most (ZeRO-3 gathers parameters in every pass)."""
+        budget = self.settings.max_tokens_per_microbatch
+        if budget <= 0:
+            return [piece]
+        groups = micro.plan([int(n) for n in piece["attention_mask"].sum(-1).tolist()], budget)
+        if self.world_size > 1:
+            count = torch.tensor([len(groups)], dtype=torch.int64)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+            groups = micro.widen(groups, int(count.item()))
+        return micro.split(piece, groups)
+
     def train_batch(
         self,
-        minibatches: list[dict[str, Any]],
+        minibatches: list[list[dict[str, Any]]],
         loss_fn: Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]],
     ) -> tuple[list[dict[str, float]], list[float]]:
-        """One optimizer step per mini-batch: forward, `loss_fn(logits, mb) -> (loss, stats)`, backward,
-        step. Returns the per-mini-batch stats and the global grad norms (before clipping)."""
+        """One optimizer step per mini-batch, given as its micro-batches (`micro_batches`): for each,
+        forward, `loss_fn(logits, micro) -> (loss, stats)`, backward (gradients accumulate); then step.
+        Returns the per-mini-batch stats (micro-batch stats merged) and the global grad norms (before
+        clipping)."""
         self.engine.train()
         stats, norms = [], []
-        for mb in minibatches:
-            logits = self.engine(**self._inputs(mb)).logits
-            loss, mb_stats = loss_fn(logits, mb)
-            self.engine.backward(loss)
+        for micros in minibatches:
+            mb_stats = []
+            for i, mb in enumerate(micros):
+                if len(micros) > 1:  # reduce and step only after the last micro-batch
+                    self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
+                logits = self.engine(**self._inputs(mb)).logits
+                loss, s = loss_fn(logits, mb)
+                del logits
+                self.engine.backward(loss)
+                mb_stats.append(s)
             self.engine.step()
             norm = self.engine.get_global_grad_norm()
             norms.append(float(norm) if norm is not None else float("nan"))
-            stats.append(mb_stats)
+            stats.append(micro.merge_stats(mb_stats))
         return stats, norms
+
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses."""
+        return float(self.engine.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------------------ checkpoints
 
@@ -175,7 +211,7 @@ class TrainEngine:
         return out if self.is_main else None
 
     def upload_weights(self, out_dir: str | Path) -> Path | None:
-        """Gather the weights and write a HF checkpoint dir (float32 safetensors + config + tokenizer)
+        """Gather the weights and write a HF checkpoint dir (`publish_dtype` safetensors + config + tokenizer)
         on rank 0; returns its path on rank 0, None elsewhere. Collective."""
         sd = self.full_state_dict()
         if not self.is_main:
@@ -186,11 +222,17 @@ class TrainEngine:
             shutil.rmtree(out)
         out.mkdir(parents=True)
         module = self.engine.module
-        module.config.dtype = "float32"
+        dtype = self.settings.publish_dtype
+        if dtype != "float32":  # cast from the fp32 master copy, once, as the server will hold them
+            sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}
+        module.config.dtype = dtype
         # transformers pops tensors out of the dict it is given: pass a copy.
         mb = self.settings.weights_shard_mb
         shard = int(mb * 1e6) if mb is not None else shard_bytes(sum(t.numel() * t.element_size() for t in sd.values()))
         module.save_pretrained(out, state_dict=dict(sd), safe_serialization=True, max_shard_size=shard)
+        if dtype != "float32":  # save_pretrained writes the module's own (float32) dtype into the config
+            module.config.dtype = dtype
+            module.config.to_json_file(out / "config.json")
         src = Path(self.settings.model_path)
         for name in _SIDE_FILES:
             if (src / name).exists():

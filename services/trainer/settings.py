@@ -141,11 +141,40 @@ class TrainerSettings(ServiceSettings):
     zero_stage: Literal[1, 2, 3] = 2
     """DeepSpeed ZeRO stage."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Training precision (fp16 does not work on CPU); published weights are always float32."""
+    """Training precision: bfloat16 turns on DeepSpeed's bf16 mode (bf16 forward/backward, fp32 master
+    weights and Adam states in the optimizer), meant for GPUs; keep float32 on CPU. fp16 is not offered."""
+    publish_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the published weights (cast from the fp32 master copy): bfloat16 halves what is hashed,
+    moved and loaded, for a server that serves in bf16."""
     lr: float = Field(1e-3, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
+    """AdamW weight decay (decoupled, applied to every parameter)."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """After warmup: constant lr, or cosine / linear decay to lr x lr_min_ratio over lr_decay_steps.
+    Counted in optimizer steps (n_minibatches per trainer step)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warmup: step i (0-based) uses lr x (i + 1) / warmup_steps."""
+    lr_decay_steps: int = Field(0, ge=0)
+    """Optimizer steps (warmup included) by which cosine / linear decay reaches lr_min_ratio; 0: total_steps x
+    ppo.n_minibatches (then total_steps must be set)."""
+    lr_min_ratio: float = Field(0.0, ge=0, le=1)
+    """The lr at the end of the decay, as a fraction of lr."""
+    max_tokens_per_microbatch: int = Field(0, ge=0)
+    """Token budget (rows x padded length) of one forward/backward pass per rank: a rank's piece of a
+    mini-batch is cut into micro-batches of at most this many tokens (a longer row goes alone) and
+    their gradients accumulate into the mini-batch's one optimizer step; the loss is the same number.
+    0: one pass per piece."""
+    logp_chunk_tokens: int = Field(0, ge=0)
+    """Log-probs and entropy are computed this many tokens at a time, without the whole float32
+    (tokens x vocabulary) log-softmax (equal to 1e-5); 0: the whole vocabulary tensor at once."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them (HF gradient
+    checkpointing): less memory for about one more forward pass; the gradients are unchanged."""
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
     batch_groups: int = Field(16, ge=1)
@@ -197,4 +226,6 @@ class TrainerSettings(ServiceSettings):
             raise ValueError("weights_broadcast.enabled is set but weights_broadcast.servers is empty")
         if self.feeder.enabled and self.feeder.eval_every and not self.feeder.eval_dataset_path:
             raise ValueError("feeder.eval_every is set but feeder.eval_dataset_path is not")
+        if self.lr_schedule != "constant" and not (self.lr_decay_steps or self.total_steps):
+            raise ValueError(f"lr_schedule {self.lr_schedule} needs lr_decay_steps or total_steps (the decay's length)")
         return self

@@ -1,0 +1,170 @@
+"""Peak memory and tokens/s of one trainer update on a Qwen2-0.5B-shaped model (random weights, built
+locally from a config), the real-model path against today's, in the same run:
+
+- today's: one forward/backward per mini-batch piece, log-probs and entropy over the whole float32
+  (tokens x vocabulary) log-softmax, no gradient checkpointing;
+- new: `max_tokens_per_microbatch` (one sample per micro-batch), `logp_chunk_tokens`, and
+  `gradient_checkpointing`.
+
+    python bench/trainer_memory.py [--layers 24] [--samples 8] [--seq-len 4096] [--steps 2]
+
+Defaults are the full shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab
+151936) on 8 samples of 4k tokens: today's path alone needs well over 100 GB there (the logits and
+two log-softmax copies are 20 GB each), so on a small machine scale `--layers` / `--seq-len` down.
+Each path runs in its own process (DeepSpeed ZeRO-2, one CPU rank, the trainer's TrainEngine and
+PPOActor with the default decoupled PPO update, so the proximal forward is included). Peak memory is
+the process's resident high-water mark (VmHWM, reset before the last update; ru_maxrss where /proc has
+no reset) over the last update, model and Adam states included ("added": that peak minus the resident
+size before the update, i.e. what the update itself needs); tokens/s is over the last update (the
+first allocates the optimizer states). Prints a table, then a JSON line whose `score` is new peak / old peak
+(target <= 0.4 with tokens/s no more than 10% lower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PATHS: dict[str, dict[str, Any]] = {
+    "today": {},
+    "new": {"logp_chunk_tokens": 1024, "gradient_checkpointing": True},  # + one sample per micro-batch
+}
+
+
+def build(out: Path, layers: int, vocab: int) -> str:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(hidden_size=896, num_hidden_layers=layers, num_attention_heads=14, num_key_value_heads=2,
+                      intermediate_size=4864, vocab_size=vocab, max_position_embeddings=32768, tie_word_embeddings=True,
+                      rms_norm_eps=1e-6)  # rope base left at the default: it changes no memory or time
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+def batch(samples: int, seq_len: int, vocab: int) -> dict:
+    """One group of `samples` rows of `seq_len` tokens: a quarter prompt, the rest generated."""
+    import numpy as np
+
+    from services.trainer.batch import attach_advantages, collate
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab, size=(samples, seq_len))
+    lm = np.zeros_like(ids)
+    lm[:, seq_len // 4 :] = 1
+    group: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": np.ones_like(ids), "loss_mask": lm,
+             "logprobs": (-2.3 * lm).astype(np.float32), "versions": np.where(lm > 0, 0, -1),
+             "rewards": rng.random(samples).astype(np.float32)}
+    return attach_advantages(collate([group]), "grpo", 1e-6)
+
+
+def _reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak_bytes(reset: bool) -> int:
+    if reset:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, steps: int, result: str) -> None:
+    from services.trainer.actor import PPOActor
+    from services.trainer.batch import shard
+    from services.trainer.engine import TrainEngine
+    from services.trainer.settings import TrainerSettings
+
+    extra: dict[str, Any] = dict(PATHS[name])
+    if name == "new":
+        extra["max_tokens_per_microbatch"] = seq_len
+    s = TrainerSettings.model_validate({"model_path": model_path, "zero_stage": 2, **extra})
+    engine = TrainEngine(s)
+    actor = PPOActor(engine, s.ppo)
+    b = batch(samples, seq_len, vocab)
+    elapsed, before, reset = 0.0, 0, False
+    for i in range(steps):
+        if i == steps - 1:  # the last update: its peak, and what it adds over the model and Adam states
+            reset = _reset_peak()
+            before = _rss_bytes()
+        t0 = time.perf_counter()
+        actor.ppo_update(shard(b, 1, 1)[0])
+        elapsed = time.perf_counter() - t0
+    peak = _peak_bytes(reset)
+    Path(result).write_text(json.dumps({"peak_bytes": peak, "added_bytes": peak - before, "tokens_per_s": samples * seq_len / elapsed}))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def launch(name: str, model_path: str, args: argparse.Namespace, tmp: Path) -> dict:
+    result = tmp / f"{name}.json"
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "PYTHONPATH": str(REPO)}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, __file__, "--worker", name, model_path, str(args.samples), str(args.seq_len), str(args.vocab),
+           str(args.steps), str(result)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} path failed:\n{proc.stdout.decode()[-2000:]}{proc.stderr.decode()[-3000:]}")
+    return json.loads(result.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        model_path = build(tmp / "model", args.layers, args.vocab)
+        rows = {name: launch(name, model_path, args, tmp) for name in PATHS}
+    gib = 1024**3
+    print(f"Qwen2-0.5B-shaped, {args.layers} layers, vocab {args.vocab}; {args.samples} samples x {args.seq_len} tokens; "
+          f"ZeRO-2, 1 CPU rank, float32; {args.steps} update(s), tokens/s of the last")
+    print(f"{'path':<8}{'peak GiB':>10}{'added GiB':>11}{'tokens/s':>11}")
+    for name, r in rows.items():
+        print(f"{name:<8}{r['peak_bytes'] / gib:>10.2f}{r['added_bytes'] / gib:>11.2f}{r['tokens_per_s']:>11.1f}")
+    old, new = rows["today"], rows["new"]
+    print(json.dumps({
+        "score": new["peak_bytes"] / old["peak_bytes"],
+        "old_peak_gib": old["peak_bytes"] / gib, "new_peak_gib": new["peak_bytes"] / gib,
+        "old_tokens_per_s": old["tokens_per_s"], "new_tokens_per_s": new["tokens_per_s"],
+        "tokens_per_s_ratio": new["tokens_per_s"] / old["tokens_per_s"],
+        "added_ratio": new["added_bytes"] / max(old["added_bytes"], 1),
+        "layers": args.layers, "vocab": args.vocab, "samples": args.samples, "seq_len": args.seq_len,
+    }))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _, _, name, path, samples, seq_len, vocab, steps, result = sys.argv
+        worker(name, path, int(samples), int(seq_len), int(vocab), int(steps), result)
+    else:
+        main()
