@@ -18,7 +18,7 @@ from services.trainer.batch import collate, shard
 from services.trainer.engine import TrainEngine
 from services.trainer.schedule import lr_factor
 from services.trainer.settings import TrainerSettings
-from tests.integration.conftest_trainer import make_group
+from tests.support.trainer import make_group
 
 
 def _groups(model: Path) -> list[dict[str, np.ndarray]]:

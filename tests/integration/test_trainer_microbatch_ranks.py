@@ -24,7 +24,7 @@ def worker(out: Path, model_path: str) -> None:
     from services.trainer.engine import TrainEngine
     from services.trainer.micro import plan
     from services.trainer.settings import TrainerSettings
-    from tests.integration.conftest_trainer import make_group
+    from tests.support.trainer import make_group
 
     groups = [make_group(model_path, d, group_size=4, seed=i) for i, d in enumerate(["123", "405", "777"])]
     for i, g in enumerate(groups):
