@@ -1,9 +1,12 @@
 """The one resolver of import references named in settings: a workflow, a reward function, an
-algorithm, a dataset transform. Accepted spellings:
+algorithm, a dataset transform, an agent. Accepted spellings:
 - `"package.module:Name"` (also `"package.module:Outer.Inner"`),
-- `"package.module.Name"` (AReaL's spelling: the last dotted part is the attribute),
+- `"package.module.Name"` (AReaL's spelling: the longest importable prefix is the module, the rest
+  the attribute path),
 - `"path/to/file.py:Name"` (a single-file experiment, loaded once under a private module name).
-Errors say which part of the reference failed and why."""
+Errors (`RefError`, an ImportError) say which part failed and why; callers wrap them in their own
+error type with the setting's name. Only the standard library is imported here, so a light process
+(a reward or agent pool child) can resolve without loading torch."""
 
 from __future__ import annotations
 
@@ -24,29 +27,45 @@ def resolve_ref(ref: str) -> Any:
         raise RefError(f"expected an import reference like 'package.module:Name', got {ref!r}")
     ref = ref.strip()
     target, sep, attr = ref.rpartition(":")
-    if sep and (target.endswith(".py") or "/" in target):
-        module = _load_file(Path(target).expanduser(), ref)
-    elif sep:
-        module = _import(target, ref)
-    else:
-        target, dot, attr = ref.rpartition(".")
-        if not dot:
+    if sep:
+        if not target or not attr:
             raise RefError(f"{ref!r}: expected 'package.module:Name' or 'package.module.Name'")
-        module = _import(target, ref)
-    obj: Any = module
-    for part in attr.split("."):
+        module = _load_file(Path(target).expanduser(), ref) if target.endswith(".py") or "/" in target else _import(target, ref)
+        return _attribute(ref, module, target, attr)
+    parts = ref.split(".")
+    if len(parts) < 2 or not all(parts):
+        raise RefError(f"{ref!r}: expected 'package.module:Name' or 'package.module.Name'")
+    for cut in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:cut])
         try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise RefError(f"{ref!r}: {getattr(module, '__name__', target)} has no attribute {attr!r}") from None
-    return obj
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            # only "this prefix is not a module" moves on to a shorter one; a module that exists but
+            # fails to import (its own missing dependency) is reported as it is
+            if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
+                continue
+            raise RefError(f"{ref!r}: cannot import module {name!r}: {exc}") from exc
+        except (Exception, SystemExit) as exc:  # a module may even sys.exit() at import
+            raise RefError(f"{ref!r}: cannot import module {name!r}: {type(exc).__name__}: {exc}") from exc
+        return _attribute(ref, module, name, ".".join(parts[cut:]))
+    raise RefError(f"{ref!r}: cannot import module {parts[0]!r} (no prefix of the name is a module)")
 
 
 def _import(name: str, ref: str) -> Any:
     try:
         return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        raise RefError(f"{ref!r}: cannot import module {name!r} ({exc})") from exc
+    except (Exception, SystemExit) as exc:  # a module may even sys.exit() at import
+        raise RefError(f"{ref!r}: cannot import module {name!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _attribute(ref: str, module: Any, module_name: str, attr: str) -> Any:
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise RefError(f"{ref!r}: module {module_name!r} has no attribute {attr!r}") from None
+    return obj
 
 
 def _load_file(path: Path, ref: str) -> Any:
@@ -63,7 +82,7 @@ def _load_file(path: Path, ref: str) -> Any:
     sys.modules[name] = module  # before exec: dataclasses and pickling look the module up by name
     try:
         spec.loader.exec_module(module)
-    except BaseException:
+    except (Exception, SystemExit) as exc:
         del sys.modules[name]
-        raise
+        raise RefError(f"{ref!r}: {path} failed to load: {type(exc).__name__}: {exc}") from exc
     return module

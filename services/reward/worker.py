@@ -17,6 +17,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from services.common.refs import RefError, resolve_ref
 from services.reward import proctree
 from services.reward.calling import Caller, CallError, caller
 
@@ -74,14 +75,10 @@ def resolve(ref: str) -> Caller:
     found = _cache.get(ref)
     if found is not None:
         return found
-    module_name, _, func_name = ref.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except BaseException as exc:  # a module may even sys.exit() at import
-        raise LookupError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, func_name, None)
-    if fn is None:
-        raise LookupError(f"module {module_name!r} has no attribute {func_name!r}")
+        fn = resolve_ref(ref)
+    except RefError as exc:
+        raise LookupError(str(exc)) from exc
     if not callable(fn):
         raise LookupError(f"{ref} is a {type(fn).__name__}, not a function")
     found = _cache[ref] = caller(fn)

@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.refs import RefError, resolve_ref
 from services.rollout.tensors import TensorDict, concat_padded
 
 
@@ -160,45 +160,10 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
 
 
 def import_ref(ref: str) -> Any:
-    """The object a reference names: "package.module:Name" (the part after ":" may be dotted:
-    "module:Outer.Inner") or AReaL's "package.module.Name" (the longest importable module prefix,
-    then attributes)."""
-    if ":" in ref:
-        module_name, _, attr = ref.partition(":")
-        if not module_name or not attr:
-            raise WorkflowError(f"workflow {ref!r}: expected 'package.module:ClassName' or 'package.module.ClassName'")
-        return _attribute(ref, _import(ref, module_name), module_name, attr)
-    parts = ref.split(".")
-    if len(parts) < 2 or not all(parts):
-        raise WorkflowError(f"workflow {ref!r}: expected 'package.module:ClassName' or 'package.module.ClassName'")
-    for cut in range(len(parts) - 1, 0, -1):
-        module_name = ".".join(parts[:cut])
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            # only "this prefix is not a module" moves on to a shorter one; a module that exists but
-            # fails to import (its own missing dependency) is reported as it is
-            if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-                continue
-            raise WorkflowError(f"workflow {ref!r}: cannot import module {module_name!r}: {exc}") from exc
-        except ImportError as exc:
-            raise WorkflowError(f"workflow {ref!r}: cannot import module {module_name!r}: {exc}") from exc
-        return _attribute(ref, module, module_name, ".".join(parts[cut:]))
-    raise WorkflowError(f"workflow {ref!r}: cannot import module {parts[0]!r} (no prefix of the name is a module)")
-
-
-def _import(ref: str, module_name: str) -> Any:
+    """The object a workflow reference names ("package.module:Name", AReaL's "package.module.Name", or
+    "path/file.py:Name"; `services.common.refs`); a reference that does not resolve is a WorkflowError."""
     try:
-        return importlib.import_module(module_name)
-    except ImportError as exc:
-        raise WorkflowError(f"workflow {ref!r}: cannot import module {module_name!r}: {exc}") from exc
+        return resolve_ref(ref)
+    except RefError as exc:
+        raise WorkflowError(f"workflow {exc}") from exc
 
-
-def _attribute(ref: str, module: Any, module_name: str, attr: str) -> Any:
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise WorkflowError(f"workflow {ref!r}: module {module_name!r} has no attribute {attr!r}") from exc
-    return obj

@@ -56,7 +56,7 @@ def test_resolve_from_instance_class_and_string() -> None:
 @pytest.mark.parametrize(
     ("spec", "kwargs", "message"),
     [
-        ("no_colon_here", {}, "expected 'package.module:ClassName'"),
+        ("no_colon_here", {}, "expected 'package.module:Name'"),
         ("services.rollout.nope:X", {}, "cannot import module 'services.rollout.nope'"),
         ("services.rollout.workflows.synthetic:Missing", {}, "has no attribute 'Missing'"),
         ("services.rollout.workflow:WorkflowContext", {}, "is not a RolloutWorkflow"),

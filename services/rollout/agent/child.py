@@ -9,10 +9,11 @@ environment is set per episode (one episode runs at a time in a process).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import os
 from typing import Any
+
+from services.common.refs import resolve_ref
 
 _AGENTS: dict[str, Any] = {}
 
@@ -24,7 +25,7 @@ def _agent(spec: Any, agent_kwargs: dict[str, Any]) -> Any:
         return spec(**agent_kwargs) if isinstance(spec, type) else spec
     key = spec + repr(sorted(agent_kwargs.items()))
     if key not in _AGENTS:
-        obj = _import_ref(spec)
+        obj = resolve_ref(spec)
         _AGENTS[key] = obj(**agent_kwargs) if isinstance(obj, type) else obj
     return _AGENTS[key]
 
@@ -44,12 +45,3 @@ def run_agent(spec: Any, agent_kwargs: dict[str, Any], data: dict[str, Any], bas
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
-
-
-def _import_ref(ref: str) -> Any:
-    """"module:Name" without services.rollout.workflow, whose torch import would slow every pool start."""
-    module_name, _, attr = ref.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
