@@ -5,6 +5,7 @@ the Kubernetes manifests (kustomize -> kubernetes-validate --strict; KEDA aimed 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -149,7 +150,7 @@ def test_image_requirements_are_project_dependencies() -> None:
 # ---- compose --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["compose.yaml", "compose.ci.yaml"])
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.ci.yaml", "compose.cluster.yaml"])
 def test_compose_file_matches_the_compose_spec(name: str) -> None:
     result = run(tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(INFRA / name))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -250,3 +251,13 @@ def test_rollout_readiness_pings_the_reward_service_by_its_real_name() -> None:
     from services.reward.service import SERVICE_NAME
 
     assert f'"$SRV.PING.{SERVICE_NAME}"' in (ROOT / "services" / "rollout" / "service.py").read_text()
+
+
+def test_the_cluster_node_config_is_valid_for_nats_server() -> None:
+    """compose.cluster.yaml's node config, as nats-server itself reads it (`-t`: check and exit)."""
+    from services.common.nats_server import find_binary
+
+    env = {**os.environ, "NATS_NODE": "nats-2"}
+    proc = subprocess.run([find_binary(), "-c", str(INFRA / "nats-cluster.conf"), "-t"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
