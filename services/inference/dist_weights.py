@@ -80,7 +80,8 @@ class DistWeights:
         router.add_post("/init_weights_update_group", self.init_group)
         router.add_post("/update_weights_from_distributed", self.update)
         router.add_post("/destroy_weights_update_group", self.destroy)
-        router.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
+        router.add_get("/get_weights_by_name", self.get_weights_by_name)  # GET and POST, as SGLang serves it
+        router.add_post("/get_weights_by_name", self.get_weights_by_name)
 
     # ---- group ---------------------------------------------------------------------------------
     async def init_group(self, request: web.Request) -> web.Response:
