@@ -74,7 +74,7 @@ def plot_curves(run_dir: Path, steps: list[dict[str, Any]], title: str = "", eva
     ax_samples = ax_rate.twinx()
     _line(ax_samples, samples[0], samples[2], "samples/s (pipeline)", "tab:cyan")
     ax_samples.set_ylabel("samples/s")
-    ax_samples.legend(loc="lower right", fontsize=8)
+    ax_samples.legend(loc="upper left", fontsize=8)
     ax_rate.set(title="throughput", xlabel="trainer step", ylabel="tokens/s")
 
     _line(ax_stale, *series(steps, staleness_mean)[::2], "mean", "tab:orange")
