@@ -1,6 +1,6 @@
 """The whole pipeline on a real 3-node JetStream cluster on 127.0.0.1 (`jetrl up bus=external` with
-every stream at 3 replicas): mid-run the leaders of TRAJECTORIES and of PROMPTS are SIGKILLed, and
-restarted later. The run finishes; counted from the streams themselves, no prompt was lost and none
+every stream at 3 replicas): mid-run the leader of TRAJECTORIES is SIGKILLed and restarted later,
+then the leader of PROMPTS. The run finishes; counted from the streams themselves, no prompt was lost and none
 trained twice; the restarted nodes catch up."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import decode_group
 from services.common.bus import connect
 from services.common.nats_cluster import NatsCluster
+from services.common.nats_server import NatsServer
 from tests.e2e.test_up import DEMO, _step_of, finish, start_up
 
 RUN = "e2e-cluster"
@@ -59,24 +60,29 @@ def test_up_on_a_three_node_cluster_survives_losing_the_stream_leaders(tmp_path:
     config = {**DEMO, "up": {"bus": "external", "nats_url": cluster.url, "nats_replicas": 3}}
     try:
         proc = start_up(tmp_path, RUN, STEPS, config)
-        killed: list[str] = []
-        restarted = False
+        # one node down at a time: R3 keeps a quorum of two (two nodes down at once would stop writes)
+        plan = [(4, TRAJECTORIES_STREAM), (10, PROMPTS_STREAM)]
+        killed: list[tuple[str, str]] = []
+        down: NatsServer | None = None
+        restart_at = 0
+        restarted = 0
         lines: list[str] = []
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
             step = _step_of(line)
-            if not killed and step >= 4:
-                names = set(asyncio.run(leaders(cluster.url)).values())
-                for name in names:
-                    cluster.node_named(name).kill()
-                killed = sorted(names)
-            elif killed and not restarted and step >= 9:
-                for name in killed:
-                    cluster.node_named(name).restart()
-                restarted = True
+            if down is None and plan and step >= plan[0][0]:
+                stream = plan.pop(0)[1]
+                name = asyncio.run(leaders(cluster.url))[stream]
+                down = cluster.node_named(name)
+                down.kill()
+                killed.append((stream, name))
+                restart_at = step + 3
+            elif down is not None and step >= restart_at:
+                down.restart()
+                down, restarted = None, restarted + 1
         out = "".join(lines) + finish(proc, timeout=900)
-        assert killed and restarted, out[-3000:]
+        assert len(killed) == 2 and restarted == 2, (killed, out[-3000:])
         assert proc.returncode == 0, out[-4000:]
         assert f"step {STEPS}/{STEPS}" in out
 
