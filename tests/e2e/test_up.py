@@ -134,7 +134,9 @@ def test_up_learns_copy3_publishes_versions_and_leaves_nothing_behind(tmp_path: 
     assert [s["step"] for s in history][-1] == steps
     first = sum(s["reward_mean"] for s in history[:10]) / 10
     last = sum(s["reward_mean"] for s in history[-10:]) / 10
-    assert last > first + 0.3, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
+    # from chance (~0.02): 150 steps at eta 4 end between ~0.3 and ~0.6 on this machine; +0.2 is far
+    # beyond the 10-step means' noise (~0.02) without depending on how fast this run happened to learn
+    assert last > first + 0.2, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
     assert all(s["staleness_max"] <= ETA for s in history if "staleness_max" in s)
     assert (run_dir / "reward_curve.png").stat().st_size > 0
     # eval rounds (every 10 steps on the demo's eval set) came back and show the same progress
