@@ -25,44 +25,16 @@ de-duplication by `Nats-Msg-Id` cannot drop our results as repeats of theirs.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from schemas.messages import PromptTask
 from services.common.logging import get_logger
 
 log = get_logger("trainer.feeder")
-
-
-def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL or Parquet dataset; errors name the file and line."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"dataset {path} does not exist")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON: {exc}") from exc
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected an object, got {type(row).__name__}")
-            rows.append(row)
-    if not rows:
-        raise ValueError(f"dataset {path} has no rows")
-    return rows
 
 
 FAILURE_CAUSES = ("rejected", "malformed", "dead_letter", "timed_out")

@@ -15,7 +15,8 @@ import pytest
 from schemas.headers import rejection_headers, trajectory_headers
 from schemas.messages import RejectionMarker, encode
 from schemas.trajectory import encode_group_with_meta
-from services.trainer.feeder import Feeder, load_rows
+from services.trainer.dataset import load_rows
+from services.trainer.feeder import Feeder
 from services.trainer.intake import Intake
 
 ROWS = [{"id": i, "prompt": f"{i:03d}=", "answer": f"{i:03d}"} for i in range(10)]
