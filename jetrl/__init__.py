@@ -26,8 +26,8 @@ _EXPORTS: dict[str, str] = {
     "workflow_context": "services.rollout.workflow",
     # requests to the inference engine, and what comes back
     "InferenceEngine": "services.rollout.engine",
-    "ModelRequest": "services.rollout.engine",
-    "ModelResponse": "services.rollout.engine",
+    "ModelRequest": "services.rollout.io_struct",
+    "ModelResponse": "services.rollout.io_struct",
     "GenerationHyperparameters": "services.rollout.gconfig",
     # tensor helpers: one sample's tensors, a group padded together
     "TensorDict": "services.rollout.api",
@@ -97,8 +97,9 @@ if TYPE_CHECKING:
     from services.common.refs import resolve_ref
     from services.rollout.agent.direct import ArealOpenAI
     from services.rollout.api import TensorDict, concat_padded_tensors
-    from services.rollout.engine import InferenceEngine, ModelRequest, ModelResponse
+    from services.rollout.engine import InferenceEngine
     from services.rollout.gconfig import GenerationHyperparameters
+    from services.rollout.io_struct import ModelRequest, ModelResponse
     from services.rollout.tensors import concat_padded, sample_tensors, turn_tensors
     from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError, workflow_context
     from services.rollout.workflows.common import encode_chat, reward_items, score

@@ -48,6 +48,7 @@ from services.trainer.feeding import Feeding
 from services.trainer.fresh import clear_leftovers
 from services.trainer.intake import Group, Intake, Verdict
 from services.trainer.settings import TrainerSettings
+from services.trainer.step_metrics import step_values
 from services.trainer.validate import model_limits
 
 log = get_logger("trainer")
@@ -300,7 +301,7 @@ class Trainer(Feeding):
             finally:
                 _remove(res.weights_dir)
         t_end = time.monotonic()
-        values = self._step_values(batch, groups, res.stats, before, t0, t_data, t_train, t_end)
+        values = step_values(self, batch, groups, res.stats, before, (t0, t_data, t_train, t_end))
         self._record({"version": self.version, "prompt_ids": [g.prompt_id for g in groups],
                       "seqs": [g.seq for g in groups], "last_seq": self.last_seq})
         if self.metrics is not None:
@@ -332,40 +333,6 @@ class Trainer(Feeding):
             log.warning("weights version not announced; the next step publishes the next one", version=version)
             if self.metrics is not None:
                 self.metrics.count("weights_versions_skipped")
-
-    def _step_values(self, batch: dict[str, Any], groups: list[Group], stats: dict[str, float], before: Counter[str],
-                     t0: float, t_data: float, t_train: float, t_end: float) -> dict[str, float]:
-        counts = self.intake.counts - before
-        rewards = batch["rewards"]
-        values = dict(stats)
-        stale_hist = Counter(self.version - 1 - g.head_version for g in groups)
-        values.update({f"staleness_{k}": float(v) for k, v in sorted(stale_hist.items())})
-        tokens = float(batch["attention_mask"].sum())
-        values.update({
-            "reward_mean": float(rewards.mean()),
-            "accuracy": float((rewards >= 1.0).mean()),
-            "staleness_max": float(max(stale_hist)),
-            "groups": float(len(groups)),
-            "samples": float(rewards.size),
-            "stale_groups": float(counts["stale"]),
-            "duplicate_groups": float(counts["duplicate"]),
-            "rejected_groups": float(counts["rejected"]),
-            "filtered_groups": float(counts["filtered"]),
-            "foreign_groups": float(counts["foreign"]),
-            "malformed_groups": float(counts["malformed"]),
-            "step_time_s": t_end - t0,
-            "train_time_s": t_train - t_data,
-            "publish_time_s": t_end - t_train,
-            "data_wait_fraction": (t_data - t0) / max(t_end - t0, 1e-9),
-            "tokens_per_s": tokens / max(t_train - t_data, 1e-9),
-            "last_seq": float(self.last_seq),
-        })
-        for key, total in self.intake.counts.items():
-            values[f"total_{key}"] = float(total)
-        if self.feeder is not None:
-            values.update(self.feeder.metric_values())
-            values.update({"feeder_bound": float(self.feeder.bound(self.version)), "epoch": float(self.feeder.epoch)})
-        return values
 
     # ------------------------------------------------------------------------------ checkpoints
 
