@@ -30,6 +30,30 @@ DEFAULT_PENDING_BYTES = 256 * 1024 * 1024
 
 _default_auth: NatsAuth | None = None
 _default_replicas = 1
+_default_declare = True
+
+
+class BusNotInitialized(RuntimeError):
+    """A stream or bucket this service needs does not exist, and it is not allowed to create it."""
+
+
+def set_default_declare(declare: bool) -> None:
+    """Whether this process creates and updates streams and buckets (a service's `bus_declare`
+    setting, set once by its entry point). False: it only looks them up, as a restricted NATS user
+    must; `jetrl bus init` (the admin user) declares them."""
+    global _default_declare
+    _default_declare = declare
+
+
+def declares() -> bool:
+    return _default_declare
+
+
+def not_initialized(what: str) -> BusNotInitialized:
+    return BusNotInitialized(
+        f"{what} does not exist and this service does not create it (bus_declare=false): "
+        "run `jetrl bus init` with the admin user's credentials first"
+    )
 
 
 def set_default_auth(auth: NatsAuth | None) -> None:
@@ -175,7 +199,11 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
     """Create each stream, or update it if its config differs; a stream that matches is left alone.
     `replicas` (default: the process's `nats_replicas`) is part of the config: a stream found with
     another replica count is scaled to it (NATS moves the data); a cluster too small for it is an
-    error naming the stream and both counts. Returns {name: "created" | "updated" | "unchanged"}."""
+    error naming the stream and both counts. Returns {name: "created" | "updated" | "unchanged"}.
+
+    In a process that does not declare (`bus_declare=false`, a restricted NATS user) each stream is
+    only looked up and used as it is configured (that is the admin's): a missing one is
+    `BusNotInitialized` naming `jetrl bus init`; returns "found"."""
     replicas = replicas or _default_replicas
     result: dict[str, str] = {}
     for spec in specs if specs is not None else stream_specs():
@@ -183,11 +211,16 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
         try:
             info = await js.stream_info(spec.name)
         except NotFoundError:
+            if not _default_declare:
+                raise not_initialized(f"stream {spec.name}") from None
             try:
                 await js.add_stream(want)
             except nats.js.errors.APIError as exc:
                 raise RuntimeError(f"stream {spec.name}: cannot create it with {replicas} replica(s): {exc}") from exc
             result[spec.name] = "created"
+            continue
+        if not _default_declare:  # its configuration (sizes, ages, replicas) is the admin's
+            result[spec.name] = "found"
             continue
         have = info.config
         have.num_replicas = have.num_replicas or 1

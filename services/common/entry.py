@@ -61,11 +61,12 @@ def service_main(
     configure_logging(settings.log_level, settings.log_format, run=settings.run, service=cls.service, **log_context)
     module_name, _, func_name = target.partition(":")
     func: Callable[[Any], Awaitable[None]] = getattr(importlib.import_module(module_name), func_name)
-    from services.common.bus import set_default_auth, set_default_replicas
+    from services.common.bus import set_default_auth, set_default_declare, set_default_replicas
     from services.common.health import run_with_health  # after settings: keeps --help instant
 
     set_default_auth(settings.nats_auth)  # every NATS connection of this process authenticates this way
     set_default_replicas(settings.nats_replicas)
+    set_default_declare(settings.bus_declare)
     try:
         # The side port (/healthz, /readyz, /metrics) lives as long as the service, when health_port is set.
         asyncio.run(run_with_health(settings.health_port, func(settings), settings.health_host))

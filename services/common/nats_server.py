@@ -4,6 +4,7 @@ sleep."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -68,6 +69,7 @@ class NatsServer:
         max_file: str = "20GB",
         log_file: str | Path | None = None,
         extra_conf: str = "",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.store_dir = Path(store_dir).resolve()
         self.host = host
@@ -78,6 +80,9 @@ class NatsServer:
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.extra_conf = extra_conf
         """Appended to the generated config: `authorization`, `accounts`, `tls` blocks (tests, `jetrl nats`)."""
+        self.env = env
+        """Extra environment of the server process: e.g. the `JETRL_NATS_PASSWORD_<USER>` variables
+        the generated users block (`jetrl bus permissions`) reads its passwords from."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -121,7 +126,8 @@ class NatsServer:
             + self.extra_conf
         )
         log = open(self.log_file, "ab")
-        self.proc = subprocess.Popen([find_binary(), "-c", str(conf), "-l", str(self.log_file)], stdout=log, stderr=log)
+        env = {**os.environ, **self.env} if self.env else None
+        self.proc = subprocess.Popen([find_binary(), "-c", str(conf), "-l", str(self.log_file)], stdout=log, stderr=log, env=env)
         log.close()
         return self
 

@@ -64,6 +64,10 @@ class ServiceSettings(BaseSettings):
     nats_replicas: int = Field(1, ge=1, le=5)
     """Replicas of every stream (and so of their consumers) and of the WEIGHTS bucket this service
     declares: 1 on a single server (the embedded one), 3 on a cluster."""
+    bus_declare: bool = True
+    """Create or update the streams and the WEIGHTS bucket at start (the embedded `jetrl up`). False:
+    only look them up and fail at start naming `jetrl bus init` if one is missing: for a service
+    running as a restricted NATS user (docs/security.md), after the admin ran `jetrl bus init`."""
 
     @field_validator("run")
     @classmethod

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from services.common.bus import connect, declare_streams
+from services.common.bus import connect, declare_streams, set_default_auth, set_default_declare
 from services.common.logging import configure_logging, get_logger
 from services.common.nats_server import NatsServer, free_port
 from services.common.settings import SettingsError
@@ -101,6 +101,10 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         (run_dir / URL_FILE).write_text(url)  # lets `jetrl status` / `plot` find the live run
         await asyncio.to_thread(_make_model, s.model_path)
         dataset = s.dataset_path or str(await asyncio.to_thread(_make_dataset, run_dir, s.dataset_size))
+        # `up`'s own connection (the monitor): its nats_auth; with bus_declare=false (a restricted user
+        # on an external bus) it only checks that `jetrl bus init` declared the streams
+        set_default_auth(s.nats_auth)
+        set_default_declare(s.bus_declare)
         nc = await connect(url, "jetrl-up")
         await declare_streams(nc.jetstream(), replicas=s.nats_replicas)
         await watch(nc, s.run, view)

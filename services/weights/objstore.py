@@ -35,7 +35,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, BucketNotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
-from services.common.bus import default_replicas
+from services.common.bus import declares, default_replicas, not_initialized
 from services.common.busretry import Backoff, retryable
 from services.common.logging import get_logger
 
@@ -81,11 +81,13 @@ def digest_hex(info: ObjectInfo) -> str:
 
 async def open_bucket(js: JetStreamContext, bucket: str, replicas: int | None = None) -> ObjectStore:
     """Open the bucket, creating it (file storage, `replicas` or the process's `nats_replicas`) if it
-    does not exist; safe when several race."""
+    does not exist; safe when several race. A process that does not declare (`bus_declare=false`)
+    only opens it: a missing bucket is `BusNotInitialized` naming `jetrl bus init`."""
     try:
         return await js.object_store(bucket)
     except BucketNotFoundError:
-        pass
+        if not declares():
+            raise not_initialized(f"object store bucket {bucket}") from None
     config = ObjectStoreConfig(storage=StorageType.FILE, replicas=replicas or default_replicas())
     try:
         return await js.create_object_store(bucket, config=config)

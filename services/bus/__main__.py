@@ -1,0 +1,3 @@
+from services.bus import main
+
+raise SystemExit(main())

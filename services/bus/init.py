@@ -1,0 +1,42 @@
+"""`jetrl bus init`: declare every stream and the WEIGHTS object store bucket once, as the admin NATS
+user, with the run's replica count; afterwards the services run as restricted users with
+`bus_declare=false` and only look them up."""
+
+from __future__ import annotations
+
+from nats.js.errors import BucketNotFoundError
+
+from schemas.subjects import WEIGHTS_BUCKET, stream_specs
+from services.bus.settings import BusSettings
+from services.common.bus import connect, declare_streams
+from services.common.logging import get_logger
+from services.weights.objstore import open_bucket
+
+log = get_logger("bus")
+
+
+async def init_bus(settings: BusSettings) -> dict[str, str]:
+    """Create or update the streams and create the bucket; returns {name: what was done}. Idempotent:
+    run it again after changing `nats_replicas` or a size cap and the streams are updated in place."""
+    nc = await connect(settings.nats_url, "jetrl-bus-init", connect_timeout_s=settings.connect_timeout_s)
+    try:
+        js = nc.jetstream()
+        specs = stream_specs(settings.trajectories_max_bytes, settings.trajectories_max_age_s, settings.metrics_max_age_s)
+        done = await declare_streams(js, specs, replicas=settings.nats_replicas)
+        try:
+            await js.object_store(WEIGHTS_BUCKET)
+            done[f"bucket {WEIGHTS_BUCKET}"] = "unchanged"
+        except BucketNotFoundError:
+            await open_bucket(js, WEIGHTS_BUCKET, replicas=settings.nats_replicas)
+            done[f"bucket {WEIGHTS_BUCKET}"] = "created"
+    finally:
+        await nc.close()
+    for name, what in done.items():
+        log.info("declared", name=name, result=what, replicas=settings.nats_replicas)
+    return done
+
+
+async def run(settings: BusSettings) -> None:
+    """The `service_main` target: declare, print one line per stream and bucket."""
+    for name, what in (await init_bus(settings)).items():
+        print(f"{name}: {what}")

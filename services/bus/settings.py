@@ -1,0 +1,20 @@
+"""Settings of `jetrl bus init`: the admin step that declares the bus for restricted service users."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from services.common.settings import ServiceSettings
+
+
+class BusSettings(ServiceSettings):
+    service: ClassVar[str] = "bus"
+
+    trajectories_max_bytes: int = Field(-1, ge=-1)
+    """Size cap of the TRAJECTORIES stream, bytes (-1: none; the oldest messages go first)."""
+    trajectories_max_age_s: float = Field(0.0, ge=0)
+    """Age cap of the TRAJECTORIES stream, seconds (0: kept forever: the recording)."""
+    metrics_max_age_s: float = Field(7 * 24 * 3600.0, ge=0)
+    """Age cap of the METRICS stream, seconds."""

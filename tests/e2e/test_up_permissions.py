@@ -1,0 +1,171 @@
+"""The whole pipeline with one NATS user per service, each allowed only its subjects (the users block
+`jetrl bus permissions` generates): `jetrl bus init` declares the bus as the admin, then `jetrl up
+bus=external` runs trainer, rollout workers, reward, weights agent, inference and tracker as their
+restricted users (`bus_declare=false`). The run trains, the server logs no permission violation, and
+each service's forbidden publish is refused by the server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from services.common.nats_server import NatsServer
+from services.common.permissions import ADMIN, authorization_block, users
+from tests.e2e.test_up import ROOT, finish, start_up
+
+RUN = "perm"
+STEPS = 4
+
+
+def write_secrets(root: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """A random password per user, each in its own file; returns (passwords, files)."""
+    root.mkdir(parents=True, exist_ok=True)
+    passwords = {u: secrets.token_urlsafe(12) for u in users()}
+    files = {}
+    for user, pw in passwords.items():
+        path = root / user
+        path.write_text(pw + "\n")
+        files[user] = str(path)
+    return passwords, files
+
+
+def as_user(files: dict[str, str], user: str) -> dict[str, Any]:
+    return {"nats_auth": {"user": user, "password_file": files[user]}, "bus_declare": False}
+
+
+def bus_init(url: str, files: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "bus", "init", f"run={RUN}", f"nats_url={url}",
+         f"nats_auth.user={ADMIN}", f"nats_auth.password_file={files[ADMIN]}", "connect_timeout_s=10"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
+    )
+
+
+def violations(server: NatsServer) -> list[str]:
+    return [line for line in server.log_file.read_text().splitlines() if "Violation" in line]
+
+
+@pytest.mark.timeout(900)
+def test_pipeline_runs_as_restricted_users(tmp_path: Path) -> None:
+    passwords, files = write_secrets(tmp_path / "secrets")
+    server = NatsServer(tmp_path / "nats", extra_conf=authorization_block(RUN, passwords)).start()
+    try:
+        init = bus_init(server.url, files)
+        assert init.returncode == 0, init.stderr[-3000:]
+        assert "PROMPTS: created" in init.stdout and "bucket WEIGHTS: created" in init.stdout, init.stdout
+        config = {
+            "up": {"bus": "external", "nats_url": server.url, **as_user(files, "observer")},
+            "trainer": {"eta": 4, "checkpoint_every": 0, **as_user(files, "trainer")},
+            "rollout": {"ack_wait_s": 15, **as_user(files, "rollout")},
+            "reward": as_user(files, "reward"),
+            "weights": as_user(files, "weights"),
+            "track": {**as_user(files, "track"), "tensorboard": {"log_dir": str(tmp_path / "tb")}},
+        }
+        proc = start_up(tmp_path, RUN, STEPS, config)
+        out = finish(proc, timeout=600)
+        assert proc.returncode == 0, out[-4000:]
+        assert f"step {STEPS}/{STEPS}" in out, out[-3000:]
+        status = subprocess.run(
+            [sys.executable, "-m", "services.cli", "status", f"run={RUN}", f"nats_url={server.url}",
+             "nats_auth.user=observer", f"nats_auth.password_file={files['observer']}"],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
+        )
+        assert status.returncode == 0, status.stderr[-3000:]
+        assert violations(server) == [], violations(server)
+        logs = "".join(p.read_text() for p in (tmp_path / RUN / "logs").glob("*.log"))
+        for user, pw in passwords.items():
+            assert pw not in logs and pw not in out, f"{user}'s password was logged"
+    finally:
+        server.stop()
+
+
+# (user, subject) publishes the server must refuse: each service kept to its own part of the bus.
+FORBIDDEN_PUBLISH = [
+    ("rollout", f"jetrl.{RUN}.weights.published"),  # forging a weights announcement
+    ("rollout", f"jetrl.{RUN}.prompts.train"),  # issuing prompts
+    ("rollout", "jetrl.other.trajectories"),  # another run's trajectories
+    ("rollout", "$JS.API.STREAM.DELETE.TRAJECTORIES"),
+    ("rollout", f"$JS.API.CONSUMER.DELETE.PROMPTS.rollout-{RUN}"),
+    ("reward", f"jetrl.{RUN}.trajectories"),
+    ("reward", f"jetrl.{RUN}.weights.published"),
+    ("reward", "jetrl.reward.score"),
+    ("weights", f"jetrl.{RUN}.weights.published"),
+    ("weights", f"jetrl.{RUN}.prompts.train"),
+    ("weights", "$JS.API.STREAM.PURGE.OBJ_WEIGHTS"),
+    ("track", f"jetrl.{RUN}.metrics.trainer"),
+    ("track", f"jetrl.{RUN}.trajectories"),
+    ("track", "$JS.API.STREAM.PURGE.METRICS"),
+    ("observer", f"$JS.API.CONSUMER.DELETE.TRAJECTORIES.trainer-{RUN}"),
+    ("observer", f"$JS.API.CONSUMER.CREATE.TRAJECTORIES.trainer-{RUN}.jetrl.{RUN}.trajectories"),
+    ("observer", "$JS.API.STREAM.PURGE.PROMPTS"),
+    ("trainer", f"jetrl.{RUN}.trajectories"),  # the trainer cannot forge what it trains on
+    ("trainer", "$JS.API.STREAM.DELETE.TRAJECTORIES"),
+    ("trainer", f"$JS.API.CONSUMER.DELETE.PROMPTS.rollout-{RUN}"),
+    ("prompts", f"jetrl.{RUN}.weights.published"),
+    ("prompts", "$JS.API.STREAM.CREATE.EVIL"),
+]
+FORBIDDEN_SUBSCRIBE = [
+    ("rollout", "jetrl.reward.score"),  # stealing the reward's requests
+    ("track", f"jetrl.{RUN}.prompts.>"),
+    ("weights", f"jetrl.{RUN}.trajectories"),
+    ("observer", "jetrl.reward.score"),
+]
+
+
+async def refusal(url: str, user: str, password: str, action: str, subject: str) -> str:
+    """Publish to (or subscribe to) `subject` as `user`; the server's error about it, or "" if none came."""
+    errors: asyncio.Queue[str] = asyncio.Queue()
+
+    async def error_cb(exc: Exception) -> None:
+        errors.put_nowait(str(exc))
+
+    nc = await nats.connect(url, user=user, password=password, error_cb=error_cb, allow_reconnect=False)
+    try:
+        if action == "publish":
+            await nc.publish(subject, b"forged")
+        else:
+            await nc.subscribe(subject)
+        await nc.flush()  # the server has read the command: its -ERR, if any, came before the PONG
+        try:
+            return await asyncio.wait_for(errors.get(), 5)
+        except TimeoutError:
+            return ""
+    finally:
+        await nc.close()
+
+
+@pytest.mark.timeout(300)
+def test_each_forbidden_publish_is_refused(tmp_path: Path) -> None:
+    passwords, files = write_secrets(tmp_path / "secrets")
+    server = NatsServer(tmp_path / "nats", extra_conf=authorization_block(RUN, passwords)).start()
+    try:
+        assert bus_init(server.url, files).returncode == 0
+
+        async def check() -> list[str]:
+            wrong = []
+            for action, cases in (("publish", FORBIDDEN_PUBLISH), ("subscribe", FORBIDDEN_SUBSCRIBE)):
+                for user, subject in cases:
+                    err = await refusal(server.url, user, passwords[user], action, subject)
+                    verb = "publish to" if action == "publish" else "subscription to"
+                    if f'permissions violation for {verb} "{subject.lower()}"' not in err.lower():
+                        wrong.append(f"{user} {action} {subject}: {err or 'not refused'}")
+            # and what each needs still goes through: the rollout publishes a trajectory
+            ok = await refusal(server.url, "rollout", passwords["rollout"], "publish", f"jetrl.{RUN}.trajectories")
+            if ok:
+                wrong.append(f"rollout's own trajectory publish refused: {ok}")
+            return wrong
+
+        assert asyncio.run(check()) == []
+        logged = "\n".join(violations(server))
+        for user, subject in FORBIDDEN_PUBLISH:
+            assert f'"$G/user:{user}" - Publish Violation - Subject "{subject}"' in logged
+    finally:
+        server.stop()
