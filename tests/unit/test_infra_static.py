@@ -168,30 +168,36 @@ def settings_class(service: str) -> type:
     return next(c for c in vars(module).values() if isinstance(c, type) and getattr(c, "service", None) == service)
 
 
-def check_env(service: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> object:
+def check_env(service: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch, secret: Path | None = None) -> object:
+    """`secret`: a file standing in for the container's mounted NATS password (the path must exist)."""
     for key in [k for k in __import__("os").environ if k.startswith("JETRL_")]:
         monkeypatch.delenv(key)
     for key, value in env.items():
+        if key.endswith("__NATS_AUTH__PASSWORD_FILE") and secret is not None:
+            assert value.startswith("/run/secrets/nats-"), f"{key}={value}: not a mounted secret"
+            value = str(secret)
         monkeypatch.setenv(key, value)
     return load_settings(settings_class(service))  # unknown keys and bad values raise here
 
 
-def test_compose_environment_is_valid_settings_for_each_service(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compose_environment_is_valid_settings_for_each_service(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     compose = yaml.safe_load((INFRA / "compose.yaml").read_text())
     ci = yaml.safe_load((INFRA / "compose.ci.yaml").read_text())["services"]  # layered on top in CI
+    secret = tmp_path / "password"
+    secret.write_text("x")
     seen = set()
     for name, spec in compose["services"].items():
         image = _defaults(spec.get("image", ""))
         match = re.search(r"jetrl-(\w+):", image)
         if not match or name == "init":
             continue
-        service = match.group(1)
+        service = "bus" if name == "bus-init" else match.group(1)  # `jetrl bus init` runs in the weights image
         merged = {**(spec.get("environment") or {}), **(ci.get(name, {}).get("environment") or {})}
         env = {k: _defaults(v) for k, v in merged.items() if k.startswith("JETRL_")}
-        settings = check_env(service, env, monkeypatch)
+        settings = check_env(service, env, monkeypatch, secret)
         assert settings.nats_url == "nats://nats:4222" or service == "inference", name
         seen.add(service)
-    assert seen == set(SERVICES)
+    assert seen == {*SERVICES, "bus"}
     assert compose["services"]["rollout"]["deploy"]["replicas"] == "${ROLLOUT_REPLICAS:-4}"
 
 
@@ -220,14 +226,16 @@ def test_kustomize_output_validates_strictly(overlay: str, tmp_path: Path) -> No
                 assert c["resources"]["requests"], f"{doc['metadata']['name']}/{c['name']}: no resource requests"
 
 
-def test_k8s_settings_are_valid_and_keda_scales_on_the_real_prompt_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_k8s_settings_are_valid_and_keda_scales_on_the_real_prompt_consumer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     base = INFRA / "k8s" / "base"
     assert (base / "nats-server.conf").read_text() == (INFRA / "nats-server.conf").read_text(), "copy of infra/nats-server.conf drifted"
     env = dict(line.split("=", 1) for line in (base / "common.env").read_text().splitlines() if "=" in line)
+    secret = tmp_path / "password"
+    secret.write_text("x")
     runs = set()
-    for service in SERVICES:
+    for service in (*SERVICES, "bus"):
         mine = {k: v for k, v in env.items() if k.startswith(f"JETRL_{service.upper()}__")}
-        settings = check_env(service, mine, monkeypatch)
+        settings = check_env(service, mine, monkeypatch, secret)
         if service != "inference":  # the only one not on the bus
             runs.add(settings.run)
     assert len(runs) == 1, f"services disagree on the run: {runs}"
