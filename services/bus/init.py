@@ -4,6 +4,7 @@ user, with the run's replica count; afterwards the services run as restricted us
 
 from __future__ import annotations
 
+import nats.errors
 from nats.js.errors import BucketNotFoundError
 
 from schemas.subjects import WEIGHTS_BUCKET, stream_specs
@@ -29,6 +30,13 @@ async def init_bus(settings: BusSettings) -> dict[str, str]:
         except BucketNotFoundError:
             await open_bucket(js, WEIGHTS_BUCKET, replicas=settings.nats_replicas)
             done[f"bucket {WEIGHTS_BUCKET}"] = "created"
+    except (nats.errors.TimeoutError, TimeoutError) as exc:
+        # A request the user may not make is dropped by the server (it answers with a permissions
+        # violation, logged above): the client only sees no answer.
+        raise RuntimeError(
+            f"the JetStream API did not answer {settings.nats_auth.user or 'this client'!r}: run `jetrl bus init` "
+            "as the admin user (a restricted user may not create streams), or check that JetStream is enabled"
+        ) from exc
     finally:
         await nc.close()
     for name, what in done.items():

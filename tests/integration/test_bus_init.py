@@ -1,0 +1,101 @@
+"""`jetrl bus init` as the admin declares the bus once (idempotent; a changed cap updates the stream);
+a service with `bus_declare=false` only looks streams and the WEIGHTS bucket up, and one started
+before `jetrl bus init` fails at once naming it; a restricted user cannot run `bus init`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from schemas.subjects import TRAJECTORIES_STREAM, WEIGHTS_BUCKET, stream_specs
+from services.common import bus
+from services.common.bus import BusNotInitialized, connect, declare_streams
+from services.common.nats_auth import NatsAuth
+from services.common.nats_server import NatsServer
+from services.common.permissions import authorization_block
+from services.weights.objstore import open_bucket
+from tests.e2e.test_up_permissions import ROOT, write_secrets
+
+RUN = "init"
+
+
+def jetrl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+
+
+@pytest.fixture
+def secured(tmp_path: Path):
+    passwords, files = write_secrets(tmp_path / "secrets")
+    server = NatsServer(tmp_path / "nats", extra_conf=authorization_block(RUN, passwords)).start()
+    try:
+        yield server, files
+    finally:
+        server.stop()
+
+
+def as_user(files: dict[str, str], user: str) -> list[str]:
+    return [f"nats_auth.user={user}", f"nats_auth.password_file={files[user]}", "connect_timeout_s=10"]
+
+
+def test_bus_init_declares_once_and_updates_a_changed_cap(secured: tuple[NatsServer, dict[str, str]]) -> None:
+    server, files = secured
+    first = jetrl("bus", "init", f"nats_url={server.url}", *as_user(files, "admin"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert first.stdout.splitlines() == [*(f"{s.name}: created" for s in stream_specs()), f"bucket {WEIGHTS_BUCKET}: created"]
+    again = jetrl("bus", "init", f"nats_url={server.url}", *as_user(files, "admin"))
+    assert again.stdout.splitlines() == [*(f"{s.name}: unchanged" for s in stream_specs()), f"bucket {WEIGHTS_BUCKET}: unchanged"]
+    capped = jetrl("bus", "init", f"nats_url={server.url}", "trajectories_max_bytes=100000000", *as_user(files, "admin"))
+    assert f"{TRAJECTORIES_STREAM}: updated" in capped.stdout, capped.stdout + capped.stderr[-2000:]
+
+    async def cap() -> int:
+        nc = await connect(server.url, "check", auth=NatsAuth(user="observer", password_file=files["observer"]))
+        try:
+            return (await nc.jetstream().stream_info(TRAJECTORIES_STREAM)).config.max_bytes or 0
+        finally:
+            await nc.close()
+
+    assert asyncio.run(cap()) == 100_000_000
+
+
+def test_a_restricted_user_cannot_run_bus_init(secured: tuple[NatsServer, dict[str, str]]) -> None:
+    server, files = secured
+    result = jetrl("bus", "init", f"nats_url={server.url}", *as_user(files, "rollout"))
+    assert result.returncode == 1
+    assert "permissions violation" in result.stderr.lower() + result.stdout.lower()
+    assert "run `jetrl bus init` as the admin user" in result.stderr + result.stdout
+
+
+def test_without_bus_init_a_non_declaring_service_fails_naming_it(secured: tuple[NatsServer, dict[str, str]]) -> None:
+    server, files = secured
+
+    async def attempt(user: str) -> list[str]:
+        errors = []
+        nc = await connect(server.url, "check", auth=NatsAuth(user=user, password_file=files[user]))
+        try:
+            for call in (lambda: declare_streams(nc.jetstream()), lambda: open_bucket(nc.jetstream(), WEIGHTS_BUCKET)):
+                with pytest.raises(BusNotInitialized) as caught:
+                    await call()
+                errors.append(str(caught.value))
+        finally:
+            await nc.close()
+        return errors
+
+    bus.set_default_declare(False)
+    try:
+        errors = asyncio.run(attempt("trainer"))
+    finally:
+        bus.set_default_declare(True)
+    assert errors[0].startswith("stream PROMPTS does not exist") and "`jetrl bus init`" in errors[0]
+    assert errors[1].startswith(f"object store bucket {WEIGHTS_BUCKET} does not exist") and "`jetrl bus init`" in errors[1]
+    # and a whole service, as a user would start it: `jetrl track` exits at once, saying what to run
+    tb = server.store_dir.parent / "tb"
+    track = jetrl("track", f"run={RUN}", f"nats_url={server.url}", "bus_declare=false", f"tensorboard.log_dir={tb}",
+                  *as_user(files, "track"))
+    assert track.returncode == 1
+    assert "run `jetrl bus init` with the admin user's credentials first" in track.stdout + track.stderr
