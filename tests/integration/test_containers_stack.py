@@ -121,10 +121,12 @@ def test_light_images_carry_no_deepspeed_and_no_cuda(images: dict[str, str], pod
 
 
 @pytest.fixture
-def stack(images: dict[str, str], podman_env: dict[str, str]) -> Iterator[tuple[list[str], dict[str, str]]]:
+def stack(images: dict[str, str], podman_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[list[str], dict[str, str]]]:
     project = f"jetrlci{os.getpid()}"
     compose = ["podman-compose", "-p", project, "-f", "infra/compose.yaml", "-f", "infra/compose.ci.yaml", "--profile", "cpu"]
-    env = {**podman_env, "JETRL_RUN": "ci", "TRAINER_STEPS": "1000", "REWARD_REPLICAS": "1"}
+    # the NATS users' passwords the compose file mounts (one file per user)
+    sh([sys.executable, "-m", "services.cli", "bus", "secrets", str(tmp_path / "secrets")], podman_env)
+    env = {**podman_env, "JETRL_RUN": "ci", "TRAINER_STEPS": "1000", "REWARD_REPLICAS": "1", "JETRL_SECRETS": str(tmp_path / "secrets")}
     try:
         start = time.monotonic()
         sh([*compose, "up", "-d", "--scale", f"rollout={ROLLOUT_REPLICAS}"], env, timeout=240)
