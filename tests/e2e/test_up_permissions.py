@@ -1,4 +1,4 @@
-"""The whole pipeline with one NATS user per service, each allowed only its subjects (the users block
+"""The whole pipeline over TLS with one NATS user per service, each allowed only its subjects (the users block
 `jetrl bus permissions` generates): `jetrl bus init` declares the bus as the admin, then `jetrl up
 bus=external` runs trainer, rollout workers, reward, weights agent, inference and tracker as their
 restricted users (`bus_declare=false`). The run trains, the server logs no permission violation, and
@@ -26,6 +26,7 @@ from services.common.nats_auth import NatsAuth
 from services.common.nats_server import NatsServer
 from services.common.permissions import ADMIN, authorization_block, users
 from tests.e2e.test_up import ROOT, finish, start_up
+from tests.integration.test_nats_auth import make_pki
 
 RUN = "perm"
 STEPS = 4
@@ -43,20 +44,23 @@ def write_secrets(root: Path) -> tuple[dict[str, str], dict[str, str]]:
     return passwords, files
 
 
-def as_user(files: dict[str, str], user: str) -> dict[str, Any]:
-    return {"nats_auth": {"user": user, "password_file": files[user]}, "bus_declare": False}
+def as_user(files: dict[str, str], user: str, ca: Path | None = None) -> dict[str, Any]:
+    """A service section running as `user` (over TLS when `ca` is given), declaring nothing."""
+    auth = {"user": user, "password_file": files[user], **({"tls_ca_file": str(ca)} if ca else {})}
+    return {"nats_auth": auth, "bus_declare": False}
 
 
-def bus_init(url: str, files: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def bus_init(url: str, files: dict[str, str], ca: Path | None = None) -> subprocess.CompletedProcess[str]:
+    tls = [f"nats_auth.tls_ca_file={ca}"] if ca else []
     return subprocess.run(
         [sys.executable, "-m", "services.cli", "bus", "init", f"run={RUN}", f"nats_url={url}",
-         f"nats_auth.user={ADMIN}", f"nats_auth.password_file={files[ADMIN]}", "connect_timeout_s=10"],
+         f"nats_auth.user={ADMIN}", f"nats_auth.password_file={files[ADMIN]}", *tls, "connect_timeout_s=10"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
     )
 
 
-async def push_prompts(url: str, password_file: str, n: int) -> None:
-    nc = await connect(url, "push", auth=NatsAuth(user="prompts", password_file=password_file))
+async def push_prompts(url: str, password_file: str, n: int, ca: Path) -> None:
+    nc = await connect(url, "push", auth=NatsAuth(user="prompts", password_file=password_file, tls_ca_file=str(ca)))
     try:
         for i in range(n):
             task = PromptTask(run=RUN, prompt_id=f"left-{i}", data={"prompt": "abc", "answer": "abc"})
@@ -73,21 +77,25 @@ def violations(server: NatsServer) -> list[str]:
 @pytest.mark.timeout(900)
 def test_pipeline_runs_as_restricted_users(tmp_path: Path) -> None:
     passwords, files = write_secrets(tmp_path / "secrets")
-    server = NatsServer(tmp_path / "nats", extra_conf=authorization_block(RUN, passwords)).start()
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    ca = pki["ca.pem"]
+    tls = f'\ntls {{\n  cert_file: "{pki["server.pem"]}"\n  key_file: "{pki["server.key"]}"\n  timeout: 2\n}}\n'
+    server = NatsServer(tmp_path / "nats", extra_conf=authorization_block(RUN, passwords) + tls).start()
     try:
-        init = bus_init(server.url, files)
+        init = bus_init(server.url, files, ca)
         assert init.returncode == 0, init.stderr[-3000:]
         assert "PROMPTS: created" in init.stdout and "bucket WEIGHTS: created" in init.stdout, init.stdout
         config = {
-            "up": {"bus": "external", "nats_url": server.url, **as_user(files, "observer")},
-            "trainer": {"eta": 4, "checkpoint_every": 0, **as_user(files, "trainer")},
-            "rollout": {"ack_wait_s": 15, **as_user(files, "rollout")},
-            "reward": as_user(files, "reward"),
-            "weights": as_user(files, "weights"),
-            "track": {**as_user(files, "track"), "tensorboard": {"log_dir": str(tmp_path / "tb")}},
+            "up": {"bus": "external", "nats_url": server.url, **as_user(files, "observer", ca)},
+            "trainer": {"eta": 4, "checkpoint_every": 0, **as_user(files, "trainer", ca)},
+            "rollout": {"ack_wait_s": 15, **as_user(files, "rollout", ca)},
+            "reward": as_user(files, "reward", ca),
+            "weights": as_user(files, "weights", ca),
+            "track": {**as_user(files, "track", ca), "tensorboard": {"log_dir": str(tmp_path / "tb")}},
         }
         # leftovers of an earlier incarnation, pushed as the `prompts` user: the trainer purges them
-        asyncio.run(push_prompts(server.url, files["prompts"], 3))
+        asyncio.run(push_prompts(server.url, files["prompts"], 3, ca))
         proc = start_up(tmp_path, RUN, STEPS, config)
         out = finish(proc, timeout=600)
         assert proc.returncode == 0, out[-4000:]
@@ -99,7 +107,7 @@ def test_pipeline_runs_as_restricted_users(tmp_path: Path) -> None:
         assert afresh["recorded_trajectories_ignored"] + afresh["queued_prompts_dropped"] == 3, afresh
         status = subprocess.run(
             [sys.executable, "-m", "services.cli", "status", f"run={RUN}", f"nats_url={server.url}",
-             "nats_auth.user=observer", f"nats_auth.password_file={files['observer']}"],
+             "nats_auth.user=observer", f"nats_auth.password_file={files['observer']}", f"nats_auth.tls_ca_file={ca}"],
             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
         )
         assert status.returncode == 0, status.stderr[-3000:]
