@@ -17,7 +17,7 @@ from services.common import bus
 from services.common.bus import BusNotInitialized, connect, declare_streams
 from services.common.nats_auth import NatsAuth
 from services.common.nats_server import NatsServer
-from services.common.permissions import authorization_block
+from services.common.permissions import authorization_block, password_env
 from services.weights.objstore import open_bucket
 from tests.e2e.test_up_permissions import ROOT, write_secrets
 
@@ -99,3 +99,23 @@ def test_without_bus_init_a_non_declaring_service_fails_naming_it(secured: tuple
                   *as_user(files, "track"))
     assert track.returncode == 1
     assert "run `jetrl bus init` with the admin user's credentials first" in track.stdout + track.stderr
+
+
+def test_the_users_block_reads_passwords_from_the_servers_environment(tmp_path: Path) -> None:
+    """Without --passwords-include the block names each password as an environment variable of
+    nats-server: the file holds no secret, and a user logs in with the password from the environment."""
+    passwords, files = write_secrets(tmp_path / "secrets")
+    block = authorization_block(RUN)
+    assert not any(pw in block for pw in passwords.values())
+    env = {password_env(user): pw for user, pw in passwords.items()}
+    server = NatsServer(tmp_path / "nats", extra_conf=block, env=env).start()
+    try:
+        async def login(user: str, password_file: str) -> None:
+            nc = await connect(server.url, "login", connect_timeout_s=10, auth=NatsAuth(user=user, password_file=password_file))
+            await nc.close()
+
+        asyncio.run(login("trainer", files["trainer"]))
+        with pytest.raises(ConnectionRefusedError, match=r"(?i)authorization violation"):
+            asyncio.run(login("trainer", files["rollout"]))
+    finally:
+        server.stop()
