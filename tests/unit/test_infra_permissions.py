@@ -87,3 +87,10 @@ def test_k8s_mounts_only_each_pods_own_password() -> None:
         if overlay == "base":
             expected["nats"] = ["nats-passwords.conf"]
         assert keys == expected, overlay
+
+
+def test_the_reward_discovery_subjects_use_its_real_service_name() -> None:
+    from services.common.permissions import REWARD_SERVICE
+    from services.reward.service import SERVICE_NAME
+
+    assert REWARD_SERVICE == SERVICE_NAME
