@@ -32,4 +32,5 @@ def write_secrets(directory: str | Path) -> list[Path]:
     conf = root / PASSWORDS_CONF
     conf.write_text(passwords_conf(passwords))
     os.chmod(conf, 0o644)
+    (root / ".gitignore").write_text("# NATS passwords: never committed\n*\n")  # e.g. infra/secrets in a checkout
     return [*written, conf]

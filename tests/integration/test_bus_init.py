@@ -119,3 +119,15 @@ def test_the_users_block_reads_passwords_from_the_servers_environment(tmp_path: 
             asyncio.run(login("trainer", files["rollout"]))
     finally:
         server.stop()
+
+
+def test_bus_secrets_keeps_existing_passwords_and_prints_none(tmp_path: Path) -> None:
+    first = jetrl("bus", "secrets", str(tmp_path / "s"))
+    assert first.returncode == 0, first.stderr
+    admin = (tmp_path / "s" / "admin").read_text()
+    again = jetrl("bus", "secrets", str(tmp_path / "s"))
+    assert (tmp_path / "s" / "admin").read_text() == admin, "a re-run changed a password"
+    assert admin.strip() not in first.stdout + again.stdout + first.stderr
+    conf = (tmp_path / "s" / "nats-passwords.conf").read_text()
+    assert f'{password_env("admin")}: "{admin.strip()}"' in conf
+    assert (tmp_path / "s" / ".gitignore").read_text().splitlines()[-1] == "*"
