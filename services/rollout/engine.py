@@ -34,12 +34,12 @@ from services.rollout.io_struct import (
     WeightUpdateMeta,
 )
 from services.rollout.sglang_protocol import (
+    MODEL_INFO,
     ProtocolError,
     build_generate_payload,
     check_server_version,
     cut_at_stop,
     error_message,
-    model_info_path,
     parse_generate_reply,
     parse_server_version,
     parse_version,
@@ -328,8 +328,9 @@ class InferenceEngine:
         return version
 
     async def model_info(self, server: str) -> dict[str, Any]:
-        """The server's model info (`/model_info`, or `/get_model_info` on servers before it)."""
-        url = server.rstrip("/") + model_info_path(await self.connect(server))
+        """The server's model info (`/model_info`), once its version is checked."""
+        await self.connect(server)
+        url = server.rstrip("/") + MODEL_INFO
         status, body, text = await self._get(url)
         if status != 200 or not isinstance(body, dict):
             raise InferenceError(f"{url}: HTTP {status}: {text[:200]}")

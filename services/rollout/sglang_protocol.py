@@ -33,12 +33,12 @@ def parse_version(raw: Any) -> int:
         raise ProtocolError(f"weight_version {raw!r} is not an integer (jetrl sends str(int))") from exc
 
 
-MIN_VERSION = (0, 5, 1)
-"""Oldest SGLang jetrl supports: `weight_version` on `update_weights_from_disk` starts here."""
-MODEL_INFO_SINCE = (0, 5, 6)
-"""`GET /model_info` (before: only `/get_model_info`, deprecated later, warns on every call)."""
-PAUSE_MODES_SINCE = (0, 5, 6)
-"""`/pause_generation`'s `mode` (older servers ignore the body and abort in-flight requests)."""
+MIN_VERSION = (0, 5, 19)
+"""Oldest SGLang jetrl supports: per-token `meta_info.weight_versions` start here. Before, a reply tags
+all its tokens with the version current when it ends, so a request held through an `in_place` or
+`retract` load would carry the new version on tokens the old weights produced (see docs/sglang.md)."""
+MODEL_INFO = "/model_info"
+"""Where the server's `weight_version` is read (SGLang's `/get_model_info` is deprecated: a warning per call)."""
 
 
 def parse_server_version(raw: Any) -> tuple[int, ...] | None:
@@ -53,25 +53,15 @@ def version_text(version: tuple[int, ...] | None) -> str:
     return "unknown" if version is None else ".".join(map(str, version))
 
 
-def check_server_version(url: str, version: tuple[int, ...] | None, *, pause_mode: str = "abort") -> None:
+def check_server_version(url: str, version: tuple[int, ...] | None) -> None:
     """Raise `ProtocolError` naming the version and the missing feature when `url` is too old for jetrl."""
     if version is None:
         return  # no version reported (a router in front): nothing to refuse on
     if version < MIN_VERSION:
         raise ProtocolError(
             f"{url} runs SGLang {version_text(version)}; jetrl needs >= {version_text(MIN_VERSION)} "
-            "(weight_version on update_weights_from_disk is missing)"
+            "(per-token weight versions, meta_info.weight_versions, are missing)"
         )
-    if pause_mode != "abort" and version < PAUSE_MODES_SINCE:
-        raise ProtocolError(
-            f"{url} runs SGLang {version_text(version)}; pause_mode={pause_mode!r} needs >= "
-            f"{version_text(PAUSE_MODES_SINCE)} (older servers ignore the mode and abort)"
-        )
-
-
-def model_info_path(version: tuple[int, ...] | None) -> str:
-    """Where the server's `weight_version` is read: `/model_info`, or the deprecated route on old servers."""
-    return "/get_model_info" if version is not None and version < MODEL_INFO_SINCE else "/model_info"
 
 
 READY_POLL_TIMEOUT_S = 30.0

@@ -4,8 +4,7 @@ The rollout client (`services/rollout/engine.py`) spreads generation over many s
 the agent talks to exactly one, must choose the pause mode, and must tell a refused load (400, the
 server keeps its old weights) from an unreachable server, so it speaks the protocol directly.
 
-At start (`wait_ready`) it reads the server's SGLang version and refuses one too old for jetrl or for the
-configured pause mode; the version also picks the routes (`/model_info` or `/get_model_info`).
+At start (`wait_ready`) it reads the server's SGLang version and refuses one too old for jetrl.
 """
 
 from __future__ import annotations
@@ -16,10 +15,10 @@ from typing import Any
 import httpx
 
 from services.rollout.sglang_protocol import (
+    MODEL_INFO,
     READY_POLL_TIMEOUT_S,
     ProtocolError,
     check_server_version,
-    model_info_path,
     parse_server_version,
     readiness_urls,
 )
@@ -45,7 +44,7 @@ class ServerClient:
     def __init__(self, base_url: str, timeout_s: float, pause_mode: str = "abort") -> None:
         self.base_url = base_url.rstrip("/")
         self.pause_mode = pause_mode
-        """The mode the agent pauses with; checked against the server's version at start."""
+        """The mode the agent pauses with (every supported SGLang has all three)."""
         self.version: tuple[int, ...] | None = None
         """The server's SGLang version, read by `wait_ready` (None: it reports none)."""
         self._paused_mode: str | None = None
@@ -85,13 +84,13 @@ class ServerClient:
                 self.version = parse_server_version(resp.json().get("version"))
                 break
         try:
-            check_server_version(self.base_url, self.version, pause_mode=self.pause_mode)
+            check_server_version(self.base_url, self.version)
         except ProtocolError as exc:
             raise ServerError(str(exc)) from exc
 
     async def get_weight_version(self) -> int:
         """The version the server serves, from its model info (SGLang has no `/get_weight_version`)."""
-        body = await self._call("GET", model_info_path(self.version))
+        body = await self._call("GET", MODEL_INFO)
         return parse_version(body.get("weight_version"))
 
     async def pause(self, mode: str) -> None:

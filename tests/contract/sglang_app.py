@@ -11,13 +11,25 @@ be). The SGLang internals this relies on are listed in docs/sglang.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sglang_check import install_stubs
+from sglang_stubs import install as install_stubs
+
+
+def sends_weight_version_spans() -> bool:
+    """Whether this SGLang's TokenizerManager adds per-token `weight_versions` spans to `meta_info`
+    (0.5.19 on); older ones send only the pass's `weight_version`, so the stand-in drops the spans."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("sglang.srt.utils.weight_versions") is not None
+    except ImportError:  # sglang.srt.utils was a module, not a package
+        return False
 
 
 class StandIn:
@@ -34,6 +46,7 @@ class StandIn:
         self.model_path = server_args.model_path
         self.served_model_name = server_args.served_model_name or server_args.model_path
         self.is_generation = True
+        self.is_image_gen = False  # read by /health before 0.5.8
         self.tokenizer = None  # --skip-tokenizer-init
         self.startup_time = time.time()
         self.last_receive_tstamp = time.time()
@@ -41,6 +54,14 @@ class StandIn:
         self.server_status = ServerStatus.Up
         self.gracefully_exit = False
         self.weight_version = server_args.weight_version
+        self.spans = sends_weight_version_spans()
+
+    def _set_version(self, version: str) -> None:
+        # Routes read `config_value("weight_version")` from 0.5.19 (server args are read-only there),
+        # `server_args.weight_version` before.
+        self.weight_version = version
+        with contextlib.suppress(AttributeError):
+            self.server_args.weight_version = version
 
     def is_ready(self) -> bool:
         return True
@@ -64,7 +85,9 @@ class StandIn:
         out = resp.json()
         if resp.status_code != 200:
             raise ValueError(out.get("error", {}).get("message", resp.text))
-        self.weight_version = out["meta_info"].get("weight_version", self.weight_version)
+        self._set_version(out["meta_info"].get("weight_version", self.weight_version))
+        if not self.spans:
+            out["meta_info"].pop("weight_versions", None)
         yield out
 
     def create_abort_task(self, obj: Any) -> None:
@@ -73,18 +96,19 @@ class StandIn:
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         asyncio.get_running_loop().create_task(self.http.post("/abort_request", json={"rid": rid, "abort_all": abort_all}))
 
-    async def pause_generation(self, obj: Any) -> None:
+    async def pause_generation(self, obj: Any = None) -> None:  # no argument before 0.5.6: always abort
         await self.http.post("/pause_generation", json={"mode": getattr(obj, "mode", "abort")})
 
-    async def continue_generation(self, obj: Any) -> None:
+    async def continue_generation(self, obj: Any = None) -> None:
         await self.http.post("/continue_generation", json={})
 
     async def update_weights_from_disk(self, obj: Any, request: Any = None) -> tuple[bool, str, int]:
         body = {"model_path": obj.model_path, "weight_version": obj.weight_version,
-                "flush_cache": obj.flush_cache, "abort_all_requests": obj.abort_all_requests}
+                "flush_cache": getattr(obj, "flush_cache", True), "abort_all_requests": obj.abort_all_requests}
         out = (await self.http.post("/update_weights_from_disk", json=body)).json()
         info = (await self.http.get("/model_info")).json()  # the version changes even when the flush is refused
-        self.weight_version, self.model_path = info["weight_version"], info["model_path"]
+        self._set_version(info["weight_version"])
+        self.model_path = info["model_path"]
         return bool(out["success"]), str(out["message"]), int(out.get("num_paused_requests", 0))
 
     async def get_internal_state(self) -> list[dict[str, Any]]:
@@ -105,13 +129,17 @@ def main() -> None:
     import uvicorn
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.entrypoints import http_server as hs
-    from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
     version = httpx.get(upstream + "/model_info", timeout=60).json()["weight_version"]  # the CPU server's, now
     args = ServerArgs(model_path=model_path, skip_tokenizer_init=True, device="cpu", weight_version=version,
                       host="127.0.0.1", port=port)
-    publish(args, role="tokenizer")
+    try:  # 0.5.14 on: the process-wide server args the tokenizer side reads
+        from sglang.srt.runtime_context import publish
+    except ImportError:
+        pass
+    else:
+        publish(args, role="tokenizer")
     model_config = ModelConfig.from_server_args(args)
     tm = StandIn(upstream, args, model_config, model_config.vocab_size)
     hs.set_global_state(hs._GlobalState(tokenizer_manager=tm, template_manager=None, scheduler_info={}))

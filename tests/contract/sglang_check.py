@@ -2,79 +2,18 @@
 
 Run with `.cache/sglang/<version>` and `.cache/sglang/deps` on PYTHONPATH (see `sglang_pkg.py`); reads
 `{"requests": [{"method", "path", "body"}], "replies": [{"path", "body"}]}` on stdin and prints one
-verdict per item: `{"item", "ok", "error"}`. GPU-only imports are kept out by stubs: triton through
-SGLang's own stub (the one it installs on macOS), torchvision and soundfile as inert modules offered
-only to imports made from SGLang's files, so transformers still sees them as absent.
+verdict per item: `{"item", "ok", "error"}`. GPU-only imports are kept out by `sglang_stubs.py`.
 """
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import os
-import platform
 import sys
-import types
 from typing import Any
 
-STUBBED = ("torchvision", "soundfile")
-
-
-def _sglang_dir() -> str:
-    for entry in sys.path:
-        if os.path.isfile(os.path.join(entry, "sglang", "version.py")):
-            return entry
-    raise SystemExit("sglang is not on PYTHONPATH")
-
-
-SG = _sglang_dir()
-
-
-def _platform_stubs() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("_sglang_platform_stubs", os.path.join(SG, "sglang", "_platform_stubs.py"))
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def install_stubs() -> None:
-    ps = _platform_stubs()
-    import torch
-
-    # SGLang installs its triton stub only on Apple silicon: present that platform for the one call.
-    saved = (sys.platform, platform.machine, torch.backends.mps.is_available, ps._patch_non_blocking)
-    sys.platform, platform.machine = "darwin", lambda: "arm64"  # type: ignore[misc]
-    torch.backends.mps.is_available = lambda: True  # type: ignore[assignment]
-    ps._patch_non_blocking = lambda: None
-    try:
-        ps.install_platform_stubs()
-    finally:
-        sys.platform, platform.machine, torch.backends.mps.is_available, ps._patch_non_blocking = saved  # type: ignore[misc]
-
-    class Loader:
-        def create_module(self, spec: Any) -> Any:
-            return ps._MockModule(spec.name)
-
-        def exec_module(self, module: Any) -> None:
-            pass
-
-    class Finder:
-        def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-            if fullname.split(".")[0] not in STUBBED or not _imported_from_sglang():
-                return None
-            return importlib.machinery.ModuleSpec(fullname, Loader(), is_package=True)
-
-    sys.meta_path.insert(0, Finder())
-
-
-def _imported_from_sglang() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith("<frozen"):
-        frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(os.path.join(SG, "sglang"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sglang_stubs import install as install_stubs
 
 
 def judges() -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 `install(version)` puts the `sglang` wheel, unpacked with `pip install --no-deps`, into
 `.cache/sglang/<version>/`, and `install_deps()` the light pure-python packages its HTTP app imports
-into `.cache/sglang/deps/` (also `--no-deps`, pinned: nothing can pull torch or CUDA). Both are
-idempotent (a stamp file per directory) and cached between runs; `JETRL_SGLANG_CACHE` moves the cache.
+into `.cache/sglang/deps/` (also `--no-deps`, pinned: nothing can pull torch or CUDA; one set serves
+every version the tier runs). Both are idempotent (a stamp file per directory) and cached between
+runs, so a warm cache downloads nothing; `JETRL_SGLANG_CACHE` moves the cache.
 `routes(version)` reads SGLang's route table from its source (no import needed).
 """
 
@@ -17,8 +18,8 @@ from pathlib import Path
 
 NEWEST = "0.5.23"
 """Newest SGLang on PyPI the tier pins (and services/inference emulates)."""
-OLDEST = "0.5.1"
-"""Oldest SGLang jetrl supports (`weight_version` on `update_weights_from_disk` starts here)."""
+OLDEST = "0.5.19"
+"""Oldest SGLang jetrl supports (per-token `weight_versions` in `/generate` replies start here)."""
 
 DEPS = [
     # What `sglang.srt.entrypoints.http_server` imports that the jetrl venv lacks. torch, transformers,
@@ -31,6 +32,13 @@ DEPS = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def versions() -> list[str]:
+    """The versions the tier runs: the oldest supported and the newest, or the comma-separated list in
+    `JETRL_SGLANG_VERSIONS` (to try the tier against another SGLang, e.g. when moving the floor)."""
+    raw = os.environ.get("JETRL_SGLANG_VERSIONS", "")
+    return [v.strip() for v in raw.split(",") if v.strip()] or [OLDEST, NEWEST]
 
 
 def cache_dir() -> Path:

@@ -118,10 +118,10 @@ async def test_a_server_too_old_fails_at_start_naming_version_and_feature(tmp_pa
                 await engine.agenerate(ModelRequest([1, 2], max_new_tokens=2))
         finally:
             await engine.aclose()
-    with running_servers(None, tmp_path, 1, "simulate=true", "sglang_version=0.5.5") as (mid,):
+    with running_servers(None, tmp_path, 1, "simulate=true", "sglang_version=0.5.18") as (mid,):
         client = ServerClient(mid.url, 10.0, "in_place")
         try:
-            with pytest.raises(ServerError, match=r"SGLang 0\.5\.5.*in_place.*0\.5\.6"):
+            with pytest.raises(ServerError, match=r"SGLang 0\.5\.18.*>= 0\.5\.19.*per-token weight versions"):
                 await client.wait_ready(30)
         finally:
             await client.aclose()

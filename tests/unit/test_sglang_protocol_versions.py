@@ -9,7 +9,6 @@ from services.rollout.sglang_protocol import (
     check_server_version,
     cut_at_stop,
     find_stop,
-    model_info_path,
     parse_server_version,
 )
 
@@ -23,18 +22,13 @@ def test_server_versions_parse(raw: object, want: tuple[int, ...] | None) -> Non
 
 
 def test_a_server_too_old_is_refused_naming_the_version_and_the_missing_feature() -> None:
-    with pytest.raises(ProtocolError, match=r"SGLang 0\.4\.10.*>= 0\.5\.1.*weight_version"):
+    with pytest.raises(ProtocolError, match=r"SGLang 0\.4\.10.*>= 0\.5\.19.*weight_versions"):
         check_server_version("http://s", (0, 4, 10))
-    with pytest.raises(ProtocolError, match=r"SGLang 0\.5\.5.*in_place.*>= 0\.5\.6"):
-        check_server_version("http://s", (0, 5, 5), pause_mode="in_place")
-    check_server_version("http://s", (0, 5, 5))  # abort mode works there
-    check_server_version("http://s", (0, 5, 23), pause_mode="retract")
+    with pytest.raises(ProtocolError, match=r"SGLang 0\.5\.18.*>= 0\.5\.19.*per-token weight versions"):
+        check_server_version("http://s", (0, 5, 18))
+    check_server_version("http://s", (0, 5, 19))
+    check_server_version("http://s", (0, 5, 23))
     check_server_version("http://s", None)  # a router reports no version: nothing to refuse on
-
-
-def test_model_info_route_per_version() -> None:
-    assert model_info_path((0, 5, 5)) == "/get_model_info"
-    assert model_info_path((0, 5, 6)) == model_info_path((0, 5, 23)) == model_info_path(None) == "/model_info"
 
 
 def test_find_stop_takes_the_earliest_end() -> None:
