@@ -260,7 +260,7 @@ class RolloutWorker:
                 raise EpisodeTimeout(f"episode ran longer than episode_timeout_s={limit:g}") from None
             raise
 
-    def _encode(self, task: PromptTask, result: dict[str, Any], is_eval: bool, tag: str) -> tuple[bytes, dict[str, str]]:
+    def _encode(self, task: PromptTask, result: dict[str, Any], is_eval: bool, tag: str = "") -> tuple[bytes, dict[str, str]]:
         """`tag`: the prompt's, copied onto the result: the trainer trains only answers to prompts it
         (or a configured issuer) tagged; the worker holds no key and checks nothing."""
         data, meta = encode_group_with_meta(result, run=self.run_name, prompt_id=task.prompt_id, worker=self.config.worker,
