@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.logging import get_logger
+from services.common.stores import listening_store
 from services.common.trust import InferenceAuth
 from services.weights.buckets import Bucket, ensure_checksum, make_buckets
 
@@ -273,7 +274,7 @@ class WeightBroadcaster:
 
     def _open_store(self, world: int) -> Any:
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        return dist.TCPStore(self.master_address, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        return listening_store(self.master_address, 0, world, timeout)  # on master_address only, not every interface
 
     def _join(self, store: Any, world: int) -> Any:
         timeout = datetime.timedelta(seconds=self.timeout_s)
