@@ -108,3 +108,36 @@ async def test_forged_groups_and_prompts_are_refused_and_counted(nats_url: str, 
     assert values["total_accepted"] == 4 and values["total_terminated_unissued_prompt"] == 3
     await resumed.close()
     await nc.drain()
+
+
+@pytest.mark.timeout(180)
+async def test_pushed_prompts_are_trained_only_when_tagged_by_the_configured_issuer(
+        nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
+    from services.common.settings import SettingsError
+    from services.trainer.prompts_cli import push
+
+    def settings(issuer: str) -> TrainerSettings:
+        return TrainerSettings(
+            run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), zero_stage=2,
+            batch_groups=2, eta=100, checkpoint_every=0, fetch_timeout_s=0.2, publish_weights=False,
+            feeder={"enabled": False}, trust={"prompt_issuer_key": issuer},
+        )
+
+    engine = TrainEngine(settings("issuer-k"))
+    with pytest.raises(SettingsError, match="prompt_issuer_key"):
+        Trainer(settings(""), engine)  # no feeder, no issuer: it could trust no group
+    trainer = Trainer(settings("issuer-k"), engine)
+    nc = await connect(nats_url, "test")
+    await trainer.start(nc)
+    js = nc.jetstream()
+    data = write_dataset(tmp_path / "push.jsonl", 5)
+    assert await push(nats_url, RUN, str(data), limit=1, prefix="plain") == 1
+    assert await push(nats_url, RUN, str(data), limit=2, prefix="signed", issuer_key=b"issuer-k") == 2
+    for i, (task, headers) in enumerate(await _pull_prompts(js, 3)):
+        await _answer(js, tiny_model, task.prompt_id, task.data["answer"], prompt_tag_of(headers), seed=i)
+    values = await trainer.step()
+    assert values is not None
+    assert values["total_accepted"] == 2 and values["total_terminated_unissued_prompt"] == 1
+    assert trainer.intake.trained == {"signed-0", "signed-1"}
+    await trainer.close()
+    await nc.drain()
