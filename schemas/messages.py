@@ -117,6 +117,9 @@ class WeightsPublished(Message):
     """broadcast: bytes sent to each member."""
     disk_version: int | None = None
     """broadcast: the version of the disk copy `uri` names (None: no disk copy yet)."""
+    signature: str = ""
+    """The trainer's HMAC over every other field (`trust.announce_key`); empty: unsigned. A weights
+    agent given the key acts only on announcements whose signature checks out."""
 
 
 class WeightsLoaded(Message):

@@ -12,6 +12,9 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every test trainer trusts this prompt issuer: tests/support/trainer.py tags the groups it publishes
+# with it, as `jetrl prompts push --issuer-key-file` would tag pushed prompts (docs/security.md).
+os.environ.setdefault("JETRL_TRAINER__TRUST__PROMPT_ISSUER_KEY", "jetrl-tests-prompt-issuer")
 
 from services.common.nats_server import NatsServer
 

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSetti
 
 from schemas.subjects import check_run
 from services.common.nats_auth import NatsAuth
+from services.common.trust import TrustSettings
 
 
 class SettingsError(ValueError):
@@ -61,6 +62,8 @@ class ServiceSettings(BaseSettings):
     0.0.0.0) so probes and Prometheus reach it."""
     nats_auth: NatsAuth = NatsAuth()
     """How this service authenticates to NATS (user/password, token, NKey, .creds, TLS, mutual TLS)."""
+    trust: TrustSettings = TrustSettings()
+    """Keys that prove where prompts and weights announcements come from, and the inference servers' API key."""
     nats_replicas: int = Field(1, ge=1, le=5)
     """Replicas of every stream (and so of their consumers) and of the WEIGHTS bucket this service
     declares: 1 on a single server (the embedded one), 3 on a cluster."""

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from services.common.logging import get_logger
 from services.common.runner import Supervisor, supervise
+from services.inference.auth import middleware
 from services.inference.dist_weights import DistWeights
 from services.inference.replies import error_body, models_body, output_body
 from services.inference.requests import RequestError, parse_generate
@@ -75,7 +76,7 @@ class InferenceServer:
         return self.settings.context_length or self.scheduler.backend.context_length
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._not_ready])
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[middleware(*self.settings.keys()), self._not_ready])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_get("/health", self.health)

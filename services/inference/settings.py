@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
 from services.common.settings import Section, ServiceSettings
+from services.common.signing import load_key
+from services.inference.auth import is_loopback
 
 
 class SimulateSettings(Section):
@@ -35,7 +37,20 @@ class InferenceSettings(ServiceSettings):
     model_path: str = ".jetrl/models/tiny"
     """Local HF model directory (config.json + *.safetensors [+ tokenizer]); `jetrl make-model` builds the default."""
     host: str = "127.0.0.1"
-    """Address to listen on."""
+    """Address to listen on. Beyond loopback the server refuses to start without `admin_api_key` or
+    `api_key`: its admin routes swap the weights and pause generation (docs/security.md)."""
+    api_key: SecretStr = SecretStr("")
+    """As SGLang's `--api-key`: every route but health/readiness needs `Authorization: Bearer <key>`
+    (the admin routes too, unless `admin_api_key` is set). Prefer `api_key_file` or the environment."""
+    api_key_file: str = ""
+    """File holding `api_key`."""
+    admin_api_key: SecretStr = SecretStr("")
+    """As SGLang's `--admin-api-key`: the admin routes (`update_weights_*`, `pause_generation` /
+    `continue_generation`, `abort_request`, `flush_cache`, the distributed weight-update group) need
+    this key, and `api_key` is not accepted there. Give the same key to the weights agent
+    (`trust.inference_api_key`)."""
+    admin_api_key_file: str = ""
+    """File holding `admin_api_key`."""
     port: int = 30000
     """Port to listen on (0 picks a free one; the chosen port is logged)."""
     weight_version: str = "0"
@@ -70,4 +85,16 @@ class InferenceSettings(ServiceSettings):
             raise ValueError("max_batch_size must be >= 1")
         if self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1")
+        api, admin = self.keys()
+        if not is_loopback(self.host) and not (api or admin):
+            # Refused, not warned: a warning nobody reads would leave the weight-swap route open to
+            # whoever reaches the address; the fix is one setting.
+            raise ValueError(f"host {self.host} listens beyond loopback, and neither admin_api_key nor api_key is set: "
+                             "anyone who reaches it could swap the weights or pause generation; set admin_api_key "
+                             "(or admin_api_key_file) and give the weights agent the same trust.inference_api_key")
         return self
+
+    def keys(self) -> tuple[str, str]:
+        """(api_key, admin_api_key), each from its setting or its file; empty when unset."""
+        return (load_key(self.api_key, self.api_key_file, "api_key").decode(),
+                load_key(self.admin_api_key, self.admin_api_key_file, "admin_api_key").decode())

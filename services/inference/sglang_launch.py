@@ -32,6 +32,11 @@ def launch_argv(s: InferenceSettings) -> list[str]:
     ]
     if s.context_length:
         argv.append(f"--context-length={s.context_length}")
+    api_key, admin_api_key = s.keys()  # on SGLang's command line: readable by this machine's users (docs/security.md)
+    if api_key:
+        argv.append(f"--api-key={api_key}")
+    if admin_api_key:
+        argv.append(f"--admin-api-key={admin_api_key}")
     return [*argv, *s.sglang_args]
 
 
@@ -48,7 +53,7 @@ def check_available() -> None:
 async def run_sglang(settings: InferenceSettings) -> None:
     check_available()
     argv = launch_argv(settings)
-    log.info("starting SGLang", argv=argv)
+    log.info("starting SGLang", argv=[a.split("=")[0] + "=***" if a.startswith(("--api-key=", "--admin-api-key=")) else a for a in argv])
     proc = await asyncio.create_subprocess_exec(*argv)
     try:
         rc = await proc.wait()

@@ -20,11 +20,13 @@ import random
 import time
 from collections.abc import Callable
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from services.common.logging import get_logger
 from services.common.settings import Section
+from services.common.trust import bearer_for
 from services.rollout.io_struct import (
     BadRequestError,
     InferenceError,
@@ -78,10 +80,13 @@ class InferenceClientSettings(Section):
 
 
 class InferenceEngine:
-    def __init__(self, settings: InferenceClientSettings) -> None:
+    def __init__(self, settings: InferenceClientSettings, keys: tuple[str, str] = ("", "")) -> None:
+        """keys: the servers' (api_key, admin_api_key), each shown where a server wants it
+        (`Authorization: Bearer`; a service's `trust.inference_api_key` / `inference_admin_api_key`)."""
         if not settings.servers:
             raise ValueError("InferenceClientSettings.servers is empty: give at least one server URL")
         self.settings = settings
+        self.keys = keys
         self.servers = [s.rstrip("/") for s in settings.servers]
         self._inflight: dict[str, int] = {s: 0 for s in self.servers}
         self._down_until: dict[str, float] = {}
@@ -145,7 +150,7 @@ class InferenceEngine:
                 await self._backoff(attempt - 1)
             try:
                 timeout = self._timeout(timeout_s if timeout_s is not None else self.settings.request_timeout_s)
-                async with self._http().post(server + path, json=payload, timeout=timeout) as resp:
+                async with self._http().post(server + path, json=payload, timeout=timeout, headers=bearer_for(path, *self.keys)) as resp:
                     status, text = resp.status, await resp.text()
             except TimeoutError:
                 last = "timeout"
@@ -302,7 +307,8 @@ class InferenceEngine:
 
     async def _get(self, url: str) -> tuple[int, Any, str]:
         try:
-            async with self._http().get(url, timeout=self._timeout(self.settings.control_timeout_s)) as resp:
+            headers = bearer_for(urlsplit(url).path, *self.keys)
+            async with self._http().get(url, timeout=self._timeout(self.settings.control_timeout_s), headers=headers) as resp:
                 status, text = resp.status, await resp.text()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise ServersUnavailableError(f"{url}: {exc!r}") from exc

@@ -79,7 +79,7 @@ async def run(settings: RolloutSettings) -> None:
 
         nc = await connect(settings.nats_url, f"rollout-{settings.worker}")
         sup.stack.push_async_callback(nc.drain)
-        engine = InferenceEngine(settings.inference)
+        engine = InferenceEngine(settings.inference, settings.trust.inference_keys())
         sup.stack.push_async_callback(engine.aclose)
         # the side port's /readyz: an inference server and a reward service (its micro-service name) answer
         # SGLang's /ready where it exists, else /health, which runs a test generation and waits out a pause

@@ -29,7 +29,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from schemas.headers import prompt_id_of, rejection_headers, trajectory_headers
+from schemas.headers import prompt_id_of, prompt_tag_of, rejection_headers, trajectory_headers
 from schemas.messages import MessageError, PromptTask, RejectionMarker, decode, encode
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import TrajectoryError, encode_group_with_meta
@@ -216,7 +216,8 @@ class RolloutWorker:
             reason = f"malformed prompt: {exc}"
             marker = RejectionMarker(run=self.run_name, prompt_id=prompt_id, worker=self.config.worker, reason=reason, is_eval=is_eval)
             try:
-                await self._publish(self._subject(is_eval), encode(marker), rejection_headers(self.run_name, prompt_id))
+                await self._publish(self._subject(is_eval), encode(marker),
+                                    rejection_headers(self.run_name, prompt_id, prompt_tag_of(msg.headers)))
             except Exception as pub_exc:  # the bus failed: retry the whole prompt later
                 log.warning("publishing a malformed prompt's rejection failed; retried later", prompt_id=prompt_id, error=repr(pub_exc))
                 await self._quiet(msg.nak(delay=self.config.nak_delay_s))
@@ -231,7 +232,7 @@ class RolloutWorker:
         try:
             with workflow_context.set(is_eval=is_eval, task_id=task.prompt_id):
                 result = as_tensor_dict(await self._run_episode(task))
-            encoded = None if result is None else self._encode(task, result, is_eval)
+            encoded = None if result is None else self._encode(task, result, is_eval, prompt_tag_of(msg.headers))
         except Exception as exc:
             await self._failed(msg, task, is_eval, exc, started)
             return
@@ -259,10 +260,12 @@ class RolloutWorker:
                 raise EpisodeTimeout(f"episode ran longer than episode_timeout_s={limit:g}") from None
             raise
 
-    def _encode(self, task: PromptTask, result: dict[str, Any], is_eval: bool) -> tuple[bytes, dict[str, str]]:
+    def _encode(self, task: PromptTask, result: dict[str, Any], is_eval: bool, tag: str = "") -> tuple[bytes, dict[str, str]]:
+        """`tag`: the prompt's, copied onto the result: the trainer trains only answers to prompts it
+        (or a configured issuer) tagged; the worker holds no key and checks nothing."""
         data, meta = encode_group_with_meta(result, run=self.run_name, prompt_id=task.prompt_id, worker=self.config.worker,
                                             is_eval=is_eval, workflow=workflow_name(self.workflow))
-        return data, trajectory_headers(meta)
+        return data, trajectory_headers(meta, tag)
 
     async def _failed(self, msg: Msg, task: PromptTask, is_eval: bool, exc: Exception, started: float) -> None:
         attempt = msg.metadata.num_delivered or 1
@@ -281,7 +284,8 @@ class RolloutWorker:
 
     async def _reject(self, msg: Msg, task: PromptTask, is_eval: bool, reason: str, started: float) -> None:
         marker = RejectionMarker(run=self.run_name, prompt_id=task.prompt_id, worker=self.config.worker, reason=reason, is_eval=is_eval)
-        await self._publish(self._subject(is_eval), encode(marker), rejection_headers(self.run_name, task.prompt_id))
+        headers = rejection_headers(self.run_name, task.prompt_id, prompt_tag_of(msg.headers))
+        await self._publish(self._subject(is_eval), encode(marker), headers)
         await msg.ack()
         self.stats.episode_done(time.monotonic() - started, 0, 0, rejected=True)
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from services.common.logging import get_logger
+from services.common.stores import init_default_group
 from services.trainer import micro
 from services.trainer.schedule import scheduler
 from services.trainer.settings import TrainerSettings
@@ -58,6 +59,7 @@ def init_distributed() -> tuple[int, int]:
 
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    init_default_group(backend)  # rank 0's store listens on MASTER_ADDR only; DeepSpeed then keeps this group
     deepspeed.init_distributed(dist_backend=backend)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 

@@ -84,7 +84,7 @@ class Feeding:
                 self.metrics.counters[key] = int(value)
 
     async def _publish_prompt(self, js: Any, subject: str, task: PromptTask) -> None:
-        headers = prompt_headers(self.s.run, task.prompt_id)
+        headers = prompt_headers(self.s.run, task.prompt_id, self.intake.tag_for(task.prompt_id))  # the intake checks it
         body = encode(task)
 
         async def publish() -> Any:

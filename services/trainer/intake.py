@@ -4,24 +4,36 @@ it into the next step, or count it as rejected (marker, stale) so the feeder re-
 incarnation of the run), or terminate a malformed one (does not decode, or fails a check: counted by
 cause). Pure bookkeeping: the bus loop lives in `loop.py`.
 
+A live trainer (`check_tags`) trains only answers to prompts it issued in this run or that a
+configured issuer tagged: each prompt carries an HMAC over (run, prompt id) under the run's key (kept
+in checkpoints, so answers to prompts issued before a restart still check out) or an issuer's key,
+and a rollout worker copies it onto its answer. A group or rejection marker without a valid tag is
+terminated as `unissued_prompt` and never touches the feeder (it must not cost a real prompt a try).
+
 An accepted group is `pending` until its step is applied (`commit`): only then is its prompt id
 `trained`. The checkpointed state is the state at the last commit, so a stop between judging and
 training leaves the group to be read and trained again after a resume."""
 
 from __future__ import annotations
 
+import secrets
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from schemas.headers import is_rejection
+from schemas.headers import is_rejection, prompt_tag_of
 from schemas.messages import MessageError, RejectionMarker, decode
 from schemas.subjects import HDR_PROMPT_ID
 from schemas.trajectory import DecodedGroup, TrajectoryError, decode_group
+from services.common.settings import SettingsError
+from services.common.signing import prompt_tag, prompt_tag_ok
 from services.trainer.feeder import Feeder
 from services.trainer.validate import Limits, check_group
+
+if TYPE_CHECKING:
+    from services.trainer.settings import TrainerSettings
 
 
 @dataclass
@@ -63,6 +75,23 @@ class Intake:
     """Verdicts since the run started, plus `terminated_<cause>` for each terminated message."""
     committed: Counter[str] = field(default_factory=Counter)
     """`counts` at the last commit: what a checkpoint saves (what a resume reads again is counted again)."""
+    run: str = ""
+    """The run whose prompts are tagged and checked."""
+    check_tags: bool = False
+    """Train only answers carrying a valid prompt tag (a live trainer); False: unit tests, replay."""
+    run_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    """This run's prompt key: tags the feeder's prompts; saved in checkpoints, restored on resume."""
+    issuer_keys: tuple[bytes, ...] = ()
+    """Keys of other prompt issuers (`trust.prompt_issuer_key`, for `jetrl prompts push`)."""
+
+    def tag_for(self, prompt_id: str) -> str:
+        """The tag the feeder puts on a prompt it issues."""
+        return prompt_tag(self.run_key, self.run, prompt_id)
+
+    def _issued(self, prompt_id: str, headers: dict[str, str] | None) -> bool:
+        if not (self.check_tags and self.own_versions):
+            return True
+        return prompt_tag_ok((self.run_key, *self.issuer_keys), prompt_tag_of(headers), self.run, prompt_id)
 
     def judge(self, data: bytes, headers: dict[str, str] | None, seq: int, version: int, *,
               decoded: DecodedGroup | Exception | None = None) -> Verdict:
@@ -73,7 +102,9 @@ class Intake:
         if verdict.outcome == "malformed":
             self.counts[f"terminated_{verdict.cause}"] += 1
         pid = verdict.prompt_id
-        if verdict.outcome == "accepted" and pid is not None:
+        if verdict.cause == UNISSUED:
+            pass  # not an answer to a prompt of ours: the feeder's real prompt keeps its tries
+        elif verdict.outcome == "accepted" and pid is not None:
             self.pending.add(pid)
             if self.feeder is not None:
                 self.feeder.on_accepted(pid)
@@ -97,6 +128,8 @@ class Intake:
                 marker = decode(RejectionMarker, data)
             except MessageError as exc:
                 return Verdict("malformed", header_pid, error=str(exc), cause="malformed")
+            if not self._issued(marker.prompt_id, headers):
+                return _unissued(marker.prompt_id, headers, marker.worker)
             if not self._ours(marker.prompt_id):
                 return Verdict("foreign", marker.prompt_id)
             if self._seen(marker.prompt_id):
@@ -120,6 +153,8 @@ class Intake:
         problem = check_group(group.tensors, self.limits)
         if problem is not None:
             return Verdict("malformed", pid, error=problem.error, cause=problem.cause, worker=group.meta.worker)
+        if not self._issued(pid, headers):
+            return _unissued(pid, headers, group.meta.worker)
         head, tail = group.meta.head_version, group.meta.tail_version
         if head < 0 or (self.own_versions and tail > version):
             # weights the trainer never made (or none at all on trained tokens): the workflow or a
@@ -148,10 +183,38 @@ class Intake:
         self.committed = Counter(self.counts)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"trained": sorted(self.trained), "counts": dict(self.committed)}
+        state: dict[str, Any] = {"trained": sorted(self.trained), "counts": dict(self.committed)}
+        if self.check_tags:
+            state["prompt_key"] = self.run_key.hex()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("prompt_key"):  # a checkpoint from before prompt tags keeps this process's key
+            self.run_key = bytes.fromhex(state["prompt_key"])
         self.trained = set(state["trained"])
         self.pending = set()
         self.counts = Counter(state["counts"])
         self.committed = Counter(self.counts)
+
+
+UNISSUED = "unissued_prompt"
+
+
+def _unissued(prompt_id: str, headers: dict[str, str] | None, worker: str) -> Verdict:
+    why = "carries a tag no key of this trainer made" if prompt_tag_of(headers) else "carries no prompt tag"
+    return Verdict("malformed", prompt_id, error=f"prompt {prompt_id}: not a prompt this run issued (the answer {why})",
+                   cause=UNISSUED, worker=worker)
+
+
+def trust_prompts(intake: Intake, settings: TrainerSettings, *, live: bool) -> None:
+    """Set up the prompt-tag check of a trainer: a live one checks tags (its feeder's under the run
+    key, `jetrl prompts push`'s under `trust.prompt_issuer_key`); a replay trains a recording and
+    does not. A live trainer without a feeder and without an issuer key could trust nothing: refused."""
+    intake.run = settings.run
+    intake.check_tags = live
+    issuer = settings.trust.prompt_issuer()
+    intake.issuer_keys = (issuer,) if issuer else ()
+    if live and not settings.feeder.enabled and not issuer:
+        raise SettingsError("feeder.enabled is false and trust.prompt_issuer_key is unset: the trainer could not tell "
+                            "a pushed prompt's group from a forged one; give it and `jetrl prompts push` the same "
+                            "trust.prompt_issuer_key (or _file)")

@@ -46,7 +46,7 @@ from services.trainer.evaluation import EvalRounds
 from services.trainer.feeder import Feeder
 from services.trainer.feeding import Feeding
 from services.trainer.fresh import clear_leftovers
-from services.trainer.intake import Group, Intake, Verdict
+from services.trainer.intake import Group, Intake, Verdict, trust_prompts
 from services.trainer.settings import TrainerSettings
 from services.trainer.step_metrics import step_values
 from services.trainer.validate import model_limits
@@ -88,6 +88,7 @@ class Trainer(Feeding):
             )
         self.intake = Intake(settings.eta, settings.ppo.dynamic_filtering, self.feeder,
                              limits=model_limits(settings.model_path, settings.max_seq_len))
+        trust_prompts(self.intake, settings, live=source is None)
         self._held: list[tuple[Group, Any]] = []
         """Accepted groups of the step being collected, each with its unacknowledged message (None
         from a group source): a collect cut short by a stop keeps them for the next one."""

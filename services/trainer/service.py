@@ -60,7 +60,7 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine) -> None:
     nc = await connect(settings.nats_url, f"jetrl-trainer-{settings.run}")
     try:
         publisher = WeightPublisher(nc, settings.run, shared_dir=settings.weights_shared_dir, keep_last=settings.weights_keep_last,
-                                    bus_retry_timeout_s=settings.bus_retry_timeout_s)
+                                    bus_retry_timeout_s=settings.bus_retry_timeout_s, announce_key=settings.trust.announce())
         publish = functools.partial(publisher.publish_dir, consume=True)  # the trainer hands each dir over
         broadcast = _broadcast_publisher(settings, nc, publisher)
         trainer = Trainer(settings, engine, publish=publish if settings.publish_weights else None, broadcast=broadcast)
@@ -92,7 +92,8 @@ def _broadcast_publisher(settings: TrainerSettings, nc: Any, disk: Any) -> Any:
     from services.weights.broadcast_publish import BroadcastPublisher
 
     sender = WeightBroadcaster(b.servers, master_address=b.master_address, dtype=b.dtype, bucket_mb=b.bucket_mb,
-                               timeout_s=b.timeout_s, group_name=b.group_name, checksum=b.checksum)
+                               timeout_s=b.timeout_s, group_name=b.group_name, checksum=b.checksum,
+                               keys=settings.trust.inference_keys())
     return BroadcastPublisher(nc, settings.run, sender, disk, b.disk_every, retry_s=settings.bus_retry_timeout_s)
 
 

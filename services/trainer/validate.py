@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-CAUSES = ("malformed", "length_mismatch", "too_long", "empty", "oov_token", "non_finite", "impossible_versions")
-"""Every cause a trajectory group is terminated for."""
+CAUSES = ("malformed", "length_mismatch", "too_long", "empty", "oov_token", "non_finite", "impossible_versions",
+          "unissued_prompt")
+"""Every cause a trajectory group is terminated for (`unissued_prompt`: the intake's, an answer to a
+prompt this run never issued)."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,11 @@ generation is always resumed; the next announcement is tried afresh. A report th
 acknowledge (a server restarting) is retried with capped backoff for `report_retry_s`, then logged and
 counted: a lost report never stops the agent.
 
+An announcement is acted on only if it is signed by the trainer (when `trust.announce_key` is set)
+and names weights under `weight_roots` (`services/weights/trust.py`); any other is refused before a
+file is read or the server paused: logged, counted (`announcements_refused`, `refused_<cause>`) and
+reported as `WeightsLoadFailed` naming only the cause.
+
 A NATS outage never stops it either: a download is resumed through it (`bus_retry_timeout_s`), and as
 soon as the client is back the last announcement is re-read from the stream, so a version announced
 while the agent's subscription was down is loaded at once, not at the next publish.
@@ -26,7 +31,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from schemas.messages import Message, WeightsLoaded, WeightsLoadFailed, WeightsPublished, encode
-from schemas.subjects import Subjects
+from schemas.subjects import WEIGHTS_BUCKET, Subjects
 from services.common.bus import connect
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.health import http_check, register_check
@@ -39,6 +44,7 @@ from services.weights.listen import AnnouncementFeed
 from services.weights.publisher import ensure_weight_sync_stream
 from services.weights.server_client import READY_POLL_TIMEOUT_S, ServerClient, ServerError, readiness_urls
 from services.weights.settings import WeightsSettings
+from services.weights.trust import Refused, check, default_roots
 
 log = get_logger("weights.agent")
 
@@ -62,6 +68,9 @@ class WeightsAgent:
         self._handled = 0
         self._wake = asyncio.Event()
         self._fetching: tuple[int, asyncio.Task[Path]] | None = None
+        self.announce_key = settings.trust.announce()
+        self.roots = settings.weight_roots or default_roots(settings.run, WEIGHTS_BUCKET)
+        self._refusals: set[asyncio.Future[bool]] = set()
 
     # ------------------------------------------------------------------------------ announcements
 
@@ -79,7 +88,13 @@ class WeightsAgent:
         return idle and announced.version != self.loaded_version
 
     def offer(self, announced: WeightsPublished) -> None:
-        """The latest announcement is the one to load; an older one still being fetched is dropped."""
+        """The latest announcement is the one to load; an older one still being fetched is dropped.
+        One the trainer did not sign, or naming weights outside the roots, is refused here."""
+        try:
+            check(announced, self.announce_key, self.roots)
+        except Refused as exc:
+            self._refuse(announced, exc)
+            return
         log.info("weights announced", version=announced.version, step=announced.step, uri=announced.uri)
         self._wanted = announced
         self._received += 1
@@ -89,6 +104,22 @@ class WeightsAgent:
             self.metrics.count("superseded")
             task.cancel()
         self._wake.set()
+
+    def _refuse(self, announced: WeightsPublished, exc: Refused) -> None:
+        log.error("weights announcement refused", cause=exc.cause, version=announced.version, uri=announced.uri,
+                  serving=self.loaded_version)
+        self.metrics.count("announcements_refused")
+        self.metrics.count(f"refused_{exc.cause}")
+        report = WeightsLoadFailed(run=self.settings.run, server=self.settings.server_name, version=announced.version,
+                                   reason=str(exc))
+        task = asyncio.ensure_future(self._report_refusal(report))
+        self._refusals.add(task)  # held until done: a report task nothing references may be collected
+        task.add_done_callback(self._refusals.discard)
+
+    async def _report_refusal(self, report: WeightsLoadFailed) -> bool:
+        ok = await self.report(self.subjects.weights_failed(self.settings.server_name), report)
+        await self.metrics.emit({}, version=self.loaded_version)
+        return ok
 
     # ------------------------------------------------------------------------------------ loading
 
@@ -262,7 +293,7 @@ async def _start(sup: Supervisor, settings: WeightsSettings) -> None:
     nc = await connect(settings.nats_url, f"jetrl-weights-{settings.server_name}")
     sup.stack.push_async_callback(nc.drain)
     await with_retries("declare the weight-sync stream", lambda: ensure_weight_sync_stream(nc), settings.bus_retry_timeout_s)
-    server = ServerClient(settings.server, settings.request_timeout_s, settings.pause_mode)
+    server = ServerClient(settings.server, settings.request_timeout_s, settings.pause_mode, settings.trust.inference_keys())
     sup.stack.push_async_callback(server.aclose)
     register_check("inference reachable", http_check(*readiness_urls(settings.server), timeout_s=READY_POLL_TIMEOUT_S))
     if not await server.wait_ready(settings.server_ready_timeout_s, sup.stopping):

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from services.common.logging import get_logger
+from services.common.stores import listening_store
+from services.common.trust import InferenceAuth
 from services.weights.buckets import Bucket, ensure_checksum, make_buckets
 
 log = get_logger("weights.broadcast")
@@ -62,7 +64,7 @@ class GroupBroken(RuntimeError):
 class WeightBroadcaster:
     def __init__(self, servers: list[str], *, master_address: str = "127.0.0.1", dtype: str = "float32",
                  bucket_mb: float = 64.0, timeout_s: float = 30.0, group_name: str = "jetrl-weights",
-                 checksum: bool = True) -> None:
+                 checksum: bool = True, keys: tuple[str, str] = ("", "")) -> None:
         if not servers:
             raise ValueError("broadcast: no servers given")
         self.servers = [s.rstrip("/") for s in servers]
@@ -84,7 +86,8 @@ class WeightBroadcaster:
         # the group's collectives block a thread; one thread keeps them in order
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-send")
         # a call may wait for a whole bucket's broadcast, which the group bounds by timeout_s
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s * 2 + 30, connect=5.0))
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s * 2 + 30, connect=5.0),
+                                       auth=InferenceAuth(*keys))  # the servers' (api_key, admin_api_key)
 
     async def aclose(self) -> None:
         await self._destroy_group()
@@ -271,7 +274,7 @@ class WeightBroadcaster:
 
     def _open_store(self, world: int) -> Any:
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        return dist.TCPStore(self.master_address, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        return listening_store(self.master_address, 0, world, timeout)  # on master_address only, not every interface
 
     def _join(self, store: Any, world: int) -> Any:
         timeout = datetime.timedelta(seconds=self.timeout_s)

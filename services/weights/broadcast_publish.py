@@ -23,6 +23,7 @@ from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.weights.broadcast import VersionResult, WeightBroadcaster
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
+from services.weights.trust import sign
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +73,7 @@ class BroadcastPublisher:
             group=self.broadcaster.address, dtype=self.broadcaster.dtype_name, buckets=result.buckets, bytes=result.bytes,
             uri=disk.uri if disk else "", files=list(disk.files) if disk else [], disk_version=disk.version if disk else None,
         )
+        msg = sign(msg, self.disk.announce_key if self.disk is not None else b"")  # the agents check it
         data = encode(msg)
         await with_retries(f"announce weights v{version}", lambda: self.js.publish(self.subjects.weights_published, data), self.retry_s)
         if self.metrics is not None:

@@ -54,7 +54,11 @@ async def fetch_version(js: JetStreamContext, msg: WeightsPublished, cache_dir: 
 
 async def _verify_in_place(root: Path, msg: WeightsPublished) -> None:
     def verify(f: WeightFile) -> None:
-        verify_file(root / safe_name(f.name), f)
+        base = root.resolve()
+        path = root / safe_name(f.name)
+        if not path.resolve().is_relative_to(base):  # a symbolic link out of the version directory
+            raise ValueError(f"file {f.name!r} leads out of the version directory")
+        verify_file(path, f)
 
     try:
         await asyncio.to_thread(parallel, verify, list(msg.files), lambda f: f.size)

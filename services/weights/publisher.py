@@ -35,6 +35,7 @@ from services.weights.files import (
     version_dirs,
     versions_to_drop,
 )
+from services.weights.trust import sign
 
 log = get_logger("weights.publisher")
 
@@ -66,10 +67,12 @@ class WeightPublisher:
         bus_retry_timeout_s: float = 300.0,
         chunk_timeout_s: float = objstore.ACK_TIMEOUT_S,
         on_retry: Callable[[BaseException], None] | None = None,
+        announce_key: bytes = b"",
     ) -> None:
         """bus_retry_timeout_s: how long a NATS call that fails the way a server restart looks is
         retried; chunk_timeout_s: longest wait for one object chunk's ack, per attempt; on_retry:
-        called with the error before each retry (e.g. to count them in metrics)."""
+        called with the error before each retry (e.g. to count them in metrics); announce_key: signs
+        every announcement (`trust.announce_key`; empty: unsigned)."""
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last}): the announced version must stay fetchable")
         self.nc = nc
@@ -83,6 +86,7 @@ class WeightPublisher:
         self.bus_retry_timeout_s = bus_retry_timeout_s
         self.chunk_timeout_s = chunk_timeout_s
         self.on_retry = on_retry
+        self.announce_key = announce_key
         self._ready = False
         self._stored: dict[int, list[str]] | None = None
         """{version: object names} of this run in the bucket: listed at the first collection, then kept."""
@@ -113,7 +117,7 @@ class WeightPublisher:
         else:
             uri, entries = await self._upload(version, hf_dir, files)
         upload_s = time.perf_counter() - t0
-        msg = WeightsPublished(run=self.run, version=version, uri=uri, files=entries, step=step)
+        msg = sign(WeightsPublished(run=self.run, version=version, uri=uri, files=entries, step=step), self.announce_key)
         data = encode(msg)
         # A repeat after a lost ack is harmless: agents skip the version they already hold.
         await with_retries(f"announce weights v{version}", lambda: self.js.publish(self.subjects.weights_published, data),

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from services.common.trust import InferenceAuth
 from services.rollout.sglang_protocol import (
     MODEL_INFO,
     READY_POLL_TIMEOUT_S,
@@ -41,14 +42,15 @@ def parse_version(raw: object) -> int:
 
 
 class ServerClient:
-    def __init__(self, base_url: str, timeout_s: float, pause_mode: str = "abort") -> None:
+    def __init__(self, base_url: str, timeout_s: float, pause_mode: str = "abort", keys: tuple[str, str] = ("", "")) -> None:
+        """keys: the server's (api_key, admin_api_key), each shown where the server wants it (`trust.inference_*`)."""
         self.base_url = base_url.rstrip("/")
         self.pause_mode = pause_mode
         """The mode the agent pauses with (every supported SGLang has all three)."""
         self.version: tuple[int, ...] | None = None
         """The server's SGLang version, read by `wait_ready` (None: it reports none)."""
         self._paused_mode: str | None = None
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, auth=InferenceAuth(*keys))
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -35,6 +35,11 @@ class WeightsSettings(ServiceSettings):
     retrying for as long as NATS is away."""
     chunk_timeout_s: float = Field(30.0, gt=0)
     """Longest wait for one batch of object chunks, per attempt; then the download is retried."""
+    weight_roots: list[str] = []
+    """Where announced weights may live: `file:///dir` (versions anywhere under that directory) or
+    `nats-os://BUCKET[/prefix]`. An announcement naming anything else is refused before a file is read
+    or the server paused (`refused_outside_roots`). Empty: this run's versions in the WEIGHTS bucket,
+    where the trainer publishes unless it has a `weights_shared_dir` (then list that directory)."""
 
     @field_validator("keep_local")
     @classmethod

@@ -83,7 +83,9 @@ class Stack:
 
     def agent_args(self, url: str, i: int) -> list[str]:
         return ["-m", "services.weights", f"server={url}", f"nats_url={self.nats_url}", f"run={self.run}",
-                f"cache_dir={self.tmp / f'cache{i}'}", "keep_local=1"]
+                f"cache_dir={self.tmp / f'cache{i}'}", "keep_local=1",
+                # the object store and the shared directory the tests publish to
+                f'weight_roots=["nats-os://{WEIGHTS_BUCKET}/{self.run}/", "{(self.tmp / "shared").as_uri()}"]']
 
     async def watch(self, nc: nats.aio.client.Client) -> None:
         subjects = Subjects(self.run)

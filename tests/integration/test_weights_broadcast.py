@@ -236,7 +236,8 @@ async def test_a_server_started_after_version_5_catches_up_from_disk_then_gets_6
             with process(["-m", "services.inference", f"model_path={tiny_model}", f"port={port}"], tmp_path / "late.log") as proc:
                 wait_http_ok(f"{late_url}/health", timeout_s=90, proc=proc, log=tmp_path / "late.log")
                 with process(["-m", "services.weights", f"server={late_url}", f"nats_url={nats_url}", f"run={RUN}",
-                              f"cache_dir={tmp_path / 'cache'}"], tmp_path / "agent.log") as agent:
+                              f"cache_dir={tmp_path / 'cache'}", f'weight_roots=["{(tmp_path / "shared").as_uri()}"]'],
+                             tmp_path / "agent.log") as agent:
                     report = decode(WeightsLoaded, (await late_loaded.next_msg(timeout=60)).data)
                     assert (report.version, report.transport) == (4, "disk"), (tmp_path / "agent.log").read_text()[-3000:]
                     wait_until("the late server to serve version 4", lambda: server_version(late_url) == "4", timeout_s=30, proc=agent)

@@ -19,9 +19,11 @@ from schemas.messages import PromptTask, RejectionMarker, decode, encode
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import encode_group, group_to_table
 from services.common.demo_task import copy3_reward
+from services.common.signing import prompt_tag
 from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
+ISSUER_KEY_ENV = "JETRL_TRAINER__TRUST__PROMPT_ISSUER_KEY"
 
 
 @lru_cache(maxsize=2)
@@ -58,10 +60,17 @@ def make_group(model_path: str | Path, digits: str, *, group_size: int = 4, vers
     }
 
 
+def issuer_tag(run: str, prompt_id: str) -> str:
+    """The tag a prompt issuer gives `prompt_id`, under the key tests/conftest.py gives every test
+    trainer (`trust.prompt_issuer_key`): the groups these helpers publish stand for answers to pushed
+    prompts, which a trainer trains."""
+    return prompt_tag(os.environ[ISSUER_KEY_ENV].encode(), run, prompt_id)
+
+
 async def publish_group(js: Any, run: str, prompt_id: str, tensors: dict[str, np.ndarray], *, msg_id: str | None = None) -> int:
     """Publish one trajectory message; returns its stream sequence."""
     _, meta = group_to_table(tensors, run=run, prompt_id=prompt_id, worker="test")
-    headers = trajectory_headers(meta)
+    headers = trajectory_headers(meta, issuer_tag(run, prompt_id))
     if msg_id is not None:
         headers["Nats-Msg-Id"] = msg_id
     ack = await js.publish(Subjects(run).trajectories, encode_group(tensors, run=run, prompt_id=prompt_id, worker="test"),
@@ -71,7 +80,8 @@ async def publish_group(js: Any, run: str, prompt_id: str, tensors: dict[str, np
 
 async def publish_rejection(js: Any, run: str, prompt_id: str) -> int:
     body = encode(RejectionMarker(run=run, prompt_id=prompt_id, worker="test", reason="all samples failed"))
-    ack = await js.publish(Subjects(run).trajectories, body, headers=rejection_headers(run, prompt_id), stream=TRAJECTORIES_STREAM)
+    headers = rejection_headers(run, prompt_id, issuer_tag(run, prompt_id))
+    ack = await js.publish(Subjects(run).trajectories, body, headers=headers, stream=TRAJECTORIES_STREAM)
     return ack.seq
 
 
