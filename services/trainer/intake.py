@@ -18,6 +18,7 @@ import numpy as np
 
 from schemas.headers import is_rejection
 from schemas.messages import MessageError, RejectionMarker, decode
+from schemas.metric_names import GroupOutcome
 from schemas.subjects import HDR_PROMPT_ID
 from schemas.trajectory import DecodedGroup, TrajectoryError, decode_group
 from services.trainer.feeder import Feeder
@@ -34,7 +35,7 @@ class Group:
 
 @dataclass
 class Verdict:
-    outcome: str
+    outcome: GroupOutcome
     """accepted | rejected | stale | filtered | duplicate | foreign | malformed (terminated, see `cause`)"""
     prompt_id: str | None = None
     group: Group | None = None

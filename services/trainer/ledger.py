@@ -1,5 +1,5 @@
-"""The prompt feeder: dataset epochs in a seeded order, and the admission rule of docs/design.md
-"Staleness" applied at the source.
+"""The feeder's ledger: dataset epochs in a seeded order, and the admission rule of docs/design.md
+"Staleness" applied at the source. Pure bookkeeping, saved in checkpoints; the bus side is `feeder.py`.
 
 At version v with B groups per step and staleness budget eta, a prompt is issued only while
     issued - rejected <= (eta + v + 1) * B     and     issued - accepted - rejected <= max_in_flight
@@ -68,7 +68,7 @@ class FeederCounters:
 
 
 @dataclass
-class Feeder:
+class PromptLedger:
     run: str
     rows: list[dict[str, Any]]
     batch_groups: int
@@ -272,7 +272,7 @@ class Feeder:
     def state_dict(self) -> dict[str, Any]:
         """The state as if every unconfirmed publish had failed: a prompt that may never have reached
         the work queue is not saved as in flight (it would hold its slot forever after a resume)."""
-        saved = Feeder(self.run, self.rows, self.batch_groups, self.eta, self.max_in_flight, tag=self.tag)
+        saved = PromptLedger(self.run, self.rows, self.batch_groups, self.eta, self.max_in_flight, tag=self.tag)
         saved.counters = FeederCounters(**{**vars(self.counters), "dropped_by_cause": dict(self.counters.dropped_by_cause)})
         saved.in_flight, saved.reissue = dict(self.in_flight), deque(self.reissue)
         for pid in self._unconfirmed:

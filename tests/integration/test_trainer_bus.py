@@ -107,9 +107,9 @@ async def test_prompts_trajectories_and_weights_go_through_server_restarts(
         # prompts published while the server is away
         await _stop(nats_server)
         restart = asyncio.create_task(_start_after(nats_server, OUTAGE_S))
-        assert await trainer.feed_once() == 2
+        assert await trainer.feeder.feed_once() == 2
         await restart
-        assert trainer.feeder.counters.issued == 2 and trainer.feeder.counters.in_flight == 2
+        assert trainer.feeder.ledger.counters.issued == 2 and trainer.feeder.ledger.counters.in_flight == 2
         first = await _answer(js, tiny_model, 2)
 
         # the weights of step 1 published while the server is away
@@ -120,7 +120,7 @@ async def test_prompts_trajectories_and_weights_go_through_server_restarts(
         # step 2 waits for trajectories through an outage
         step = asyncio.create_task(trainer.step())
         await _outage(nats_server, OUTAGE_S)
-        assert await trainer.feed_once() == 2
+        assert await trainer.feeder.feed_once() == 2
         second = await _answer(js, tiny_model, 2)
         assert await step is not None and trainer.version == 2
         steps = [r["prompt_ids"] for r in read_steps(settings.output_dir) if "prompt_ids" in r]
@@ -143,9 +143,9 @@ async def test_when_the_server_stays_away_the_trainer_checkpoints_and_gives_up(
     trainer = Trainer(settings, TrainEngine(settings), publish=publish)
     try:
         await trainer.start(nc)
-        feeder = trainer.feeder
-        assert feeder is not None
-        assert await trainer.feed_once() == 2
+        assert trainer.feeder is not None
+        feeder = trainer.feeder.ledger
+        assert await trainer.feeder.feed_once() == 2
         await _answer(js, tiny_model, 2)
         with pytest.raises(BusUnavailable):
             await trainer.run(asyncio.Event())  # step 1 trains, then its weights cannot be published
@@ -154,7 +154,7 @@ async def test_when_the_server_stays_away_the_trainer_checkpoints_and_gives_up(
 
         counters = vars(feeder.counters).copy()
         with pytest.raises(BusUnavailable):
-            await trainer.feed_once()
+            await trainer.feeder.feed_once()
         assert vars(feeder.counters) == counters and feeder.counters.in_flight == 0  # the row is back in line
         assert len(feeder.reissue) == 1
     finally:

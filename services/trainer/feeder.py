@@ -1,0 +1,222 @@
+"""The prompt feeder, a part the trainer owns: its ledger (`ledger.py`: which row goes out next under
+which id, the admission rule, what is in flight) and its side of the bus, whose subscriptions it opens
+and closes itself. Prompts go out to the PROMPTS work queue under the admission rule, each counted as
+issued only once its publish is acknowledged (a failed publish puts the row back); dead letters come
+back in as rejections; every `feeder.eval_every` steps an eval round goes out (`evaluation.py` reads
+its answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
+
+from schemas.headers import prompt_headers
+from schemas.messages import MessageError, PromptTask, decode, encode
+from schemas.subjects import PROMPTS_STREAM, Subjects
+from services.common.bus import publish_acked
+from services.common.busretry import BusUnavailable, with_retries
+from services.common.logging import get_logger
+from services.common.metrics import MetricsPublisher
+from services.trainer.dataset import load_rows
+from services.trainer.evaluation import EvalRounds
+from services.trainer.ledger import PromptLedger
+from services.trainer.settings import TrainerSettings
+
+log = get_logger("trainer")
+
+PUBLISH_TIMEOUT_S = 5.0
+"""One attempt of a prompt publish waits this long for the stream's acknowledgement."""
+
+
+class Feeder:
+    def __init__(self, settings: TrainerSettings, *, version: Callable[[], int], is_trained: Callable[[str], bool],
+                 gate_versions: bool) -> None:
+        """`version`: the trainer's weight version now; `is_trained(prompt_id)`: whether the trainer
+        already trained that prompt's group; `gate_versions`: whether this trainer publishes weights
+        (prompts wait for their weights only then: otherwise no server ever loads a newer version)."""
+        self.settings = settings
+        f = settings.feeder
+        self.ledger = PromptLedger(
+            run=settings.run, rows=load_rows(f.dataset_path, f.dataset), batch_groups=settings.batch_groups, eta=settings.eta,
+            max_in_flight=f.max_in_flight, seed=settings.seed, epochs=f.epochs, shuffle=f.shuffle,
+            eval_rows=load_rows(f.eval_dataset_path, f.eval_dataset) if f.eval_dataset_path else [],
+            max_attempts=f.max_attempts, in_flight_timeout_s=f.in_flight_timeout_s, gate_versions=gate_versions,
+        )
+        self.subjects = Subjects(settings.run)
+        self._version = version
+        self._is_trained = is_trained
+        self.nonce = secrets.token_hex(3)
+        """Tells this trainer process's prompts apart from earlier ones' (eval ids; training ids on a reused run)."""
+        self.nc: NATS | None = None
+        self.metrics: MetricsPublisher | None = None
+        self.evals: EvalRounds | None = None
+        """The eval rounds' answers (with `feeder.eval_every`), from `start` to `close`."""
+        self._dead_letters: Any = None
+        """The dead-letter advisory subscription, from `start` to `close`."""
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------------------------ the bus
+
+    async def start(self, nc: NATS, metrics: MetricsPublisher | None) -> None:
+        """Open the feeder's subscriptions: dead-letter advisories, and eval answers if eval rounds are on."""
+        self.nc, self.metrics = nc, metrics
+        if self.settings.feeder.eval_every:
+            self.evals = EvalRounds(nc, self.settings.run, self.settings.feeder.eval_timeout_s)
+            await self.evals.start()
+        await self._watch_dead_letters()
+
+    async def close(self) -> None:
+        """End the feeder's subscriptions (before the connection is drained)."""
+        if self.evals is not None:
+            await self.evals.close()
+        sub, self._dead_letters = self._dead_letters, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # the bus may be gone; shutting down matters more
+                log.warning("dead-letter unsubscribe failed", error=repr(exc))
+
+    def fresh_start(self) -> None:
+        """The run name was used before: set this incarnation's prompt ids apart from the earlier ones'."""
+        self.ledger.tag = self.nonce
+
+    def wake(self) -> None:
+        """A slot may have freed (an answer was judged, a step applied): admit prompts now, not at the next tick."""
+        self._wake.set()
+
+    async def feed_once(self) -> int:
+        """Time out unanswered prompts, then publish every prompt the admission rule allows now;
+        returns how many. A publish that fails for good puts its row back and raises."""
+        if self.nc is None:
+            return 0
+        ledger = self.ledger
+        ledger.expire()
+        js, n = self.nc.jetstream(), 0
+        while (task := ledger.next_task(self._version())) is not None:
+            if self._is_trained(task.prompt_id):
+                # re-issued after a resume, but its answer was already read from the recording
+                ledger.on_accepted(task.prompt_id)
+                continue
+            try:
+                await self._publish_prompt(js, self.subjects.prompts_train, task)
+            except BaseException:
+                ledger.put_back(task.prompt_id)
+                raise
+            ledger.confirm(task.prompt_id)
+            n += 1
+        self._carry_counters()
+        return n
+
+    async def feed_forever(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            try:
+                await self.feed_once()
+            except BusUnavailable as exc:  # the row is back in line; try again on the next round
+                log.error("feeder cannot publish; will try again", error=str(exc))
+            self._wake.clear()
+            waiters = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stopping.wait())]
+            await asyncio.wait(waiters, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            for w in waiters:
+                w.cancel()
+
+    async def issue_eval(self) -> None:
+        """The eval round after the current step; one that cannot be published is logged and skipped."""
+        assert self.nc is not None
+        js = self.nc.jetstream()
+        version = self._version()
+        tasks = self.ledger.eval_tasks(version, self.settings.feeder.eval_size, version, self.nonce)
+        if self.evals is not None:
+            self.evals.expect(version, [t.prompt_id for t in tasks])
+        try:
+            for task in tasks:
+                await self._publish_prompt(js, self.subjects.prompts_eval, task)
+        except BusUnavailable as exc:  # not worth stopping training for: the round reports what came back
+            log.error("eval prompts not published", step=version, error=str(exc))
+
+    async def _publish_prompt(self, js: Any, subject: str, task: PromptTask) -> None:
+        headers = prompt_headers(self.settings.run, task.prompt_id)
+        body = encode(task)
+
+        async def publish() -> Any:
+            return await publish_acked(js, subject, body, timeout_s=PUBLISH_TIMEOUT_S, headers=headers, stream=PROMPTS_STREAM)
+
+        ack = await with_retries(f"publish prompt {task.prompt_id}", publish, self.settings.bus_retry_timeout_s)
+        if ack.duplicate:  # an earlier attempt got through; its acknowledgement was lost
+            log.info("prompt already queued (duplicate dropped)", prompt_id=task.prompt_id)
+
+    async def _watch_dead_letters(self) -> None:
+        """A prompt that exhausted the rollout consumer's max_deliver is a dead letter: count it as
+        rejected (so it is re-issued) and delete it, or it would sit in the work queue forever."""
+        assert self.nc is not None
+        js = self.nc.jetstream()
+        subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{PROMPTS_STREAM}.{self.subjects.rollout_consumer}"
+
+        async def on_advisory(msg: Any) -> None:
+            try:
+                seq = int(json.loads(msg.data)["stream_seq"])
+                stored = await js.get_msg(PROMPTS_STREAM, seq)
+                task = decode(PromptTask, stored.data or b"")  # no payload: MessageError below
+            except (MessageError, KeyError, ValueError, NotFoundError) as exc:
+                log.warning("dead-letter advisory not usable", error=repr(exc))
+                return
+            if self.metrics is not None:
+                self.metrics.count("dead_letters")
+            if not task.is_eval and self.ledger.on_rejected(task.prompt_id, "dead_letter"):
+                self.wake()
+            log.warning("prompt dead-lettered; treated as rejected", prompt_id=task.prompt_id, stream_seq=seq)
+            try:
+                await js.delete_msg(PROMPTS_STREAM, seq)
+            except NotFoundError:
+                pass
+
+        self._dead_letters = await self.nc.subscribe(subject, cb=on_advisory)
+
+    # ------------------------------------------------------------------------------ answers (from the intake)
+
+    def owns(self, prompt_id: str) -> bool:
+        return self.ledger.owns(prompt_id)
+
+    def on_accepted(self, prompt_id: str) -> bool:
+        return self.ledger.on_accepted(prompt_id)
+
+    def on_rejected(self, prompt_id: str, cause: str = "rejected") -> bool:
+        return self.ledger.on_rejected(prompt_id, cause)
+
+    def on_stale(self, prompt_id: str) -> bool:
+        return self.ledger.on_stale(prompt_id)
+
+    def on_filtered(self, prompt_id: str) -> bool:
+        return self.ledger.on_filtered(prompt_id)
+
+    # ------------------------------------------------------------------------------ figures and state
+
+    @property
+    def exhausted(self) -> bool:
+        """Nothing left to issue and nothing awaited: training can end."""
+        return self.ledger.exhausted
+
+    def metric_values(self) -> dict[str, float]:
+        """The ledger's counters (`feeder_<name>`), the admission bound at this version and the epoch."""
+        values = self.ledger.metric_values()
+        values.update({"feeder_bound": float(self.ledger.bound(self._version())), "epoch": float(self.ledger.epoch)})
+        return values
+
+    def _carry_counters(self) -> None:
+        """Carry the ledger's counters (re-issues, stale groups, dropped rows by cause) in every
+        metrics event of the trainer, as monotonic counts: `jetrl status` and the run summary read them."""
+        if self.metrics is not None:
+            for key, value in self.ledger.metric_values().items():
+                self.metrics.counters[key] = int(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.ledger.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ledger.load_state_dict(state)
