@@ -60,6 +60,7 @@ class Trainer:
         self.source = source
         self.engine = engine
         self.actor = PPOActor(engine, settings.ppo)
+        self.subjects = Subjects(settings.run)
         self.publish = publish
         self.broadcast = broadcast
         """A `BroadcastPublisher`: weights go to the servers in memory; `publish` is then not used."""
@@ -102,15 +103,15 @@ class Trainer:
         self._record({"event": "start", "version": self.version, "last_seq": self.last_seq, "resumed": found is not None})
         if self.consumer is not None:
             await self.consumer.open(nc, self.metrics, self.last_seq)
-            if self.feeder is not None:
-                await self.feeder.start(nc, self.metrics)
+        if self.feeder is not None:  # after the consumer: no answer to one of its prompts can be missed
+            await self.feeder.start(nc, self.metrics)
 
     async def _start_afresh(self, js: Any) -> None:
         """No checkpoint, a feeder: the run starts now (`fresh.py`). The consumer starts after the
         stream's current end and is created before the first prompt is issued, so no answer to one of
         ours can be missed."""
         assert self.feeder is not None
-        left = await clear_leftovers(js, Subjects(self.settings.run))
+        left = await clear_leftovers(js, self.subjects)
         self.last_seq = left.start_seq
         if left.used_before:
             self.feeder.fresh_start()
