@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +31,8 @@ from tests.support.trainer import (
     read_steps,
     start_trainer,
     take_prompts,
+    trained_steps,
+    until,
 )
 from tests.support.trainer import write_dataset as _dataset
 
@@ -163,16 +163,6 @@ async def test_when_the_server_stays_away_the_trainer_checkpoints_and_gives_up(
             await nc.close()
 
 
-async def _until(what: str, check: Callable[[], bool], timeout_s: float, proc: Any) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if proc.poll() is not None:
-            raise RuntimeError(f"trainer exited with {proc.returncode} while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.1)  # the poll interval of a condition
-
-
 @pytest.mark.timeout(300)
 async def test_the_trainer_service_continues_and_finishes_after_a_server_restart(
     nats_server: NatsServer, tiny_model: Path, tmp_path: Path
@@ -186,9 +176,8 @@ async def test_the_trainer_service_continues_and_finishes_after_a_server_restart
     S = Subjects(SERVICE_RUN)
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
-    trained = lambda: [r for r in read_steps(out) if "prompt_ids" in r]  # noqa: E731
     try:
-        await _until("the trainer to start", lambda: any(r.get("event") == "start" for r in read_steps(out)), 120, proc)
+        await until("the trainer to start", lambda: any(r.get("event") == "start" for r in read_steps(out)), 120, proc)
         for step in range(1, 5):  # act as the rollout side: answer the two prompts each step needs
             tasks: list[PromptTask] = []
             while len(tasks) < 2:
@@ -201,7 +190,7 @@ async def test_the_trainer_service_continues_and_finishes_after_a_server_restart
             if step == 3:
                 # the trainer is about to train step 3, publish its weights and the next prompts
                 await _outage(nats_server, OUTAGE_S)
-            await _until(f"step {step}", lambda: len(trained()) >= step, 120, proc)  # noqa: B023
+            await until(f"step {step}", lambda: len(trained_steps(out)) >= step, 120, proc)  # noqa: B023
         assert await asyncio.to_thread(proc.wait, 120) == 0
     finally:
         kill_group(proc)

@@ -4,7 +4,6 @@ leaves no subscription behind when closed."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -15,17 +14,9 @@ from services.common.bus import connect, declare_streams
 from services.common.metrics import MetricsPublisher
 from services.trainer.feeder import Feeder
 from services.trainer.settings import TrainerSettings
-from tests.support.trainer import write_dataset
+from tests.support.trainer import until, write_dataset
 
 RUN = "fb"
-
-
-async def _until(what: str, check: object, timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():  # type: ignore[operator]
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)  # the poll interval of a condition, not a wait for time to pass
 
 
 @pytest.mark.timeout(60)
@@ -57,7 +48,7 @@ async def test_the_feeder_owns_its_subscriptions_and_reissues_a_dead_letter(nats
         with pytest.raises(TimeoutError):
             await sub.fetch(1, timeout=1)
 
-        await _until("the dead letter to be counted", lambda: feeder.ledger.counters.rejected == 1)
+        await until("the dead letter to be counted", lambda: feeder.ledger.counters.rejected == 1, 30)
         assert first not in feeder.ledger.in_flight and len(feeder.ledger.reissue) == 1
         assert await feeder.feed_once() == 1  # the slot is free: the row goes out again, under a new id
         assert next(iter(feeder.ledger.in_flight)) == f"{first}-r1"
