@@ -4,6 +4,14 @@ defined here, so a reader cannot look for a name nothing emits."""
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
+GroupOutcome = Literal["accepted", "stale", "rejected", "filtered", "duplicate", "foreign", "malformed"]
+"""What the trainer's intake made of one trajectory message (`Verdict.outcome`): trained, too old,
+a rejection marker, zero-variance, already seen, another incarnation's prompt, or terminated. Each is
+a name on the wire: `total_<outcome>` since the run started and `<outcome>_groups` in each step."""
+GROUP_OUTCOMES: tuple[GroupOutcome, ...] = get_args(GroupOutcome)
+
 # the trainer, one event per step
 REWARD_MEAN = "reward_mean"
 ACCURACY = "accuracy"

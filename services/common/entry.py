@@ -9,10 +9,13 @@ import importlib
 import sys
 import textwrap
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.logging import configure_logging, get_logger
-from services.common.settings import ServiceSettings, SettingsError, describe, load_settings
+from services.common.settings import ServiceSettings, SettingsError, describe, flags, load_settings
+
+CONFIG_HELP = "YAML file with settings (a section named after the service is used if present)"
 
 
 def settings_help(cls: type[ServiceSettings]) -> str:
@@ -26,22 +29,49 @@ def settings_help(cls: type[ServiceSettings]) -> str:
     return "\n".join(lines)
 
 
-def build_parser(prog: str, description: str, cls: type[ServiceSettings]) -> argparse.ArgumentParser:
+def build_parser(prog: str, description: str, cls: type[ServiceSettings], *, config_help: str = CONFIG_HELP,
+                 epilog: str = "") -> argparse.ArgumentParser:
+    """`--config FILE`, the flags `cls` declares (`settings.flag`), then `key=value` overrides."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
-        epilog=settings_help(cls),
+        epilog=settings_help(cls) + (f"\n\n{epilog}" if epilog else ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", help="YAML file with settings (a section named after the service is used if present)")
+    parser.add_argument("--config", help=config_help)
+    for f in flags(cls):
+        doc = f"{f.key}={'true' if f.switch else '...'}: {f.doc}" if f.doc else f.key
+        if f.switch:
+            parser.add_argument(f.name, dest=f.key, action="store_const", const="true", help=doc)
+        elif f.bare is not None:
+            parser.add_argument(f.name, dest=f.key, nargs="?", const=f.bare, metavar="VALUE", help=f"{doc} (alone: {f.bare})")
+        else:
+            parser.add_argument(f.name, dest=f.key, metavar="VALUE", help=doc)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="setting overrides, e.g. run=demo")
     return parser
 
 
+@dataclass(frozen=True)
+class CommandLine:
+    config: str | None
+    """The `--config` file, if given."""
+    overrides: list[str]
+    """`key=value` overrides, the flags given spelled as such (after the others: a flag wins)."""
+
+
+def read_command_line(cls: type[ServiceSettings], argv: list[str] | None, prog: str, description: str, *,
+                      config_help: str = CONFIG_HELP, epilog: str = "") -> CommandLine:
+    """Parse `argv` for `cls`: `--help`, `--config`, its declared flags and `key=value` overrides, in any order."""
+    parser = build_parser(prog, description, cls, config_help=config_help, epilog=epilog)
+    args = vars(parser.parse_intermixed_args(argv))
+    given = [f"{f.key}={args[f.key]}" for f in flags(cls) if args.get(f.key) is not None]
+    return CommandLine(args["config"], [*args["overrides"], *given])
+
+
 def parse_settings(cls: type[ServiceSettings], argv: list[str] | None, prog: str, description: str) -> ServiceSettings:
-    args = build_parser(prog, description, cls).parse_args(argv)
+    line = read_command_line(cls, argv, prog, description)
     try:
-        return load_settings(cls, args.config, args.overrides)
+        return load_settings(cls, line.config, line.overrides)
     except SettingsError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc

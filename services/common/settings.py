@@ -1,13 +1,18 @@
-"""Settings loading: defaults < YAML file (`--config`) < environment (`JETRL_<SERVICE>__<FIELD>`) <
-CLI overrides (`key.sub=value`). Unknown keys are errors, wherever they come from.
+"""Settings loading, one path for every command: defaults < a mapping (a YAML file given as
+`--config`, or values built in code) < environment (`JETRL_<SERVICE>__<FIELD>`) < CLI overrides
+(`key.sub=value`, and the flags a settings class declares, e.g. `--steps 300`). Unknown keys are
+errors, wherever they come from.
 
 Each service declares one `ServiceSettings` subclass next to itself, with a docstring per field (it
-becomes `--help`), `extra="forbid"`, and a `service` name that sets its environment prefix.
+becomes `--help`), `extra="forbid"`, and a `service` name that sets its environment prefix. A field
+that also has a command-line flag says so itself: `Field(300, json_schema_extra=flag("--steps"))`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -90,29 +95,14 @@ class ServiceSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        env = EnvSettingsSource(
-            settings_cls, env_prefix=cls.env_prefix(), env_nested_delimiter="__", case_sensitive=False
-        )
-        yaml_source = _YamlSource(settings_cls, _yaml_path.get(settings_cls))
-        return (init_settings, env, yaml_source)
+        # Constructor arguments over the environment. `load_settings` layers a file's values under the
+        # environment itself, so a class holds no per-load state.
+        return (init_settings, _env_source(settings_cls))
 
 
-# The YAML path is per-load state; settings classes are frozen, so it travels beside them.
-_yaml_path: dict[type, Path | None] = {}
-
-
-class _YamlSource(PydanticBaseSettingsSource):
-    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
-        super().__init__(settings_cls)
-        self.path = path
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # unused
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        if self.path is None:
-            return {}
-        return read_yaml(self.path, self.settings_cls)
+def _env_source(settings_cls: type[BaseSettings]) -> EnvSettingsSource:
+    prefix = settings_cls.env_prefix() if issubclass(settings_cls, ServiceSettings) else ""
+    return EnvSettingsSource(settings_cls, env_prefix=prefix, env_nested_delimiter="__", case_sensitive=False)
 
 
 def read_yaml(path: str | Path, settings_cls: type[BaseSettings] | None = None) -> dict[str, Any]:
@@ -132,6 +122,43 @@ def read_yaml(path: str | Path, settings_cls: type[BaseSettings] | None = None) 
 
 
 S = TypeVar("S", bound=ServiceSettings)
+
+
+def flag(name: str, *, bare: str | None = None) -> dict[str, Any]:
+    """`Field(..., json_schema_extra=flag("--steps"))`: the command line also takes `--steps N` (or
+    `--steps=N`) for this setting. `bare`: the value of the flag given alone (`--resume` is `--resume
+    auto`); a bool setting's flag is always given alone and means true (`--follow`)."""
+    return {"flag": name, "flag_bare": bare}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A command-line spelling of one setting (declared with `flag` on the field)."""
+
+    name: str
+    key: str
+    """The setting's dotted key (`range.from_seq`)."""
+    bare: str | None
+    """The value when given alone; None: a value must follow."""
+    switch: bool
+    """A bool setting: given alone, never with a value."""
+    doc: str
+
+
+def flags(cls: type[BaseModel], prefix: str = "") -> list[Flag]:
+    """Every flag `cls` and its sections declare, in field order."""
+    out: list[Flag] = []
+    for name, field in cls.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.extend(flags(ann, prefix=f"{prefix}{name}."))
+            continue
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and isinstance(extra.get("flag"), str):
+            bare = extra.get("flag_bare")
+            out.append(Flag(str(extra["flag"]), f"{prefix}{name}", str(bare) if bare is not None else None, ann is bool,
+                            (field.description or "").strip()))
+    return out
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -168,21 +195,34 @@ def _unknown_env_keys(cls: type[ServiceSettings]) -> list[str]:
     return unknown
 
 
-def load_settings(cls: type[S], config: str | Path | None = None, overrides: list[str] | None = None) -> S:
-    """Build settings from every source; raise `SettingsError` naming what is wrong."""
+def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, section by section (a key of `base` that `over` does not name survives)."""
+    out = dict(base)
+    for key, value in over.items():
+        old = out.get(key)
+        out[key] = deep_merge(old, value) if isinstance(value, Mapping) and isinstance(old, Mapping) else value
+    return out
+
+
+def load_settings(cls: type[S], config: str | Path | None = None, overrides: list[str] | None = None, *,
+                  values: Mapping[str, Any] | None = None) -> S:
+    """Build settings from every source; raise `SettingsError` naming what is wrong.
+
+    Lowest first: the defaults; `values` (a mapping: e.g. one section of a file read by the caller);
+    the YAML file `config`; the environment; `overrides` (`key.sub=value`)."""
     unknown = _unknown_env_keys(cls)
     if unknown:
         raise SettingsError(
             f"unknown environment variable(s) {', '.join(sorted(unknown))}: "
             f"{cls.__name__} has no such field (see `jetrl {cls.service} --help`)"
         )
-    _yaml_path[cls] = Path(config) if config else None
+    layered = deep_merge(values or {}, read_yaml(config, cls) if config else {})
+    layered = deep_merge(layered, _env_source(cls)())
+    layered = deep_merge(layered, parse_overrides(overrides or []))
     try:
-        return cls(**parse_overrides(overrides or []))
+        return cls(**layered)
     except ValidationError as exc:
         raise SettingsError(_explain(cls, exc)) from exc
-    finally:
-        _yaml_path.pop(cls, None)
 
 
 def _explain(cls: type[BaseModel], exc: ValidationError) -> str:
@@ -212,10 +252,14 @@ def describe(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str
 
 __all__ = [
     "Field",
+    "Flag",
     "Section",
     "ServiceSettings",
     "SettingsError",
+    "deep_merge",
     "describe",
+    "flag",
+    "flags",
     "load_settings",
     "parse_overrides",
     "read_yaml",

@@ -10,11 +10,9 @@ log names the last sequence, so `--from-seq` can continue).
 from __future__ import annotations
 
 import asyncio
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.replay import flags_to_overrides
 from services.replay.settings import ExportSettings
 
 
@@ -106,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.common.entry import service_main
 
     return service_main(
-        ExportSettings, "services.replay.export:run_export", flags_to_overrides(list(sys.argv[1:] if argv is None else argv)),
+        ExportSettings, "services.replay.export:run_export", argv,
         "Write a recorded range of run's trajectory stream (--from-seq/--to-seq or --since/--until) to Parquet "
         "(--output FILE): one row per sample with the message metadata.",
     )

@@ -10,10 +10,8 @@ awaited one by one: the stream order is the file order, which a replay depends o
 from __future__ import annotations
 
 import asyncio
-import sys
 from dataclasses import dataclass
 
-from services.replay import flags_to_overrides
 from services.replay.settings import ImportSettings
 
 
@@ -80,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.common.entry import service_main
 
     return service_main(
-        ImportSettings, "services.replay.import_:run_import", flags_to_overrides(list(sys.argv[1:] if argv is None else argv)),
+        ImportSettings, "services.replay.import_:run_import", argv,
         "Publish Parquet trajectories written by `jetrl export` (input=[FILE,...]) onto run's trajectory stream.",
     )
 

@@ -42,13 +42,13 @@ async def replay(trainer: Trainer, stopping: asyncio.Event) -> None:
     from services.common.progress import Progress
 
     saved_at = trainer.version
-    total = trainer.s.total_steps - trainer.version if trainer.s.total_steps else None
+    total = trainer.settings.total_steps - trainer.version if trainer.settings.total_steps else None
     progress = Progress("replay", "steps", total, version=trainer.version)
     while not stopping.is_set() and not trainer.done:
         if await trainer.step(stopping) is None:
             break
         progress.advance(version=trainer.version, last_seq=trainer.last_seq, read=trainer.source.read)
-        if trainer.s.checkpoint_every and trainer.version % trainer.s.checkpoint_every == 0:
+        if trainer.settings.checkpoint_every and trainer.version % trainer.settings.checkpoint_every == 0:
             saved_at = trainer.version
     if trainer.version != saved_at:
         await trainer.checkpoint()

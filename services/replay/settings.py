@@ -12,28 +12,28 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from schemas.subjects import check_run
-from services.common.settings import Section, ServiceSettings
+from services.common.settings import Section, ServiceSettings, flag
 from services.trainer.settings import FeederSettings, TrainerSettings
 
 
 class RangeSettings(Section):
     """Which part of a recording is read, in stream order."""
 
-    from_seq: int = Field(0, ge=0)
+    from_seq: int = Field(0, ge=0, json_schema_extra=flag("--from-seq"))
     """First stream sequence of the range (0: from the start, or from `since`)."""
-    to_seq: int = Field(0, ge=0)
+    to_seq: int = Field(0, ge=0, json_schema_extra=flag("--to-seq"))
     """Last stream sequence of the range, inclusive (0: no bound)."""
-    since: datetime | None = None
+    since: datetime | None = Field(None, json_schema_extra=flag("--since"))
     """First message time of the range (ISO 8601; naive times are UTC)."""
-    until: datetime | None = None
+    until: datetime | None = Field(None, json_schema_extra=flag("--until"))
     """Last message time of the range, inclusive (ISO 8601; naive times are UTC)."""
-    min_version: int | None = None
+    min_version: int | None = Field(None, json_schema_extra=flag("--min-version"))
     """Keep only groups whose oldest token came from this weight version or a later one."""
-    max_version: int | None = None
+    max_version: int | None = Field(None, json_schema_extra=flag("--max-version"))
     """Keep only groups whose newest token came from this weight version or an earlier one."""
-    kind: Literal["train", "eval", "all"] = "train"
+    kind: Literal["train", "eval", "all"] = Field("train", json_schema_extra=flag("--kind"))
     """Which trajectories: the training subject, the eval subject, or both."""
-    follow: bool = False
+    follow: bool = Field(False, json_schema_extra=flag("--follow"))
     """False: the range ends at the last message present when reading starts (or earlier, at to_seq /
     until). True: keep waiting for a live run's new messages until to_seq / until is passed (forever
     without them)."""
@@ -61,7 +61,7 @@ class ReplaySettings(TrainerSettings):
 
     service = "replay"
 
-    source_run: str | None = None
+    source_run: str | None = Field(None, json_schema_extra=flag("--source-run"))
     """The recorded run to read (its trajectory subjects); `run` names this offline run, under which its
     metrics go. Required when reading the stream; with `parquet`, only rows of this run are read if set."""
     parquet: list[str] = Field(default_factory=list)
@@ -100,7 +100,7 @@ class ExportSettings(ServiceSettings):
 
     service = "export"
 
-    output: str = "trajectories.parquet"
+    output: str = Field("trajectories.parquet", json_schema_extra=flag("--output"))
     """Parquet file to write (one row per sample; replaced if it exists)."""
     range: RangeSettings = RangeSettings(kind="all")
     """The range to export (by default training and eval groups alike)."""
@@ -119,7 +119,7 @@ class ImportSettings(ServiceSettings):
 
     input: list[str] = Field(default_factory=list)
     """Parquet files or directories to import, in order."""
-    source_run: str | None = None
+    source_run: str | None = Field(None, json_schema_extra=flag("--source-run"))
     """Import only rows recorded by this run (None: every row)."""
     range: RangeSettings = RangeSettings(kind="all")
     """Rows to import, by their recorded sequence and time (by default training and eval groups alike)."""

@@ -140,7 +140,7 @@ class RecordingSource:
         groups: list[Group] = []
         last_seq = trainer.last_seq
         before = self.malformed
-        while len(groups) < trainer.s.batch_groups and not self.exhausted:
+        while len(groups) < trainer.settings.batch_groups and not self.exhausted:
             if stopping is not None and stopping.is_set():
                 return None  # last_seq stays at the last trained batch: a resume re-reads these
             if self.records is None:
@@ -155,7 +155,7 @@ class RecordingSource:
                 groups.append(group)
         if trainer.metrics is not None:
             trainer.metrics.count("malformed_messages", self.malformed - before)
-        if not groups or (self.drop_last and len(groups) < trainer.s.batch_groups):
+        if not groups or (self.drop_last and len(groups) < trainer.settings.batch_groups):
             return None
         trainer.last_seq = last_seq
         return groups

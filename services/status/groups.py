@@ -8,10 +8,11 @@ from dataclasses import asdict, dataclass, field
 from nats.aio.client import Client as NATS
 
 from schemas.messages import MessageError, MetricsEvent, decode
+from schemas.metric_names import GROUP_OUTCOMES
 from schemas.subjects import METRICS_STREAM, Subjects
 from services.status.weights import _last_per_subject
 
-OUTCOMES = ("accepted", "stale", "rejected", "filtered", "duplicate", "foreign", "malformed")
+OUTCOMES = GROUP_OUTCOMES
 TERMINATED_PREFIX = "total_terminated_"
 
 

@@ -62,7 +62,7 @@ def row_of(event: MetricsEvent) -> dict[str, float]:
 
 class Tracker:
     def __init__(self, settings: TrackSettings, sinks: list[Guarded]) -> None:
-        self.s = settings
+        self.settings = settings
         self.sinks = sinks
         self.step = 0
         self.events = 0

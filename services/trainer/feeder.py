@@ -1,303 +1,224 @@
-"""The prompt feeder: dataset epochs in a seeded order, and the admission rule of docs/design.md
-"Staleness" applied at the source.
-
-At version v with B groups per step and staleness budget eta, a prompt is issued only while
-    issued - rejected <= (eta + v + 1) * B     and     issued - accepted - rejected <= max_in_flight
-hold after issuing it. A prompt that yields nothing trainable is re-issued under a new prompt_id
-`<epoch>-<index>-r<k>` (k: the row's k-th re-issue). A genuine failure (rejection marker, malformed
-answer, dead letter, no answer within `in_flight_timeout_s`) is charged to the row: after
-`max_attempts` of them the row is dropped, counted by cause and logged. A stale group is not the row's
-fault (the weights were old, not the prompt bad): it is re-issued uncharged, as often as it takes.
-A group removed by dynamic filtering (all rewards equal: nothing to learn) frees its slot but is not
-re-issued, as in AReaL. The whole state is JSON, saved in checkpoints.
-
-Every prompt carries `min_version`, the oldest weight version its group may be generated with and
-still be accepted: a rollout worker holds the prompt until its servers hold that version, so no group
-is generated with weights the trainer will refuse (docs/rollout.md "Version gating"). A prompt that is
-the n-th in line (issued - rejected) is expected to be trained at step `(n - 1) // B`; accepted there
-if its oldest token is at most eta versions older, so `min_version = (n - 1) // B - eta`, never above
-the current version (the admission rule guarantees that) nor below 0.
-
-Prompt ids end in `.<tag>` when the trainer was given a tag (a fresh start on a run name that was used
-before): results of the earlier incarnation's prompts then never match ours, and JetStream's
-de-duplication by `Nats-Msg-Id` cannot drop our results as repeats of theirs.
+"""The prompt feeder, a part the trainer owns: its ledger (`ledger.py`: which row goes out next under
+which id, the admission rule, what is in flight) and its side of the bus, whose subscriptions it opens
+and closes itself. Prompts go out to the PROMPTS work queue under the admission rule, each counted as
+issued only once its publish is acknowledged (a failed publish puts the row back); dead letters come
+back in as rejections; every `feeder.eval_every` steps an eval round goes out (`evaluation.py` reads
+its answers).
 """
 
 from __future__ import annotations
 
-import random
-import time
-from collections import deque
-from dataclasses import dataclass, field
+import asyncio
+import json
+import secrets
+from collections.abc import Callable
 from typing import Any
 
-from schemas.messages import PromptTask
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
+
+from schemas.headers import prompt_headers
+from schemas.messages import MessageError, PromptTask, decode, encode
+from schemas.subjects import PROMPTS_STREAM, Subjects
+from services.common.bus import publish_acked
+from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
+from services.common.metrics import MetricsPublisher
+from services.trainer.dataset import load_rows
+from services.trainer.evaluation import EvalRounds
+from services.trainer.ledger import PromptLedger
+from services.trainer.settings import TrainerSettings
 
-log = get_logger("trainer.feeder")
+log = get_logger("trainer")
 
-
-FAILURE_CAUSES = ("rejected", "malformed", "dead_letter", "timed_out")
-"""The genuine failures of a prompt the trainer knows, each charged to its row (`max_attempts`): a
-rejection marker, a malformed answer, a dead letter, no answer within `in_flight_timeout_s`. Any
-other cause a caller names is counted under its own name."""
-
-
-@dataclass
-class FeederCounters:
-    issued: int = 0
-    accepted: int = 0
-    rejected: int = 0
-    """Prompts answered with nothing trainable: failures, stale and filtered groups (frees the slot)."""
-    reissued: int = 0
-    eval_issued: int = 0
-    filtered: int = 0
-    """Groups removed by dynamic filtering (counted in `rejected` too; not re-issued)."""
-    stale: int = 0
-    """Groups judged stale (counted in `rejected` too); their rows are re-issued uncharged."""
-    dropped: int = 0
-    """Rows given up after `max_attempts` genuine failures."""
-    dropped_by_cause: dict[str, int] = field(default_factory=dict)
-    """Dropped rows by the cause of their last failure."""
-    timed_out: int = 0
-    """Prompts unanswered for `in_flight_timeout_s`, treated as failed."""
-
-    @property
-    def in_flight(self) -> int:
-        return self.issued - self.accepted - self.rejected
+PUBLISH_TIMEOUT_S = 5.0
+"""One attempt of a prompt publish waits this long for the stream's acknowledgement."""
 
 
-@dataclass
 class Feeder:
-    run: str
-    rows: list[dict[str, Any]]
-    batch_groups: int
-    eta: int
-    max_in_flight: int
-    seed: int = 0
-    epochs: int = 0
-    shuffle: bool = True
-    eval_rows: list[dict[str, Any]] = field(default_factory=list)
-    max_attempts: int = 3
-    in_flight_timeout_s: float = 1800.0
-    tag: str = ""
-    """Appended to every training prompt id as `.<tag>` (empty: nothing appended); saved in checkpoints."""
-    gate_versions: bool = True
-    """False: every prompt carries `min_version` 0 (a trainer that publishes no weights: no server will
-    ever load a newer version, so nothing may wait for one)."""
-    counters: FeederCounters = field(default_factory=FeederCounters)
-    epoch: int = 0
-    index: int = 0
-    in_flight: dict[str, list[int]] = field(default_factory=dict)
-    """prompt_id -> [epoch, row, failures, reissue] for every issued, unanswered training prompt:
-    failures charged to the row so far, and how many times the row was issued before (its id's `-r<k>`)."""
-    reissue: deque[list[int]] = field(default_factory=deque)
+    def __init__(self, settings: TrainerSettings, *, version: Callable[[], int], is_trained: Callable[[str], bool],
+                 gate_versions: bool, tag: Callable[[str], str]) -> None:
+        """`version`: the trainer's weight version now; `is_trained(prompt_id)`: whether the trainer
+        already trained that prompt's group; `gate_versions`: whether this trainer publishes weights
+        (prompts wait for their weights only then: otherwise no server ever loads a newer version);
+        `tag(prompt_id)`: the issuer tag a prompt carries (the intake checks it on the answer)."""
+        self.settings = settings
+        f = settings.feeder
+        self.ledger = PromptLedger(
+            run=settings.run, rows=load_rows(f.dataset_path, f.dataset), batch_groups=settings.batch_groups, eta=settings.eta,
+            max_in_flight=f.max_in_flight, seed=settings.seed, epochs=f.epochs, shuffle=f.shuffle,
+            eval_rows=load_rows(f.eval_dataset_path, f.eval_dataset) if f.eval_dataset_path else [],
+            max_attempts=f.max_attempts, in_flight_timeout_s=f.in_flight_timeout_s, gate_versions=gate_versions,
+        )
+        self.subjects = Subjects(settings.run)
+        self._version = version
+        self._is_trained = is_trained
+        self._tag = tag
+        self.nonce = secrets.token_hex(3)
+        """Tells this trainer process's prompts apart from earlier ones' (eval ids; training ids on a reused run)."""
+        self.nc: NATS | None = None
+        self.metrics: MetricsPublisher | None = None
+        self.evals: EvalRounds | None = None
+        """The eval rounds' answers (with `feeder.eval_every`), from `start` to `close`."""
+        self._dead_letters: Any = None
+        """The dead-letter advisory subscription, from `start` to `close`."""
+        self._wake = asyncio.Event()
 
-    def __post_init__(self) -> None:
-        self._order_epoch = -1
-        self._order: list[int] = []
-        self._issued_at: dict[str, float] = {}
-        """prompt_id -> monotonic time of issue; not saved: a resume restarts every clock."""
-        self._unconfirmed: set[str] = set()
-        """Issued prompts whose publish is not acknowledged yet; saved as not issued."""
+    # ------------------------------------------------------------------------------ the bus
 
-    # -------------------------------------------------------------------------------- admission
+    async def start(self, nc: NATS, metrics: MetricsPublisher | None) -> None:
+        """Open the feeder's subscriptions: dead-letter advisories, and eval answers if eval rounds are on."""
+        self.nc, self.metrics = nc, metrics
+        if self.settings.feeder.eval_every:
+            self.evals = EvalRounds(nc, self.settings.run, self.settings.feeder.eval_timeout_s)
+            await self.evals.start()
+        await self._watch_dead_letters()
 
-    def bound(self, version: int) -> int:
-        return (self.eta + version + 1) * self.batch_groups
+    async def close(self) -> None:
+        """End the feeder's subscriptions (before the connection is drained)."""
+        if self.evals is not None:
+            await self.evals.close()
+        sub, self._dead_letters = self._dead_letters, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # the bus may be gone; shutting down matters more
+                log.warning("dead-letter unsubscribe failed", error=repr(exc))
 
-    def admissible(self, version: int) -> bool:
-        c = self.counters
-        return c.issued + 1 - c.rejected <= self.bound(version) and c.in_flight + 1 <= self.max_in_flight
+    def fresh_start(self) -> None:
+        """The run name was used before: set this incarnation's prompt ids apart from the earlier ones'."""
+        self.ledger.tag = self.nonce
 
-    @property
-    def dataset_done(self) -> bool:
-        return self.epochs > 0 and self.epoch >= self.epochs
+    def wake(self) -> None:
+        """A slot may have freed (an answer was judged, a step applied): admit prompts now, not at the next tick."""
+        self._wake.set()
+
+    async def feed_once(self) -> int:
+        """Time out unanswered prompts, then publish every prompt the admission rule allows now;
+        returns how many. A publish that fails for good puts its row back and raises."""
+        if self.nc is None:
+            return 0
+        ledger = self.ledger
+        ledger.expire()
+        js, n = self.nc.jetstream(), 0
+        while (task := ledger.next_task(self._version())) is not None:
+            if self._is_trained(task.prompt_id):
+                # re-issued after a resume, but its answer was already read from the recording
+                ledger.on_accepted(task.prompt_id)
+                continue
+            try:
+                await self._publish_prompt(js, self.subjects.prompts_train, task)
+            except BaseException:
+                ledger.put_back(task.prompt_id)
+                raise
+            ledger.confirm(task.prompt_id)
+            n += 1
+        self._carry_counters()
+        return n
+
+    async def feed_forever(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            try:
+                await self.feed_once()
+            except BusUnavailable as exc:  # the row is back in line; try again on the next round
+                log.error("feeder cannot publish; will try again", error=str(exc))
+            self._wake.clear()
+            waiters = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stopping.wait())]
+            await asyncio.wait(waiters, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            for w in waiters:
+                w.cancel()
+
+    async def issue_eval(self) -> None:
+        """The eval round after the current step; one that cannot be published is logged and skipped."""
+        assert self.nc is not None
+        js = self.nc.jetstream()
+        version = self._version()
+        tasks = self.ledger.eval_tasks(version, self.settings.feeder.eval_size, version, self.nonce)
+        if self.evals is not None:
+            self.evals.expect(version, [t.prompt_id for t in tasks])
+        try:
+            for task in tasks:
+                await self._publish_prompt(js, self.subjects.prompts_eval, task)
+        except BusUnavailable as exc:  # not worth stopping training for: the round reports what came back
+            log.error("eval prompts not published", step=version, error=str(exc))
+
+    async def _publish_prompt(self, js: Any, subject: str, task: PromptTask) -> None:
+        headers = prompt_headers(self.settings.run, task.prompt_id, self._tag(task.prompt_id))
+        body = encode(task)
+
+        async def publish() -> Any:
+            return await publish_acked(js, subject, body, timeout_s=PUBLISH_TIMEOUT_S, headers=headers, stream=PROMPTS_STREAM)
+
+        ack = await with_retries(f"publish prompt {task.prompt_id}", publish, self.settings.bus_retry_timeout_s)
+        if ack.duplicate:  # an earlier attempt got through; its acknowledgement was lost
+            log.info("prompt already queued (duplicate dropped)", prompt_id=task.prompt_id)
+
+    async def _watch_dead_letters(self) -> None:
+        """A prompt that exhausted the rollout consumer's max_deliver is a dead letter: count it as
+        rejected (so it is re-issued) and delete it, or it would sit in the work queue forever."""
+        assert self.nc is not None
+        js = self.nc.jetstream()
+        subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{PROMPTS_STREAM}.{self.subjects.rollout_consumer}"
+
+        async def on_advisory(msg: Any) -> None:
+            try:
+                seq = int(json.loads(msg.data)["stream_seq"])
+                stored = await js.get_msg(PROMPTS_STREAM, seq)
+                task = decode(PromptTask, stored.data or b"")  # no payload: MessageError below
+            except (MessageError, KeyError, ValueError, NotFoundError) as exc:
+                log.warning("dead-letter advisory not usable", error=repr(exc))
+                return
+            if self.metrics is not None:
+                self.metrics.count("dead_letters")
+            if not task.is_eval and self.ledger.on_rejected(task.prompt_id, "dead_letter"):
+                self.wake()
+            log.warning("prompt dead-lettered; treated as rejected", prompt_id=task.prompt_id, stream_seq=seq)
+            try:
+                await js.delete_msg(PROMPTS_STREAM, seq)
+            except NotFoundError:
+                pass
+
+        self._dead_letters = await self.nc.subscribe(subject, cb=on_advisory)
+
+    # ------------------------------------------------------------------------------ answers (from the intake)
+
+    def owns(self, prompt_id: str) -> bool:
+        return self.ledger.owns(prompt_id)
+
+    def on_accepted(self, prompt_id: str) -> bool:
+        return self.ledger.on_accepted(prompt_id)
+
+    def on_rejected(self, prompt_id: str, cause: str = "rejected") -> bool:
+        return self.ledger.on_rejected(prompt_id, cause)
+
+    def on_stale(self, prompt_id: str) -> bool:
+        return self.ledger.on_stale(prompt_id)
+
+    def on_filtered(self, prompt_id: str) -> bool:
+        return self.ledger.on_filtered(prompt_id)
+
+    # ------------------------------------------------------------------------------ figures and state
 
     @property
     def exhausted(self) -> bool:
         """Nothing left to issue and nothing awaited: training can end."""
-        return self.dataset_done and not self.reissue and not self.in_flight
-
-    def _row_order(self, epoch: int) -> list[int]:
-        if self._order_epoch != epoch:
-            self._order = list(range(len(self.rows)))
-            if self.shuffle:
-                random.Random(self.seed + epoch).shuffle(self._order)
-            self._order_epoch = epoch
-        return self._order
-
-    def prompt_id(self, epoch: int, row: int, attempt: int) -> str:
-        return f"{epoch}-{row}" + (f"-r{attempt}" if attempt else "") + (f".{self.tag}" if self.tag else "")
-
-    def owns(self, prompt_id: str) -> bool:
-        """Whether `prompt_id` can be one of ours (always, unless a tag sets ours apart)."""
-        return not self.tag or prompt_id.endswith(f".{self.tag}")
-
-    def next_task(self, version: int) -> PromptTask | None:
-        """The next prompt to publish if the admission rule allows one, counted as issued. Until
-        `confirm`, a checkpoint saves it as not issued; `put_back` undoes the issue."""
-        if not self.admissible(version):
-            return None
-        if self.reissue:
-            epoch, row, failures, k = self.reissue.popleft()
-            if k:  # k 0: a put-back first issue
-                self.counters.reissued += 1
-        elif not self.dataset_done:
-            epoch, row, failures, k = self.epoch, self._row_order(self.epoch)[self.index], 0, 0
-            self.index += 1
-            if self.index >= len(self.rows):
-                self.epoch, self.index = self.epoch + 1, 0
-        else:
-            return None
-        min_version = self.min_version(version)
-        prompt_id = self.prompt_id(epoch, row, k)
-        self.in_flight[prompt_id] = [epoch, row, failures, k]
-        self._issued_at[prompt_id] = time.monotonic()
-        self._unconfirmed.add(prompt_id)
-        self.counters.issued += 1
-        return PromptTask(run=self.run, prompt_id=prompt_id, data=self.rows[row], issued_version=version,
-                          min_version=min_version)
-
-    def min_version(self, version: int) -> int:
-        """The oldest weights the next prompt may be generated with (module doc): the version of the
-        step that is expected to train it, less eta."""
-        if not self.gate_versions:
-            return 0
-        c = self.counters
-        expected_step = (c.issued - c.rejected) // self.batch_groups
-        return max(0, min(version, expected_step - self.eta))
-
-    def confirm(self, prompt_id: str) -> None:
-        """The prompt's publish was acknowledged: it is in the work queue."""
-        self._unconfirmed.discard(prompt_id)
-
-    def put_back(self, prompt_id: str) -> None:
-        """The publish failed: undo the issue; the row goes out next, under the same id."""
-        entry = self.in_flight.pop(prompt_id, None)
-        self._issued_at.pop(prompt_id, None)
-        self._unconfirmed.discard(prompt_id)
-        if entry is None:
-            return
-        self.counters.issued -= 1
-        if entry[3]:
-            self.counters.reissued -= 1
-        self.reissue.appendleft(entry)
-
-    # -------------------------------------------------------------------------------- answers
-
-    def _close(self, prompt_id: str) -> list[int] | None:
-        self._issued_at.pop(prompt_id, None)
-        self._unconfirmed.discard(prompt_id)
-        return self.in_flight.pop(prompt_id, None)
-
-    def on_accepted(self, prompt_id: str) -> bool:
-        """A group of this prompt was trained on. False if the prompt was not ours or already answered."""
-        if self._close(prompt_id) is None:
-            return False
-        self.counters.accepted += 1
-        return True
-
-    def on_rejected(self, prompt_id: str, cause: str = "rejected") -> bool:
-        """The prompt failed (`cause`: see FAILURE_CAUSES): charge its row and queue it again under a
-        new id, unless that was the row's `max_attempts`-th failure; then drop it, counted by cause."""
-        entry = self._close(prompt_id)
-        if entry is None:
-            return False
-        self.counters.rejected += 1
-        epoch, row, failures, k = entry
-        if failures + 1 < self.max_attempts:
-            self.reissue.append([epoch, row, failures + 1, k + 1])
-        else:
-            self.counters.dropped += 1
-            by_cause = self.counters.dropped_by_cause
-            by_cause[cause] = by_cause.get(cause, 0) + 1
-            log.warning("row dropped after max_attempts failures", prompt_id=prompt_id, epoch=epoch, row=row,
-                        cause=cause, failures=failures + 1, issues=k + 1)
-        return True
-
-    def on_stale(self, prompt_id: str) -> bool:
-        """The prompt's group was generated with weights too old to train on: not the row's fault.
-        Free the slot and queue the row again, uncharged (its `min_version` is set anew at re-issue)."""
-        entry = self._close(prompt_id)
-        if entry is None:
-            return False
-        self.counters.rejected += 1
-        self.counters.stale += 1
-        epoch, row, failures, k = entry
-        self.reissue.append([epoch, row, failures, k + 1])
-        return True
-
-    def on_filtered(self, prompt_id: str) -> bool:
-        """The group had nothing to learn from (all rewards equal): free the slot, do not re-issue."""
-        if self._close(prompt_id) is None:
-            return False
-        self.counters.rejected += 1
-        self.counters.filtered += 1
-        return True
-
-    def expire(self, now: float | None = None) -> list[str]:
-        """Treat prompts unanswered for `in_flight_timeout_s` as rejected (a dead-letter advisory sent
-        while the trainer was down, a prompt lost with the server's store, ...); returns their ids."""
-        now = time.monotonic() if now is None else now
-        expired = [pid for pid, t in self._issued_at.items() if now - t >= self.in_flight_timeout_s]
-        for pid in expired:
-            log.warning("in-flight prompt timed out; treated as failed", prompt_id=pid, timeout_s=self.in_flight_timeout_s)
-            self.counters.timed_out += 1
-            self.on_rejected(pid, "timed_out")
-        return expired
-
-    def eval_tasks(self, step: int, size: int, version: int, nonce: str) -> list[PromptTask]:
-        """The eval round after `step`: ids `eval<step>-<i>.<nonce>`, with a nonce per trainer process,
-        so a round issued again after a resume is not de-duplicated against the earlier one's results."""
-        rows = self.eval_rows[:size]
-        self.counters.eval_issued += len(rows)
-        return [
-            PromptTask(run=self.run, prompt_id=f"eval{step}-{i}.{nonce}", data=row, is_eval=True, issued_version=version,
-                       min_version=version if self.gate_versions else 0)
-            for i, row in enumerate(rows)
-        ]
+        return self.ledger.exhausted
 
     def metric_values(self) -> dict[str, float]:
-        """Every counter as `feeder_<name>` (the trainer's metrics; `jetrl status` reads them)."""
-        c = self.counters
-        values = {f"feeder_{k}": float(v) for k, v in vars(c).items() if isinstance(v, int)}
-        values["feeder_in_flight"] = float(c.in_flight)
-        for cause in {*FAILURE_CAUSES, *c.dropped_by_cause}:
-            values[f"feeder_dropped_{cause}"] = float(c.dropped_by_cause.get(cause, 0))
+        """The ledger's counters (`feeder_<name>`), the admission bound at this version and the epoch."""
+        values = self.ledger.metric_values()
+        values.update({"feeder_bound": float(self.ledger.bound(self._version())), "epoch": float(self.ledger.epoch)})
         return values
 
-    # -------------------------------------------------------------------------------- state
+    def _carry_counters(self) -> None:
+        """Carry the ledger's counters (re-issues, stale groups, dropped rows by cause) in every
+        metrics event of the trainer, as monotonic counts: `jetrl status` and the run summary read them."""
+        if self.metrics is not None:
+            for key, value in self.ledger.metric_values().items():
+                self.metrics.counters[key] = int(value)
 
     def state_dict(self) -> dict[str, Any]:
-        """The state as if every unconfirmed publish had failed: a prompt that may never have reached
-        the work queue is not saved as in flight (it would hold its slot forever after a resume)."""
-        saved = Feeder(self.run, self.rows, self.batch_groups, self.eta, self.max_in_flight, tag=self.tag)
-        saved.counters = FeederCounters(**{**vars(self.counters), "dropped_by_cause": dict(self.counters.dropped_by_cause)})
-        saved.in_flight, saved.reissue = dict(self.in_flight), deque(self.reissue)
-        for pid in self._unconfirmed:
-            saved.put_back(pid)
-        return {
-            "counters": vars(saved.counters).copy(),
-            "epoch": self.epoch,
-            "index": self.index,
-            "in_flight": saved.in_flight,
-            "reissue": list(saved.reissue),
-            "tag": self.tag,
-        }
+        return self.ledger.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.counters = FeederCounters(**{**state["counters"], "dropped_by_cause": dict(state["counters"].get("dropped_by_cause", {}))})
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
-        self.in_flight = {k: _entry(v) for k, v in state["in_flight"].items()}
-        self.reissue = deque(_entry(x) for x in state["reissue"])
-        self.tag = str(state.get("tag", ""))
-        now = time.monotonic()
-        self._issued_at = dict.fromkeys(self.in_flight, now)
-        self._unconfirmed = set()
-
-
-def _entry(saved: list[int]) -> list[int]:
-    """A saved in-flight or re-issue entry; one saved before stale re-issues were uncharged is
-    [epoch, row, attempt], every issue of it a failure."""
-    return [*saved, saved[2]] if len(saved) == 3 else list(saved)
+        self.ledger.load_state_dict(state)

@@ -2,7 +2,7 @@
 it into the next step, or count it as rejected (marker, stale) so the feeder re-issues, or as filtered
 (zero-variance: freed, not re-issued), or skip a duplicate or a foreign one (a prompt of an earlier
 incarnation of the run), or terminate a malformed one (does not decode, or fails a check: counted by
-cause). Pure bookkeeping: the bus loop lives in `loop.py`.
+cause). Pure bookkeeping: the bus loop lives in `consumer.py`.
 
 A live trainer (`check_tags`) trains only answers to prompts it issued in this run or that a
 configured issuer tagged: each prompt carries an HMAC over (run, prompt id) under the run's key (kept
@@ -25,6 +25,7 @@ import numpy as np
 
 from schemas.headers import is_rejection, prompt_tag_of
 from schemas.messages import MessageError, RejectionMarker, decode
+from schemas.metric_names import GroupOutcome
 from schemas.subjects import HDR_PROMPT_ID
 from schemas.trajectory import DecodedGroup, TrajectoryError, decode_group
 from services.common.settings import SettingsError
@@ -46,7 +47,7 @@ class Group:
 
 @dataclass
 class Verdict:
-    outcome: str
+    outcome: GroupOutcome
     """accepted | rejected | stale | filtered | duplicate | foreign | malformed (terminated, see `cause`)"""
     prompt_id: str | None = None
     group: Group | None = None

@@ -1,5 +1,5 @@
 """`jetrl trainer` as a service: every rank builds the engine; rank 0 connects to NATS and runs the
-`Trainer` under the supervisor (feeder, dead-letter watch, training loop), the other ranks follow its
+`Trainer` under the supervisor (its feeder, the training loop), the other ranks follow its
 commands. SIGTERM: finish the current step, checkpoint, release the other ranks, exit.
 
 Launch: `jetrl trainer ...` (1 rank) or `torchrun --nproc_per_node N -m services.trainer ...`.
@@ -70,9 +70,8 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine) -> None:
                 sup.stack.push_async_callback(broadcast.aclose)
             await trainer.start(nc)
             sup.stack.push_async_callback(trainer.close)
-            await trainer.watch_dead_letters()
             if trainer.feeder is not None:
-                sup.spawn("feeder", trainer.feed_forever(sup.stopping))
+                sup.spawn("feeder", trainer.feeder.feed_forever(sup.stopping))
             sup.spawn("train", _train(trainer, sup))
 
         await supervise("trainer", main, settings.shutdown_timeout_s)

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from services.common.settings import Section, ServiceSettings
+from services.common.settings import Section, ServiceSettings, flag
 from services.trainer.dataset import DatasetOptions
 from services.weights.broadcast_settings import BroadcastSettings
 
@@ -189,7 +189,7 @@ class TrainerSettings(ServiceSettings):
     """Checkpoint every this many steps (0: only on SIGTERM)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk; older ones are deleted."""
-    resume: str = "never"
+    resume: str = Field("never", json_schema_extra=flag("--resume", bare="auto"))
     """auto: restart from the latest checkpoint in output_dir if there is one; never; or a checkpoint dir."""
     publish_weights: bool = True
     """Publish the weights after every step (WEIGHTS object store, or weights_shared_dir)."""

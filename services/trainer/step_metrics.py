@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from schemas.metric_names import GROUP_OUTCOMES
+
 if TYPE_CHECKING:
     from services.trainer.intake import Group
     from services.trainer.loop import Trainer
@@ -29,7 +31,7 @@ def step_values(trainer: Trainer, batch: dict[str, Any], groups: list[Group], st
         "groups": float(len(groups)),
         "samples": float(rewards.size),
         **{f"{outcome}_groups": float(counts[outcome])
-           for outcome in ("stale", "duplicate", "rejected", "filtered", "foreign", "malformed")},
+           for outcome in GROUP_OUTCOMES if outcome != "accepted"},
         "step_time_s": t_end - t0,
         "train_time_s": t_train - t_data,
         "publish_time_s": t_end - t_train,
@@ -41,5 +43,4 @@ def step_values(trainer: Trainer, batch: dict[str, Any], groups: list[Group], st
         values[f"total_{key}"] = float(total)
     if trainer.feeder is not None:
         values.update(trainer.feeder.metric_values())
-        values.update({"feeder_bound": float(trainer.feeder.bound(trainer.version)), "epoch": float(trainer.feeder.epoch)})
     return values

@@ -21,7 +21,7 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 class Display:
     def __init__(self, settings: UpSettings, view: RunView, stack: Stack) -> None:
-        self.s = settings
+        self.settings = settings
         self.view = view
         self.stack = stack
         mode = settings.display
@@ -57,7 +57,7 @@ class Display:
         last = self.view.steps[-1]
         servers = " ".join(f"v{v}" for _, v in sorted(self.view.servers.items())) or "-"
         return (
-            f"step {last['step']}/{self.s.total_steps} version {last.get('version')} "
+            f"step {last['step']}/{self.settings.total_steps} version {last.get('version')} "
             f"reward {_fmt(pick(last, REWARD_KEYS))} (10-step {_fmt(self.view.recent(REWARD_KEYS))}) "
             f"acc {_fmt(pick(last, ACCURACY_KEYS))} stale {_fmt(pick(last, STALENESS_KEYS), '.2f')} "
             f"wait {_fmt(pick(last, WAIT_KEYS), '.2f')} rollout {self.view.rollout_rate():.1f} ep/s "
@@ -68,10 +68,10 @@ class Display:
     def _table(self) -> Table:
         v = self.view
         last = v.steps[-1] if v.steps else {}
-        table = Table(title=f"jetrl up - run {self.s.run}  ({time.time() - v.started:.0f} s)", show_header=False, min_width=60)
+        table = Table(title=f"jetrl up - run {self.settings.run}  ({time.time() - v.started:.0f} s)", show_header=False, min_width=60)
         table.add_column("what", style="bold")
         table.add_column("value")
-        table.add_row("trainer step", f"{v.step} / {self.s.total_steps}")
+        table.add_row("trainer step", f"{v.step} / {self.settings.total_steps}")
         table.add_row("weight version", str(last.get("version", 0)))
         table.add_row("reward mean (last / 10-step)", f"{_fmt(pick(last, REWARD_KEYS))} / {_fmt(v.recent(REWARD_KEYS))}")
         table.add_row("accuracy", _fmt(pick(last, ACCURACY_KEYS)))

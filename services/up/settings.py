@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from services.common.settings import ServiceSettings
+from services.common.settings import ServiceSettings, flag
 
 
 class UpSettings(ServiceSettings):
@@ -24,11 +24,11 @@ class UpSettings(ServiceSettings):
     """Prompt dataset (JSONL/Parquet); empty = generate the copy3 demo prompts in the run directory."""
     dataset_size: int = Field(4096, ge=1)
     """Number of demo prompts generated when dataset_path is empty."""
-    rollout_workers: int = Field(2, ge=1)
+    rollout_workers: int = Field(2, ge=1, json_schema_extra=flag("--rollout-workers"))
     """Rollout worker processes."""
     inference_servers: int = Field(1, ge=1)
     """CPU inference servers (each with its own weights agent)."""
-    total_steps: int = Field(300, ge=1)
+    total_steps: int = Field(300, ge=1, json_schema_extra=flag("--steps"))
     """Trainer steps; the run ends when the trainer finishes them."""
     stop_at_reward: float = Field(0.0, ge=0)
     """Stop early once the 10-step mean reward reaches this (0 = run all steps)."""

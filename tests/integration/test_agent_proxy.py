@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,54 +16,16 @@ import httpx
 import openai
 import pytest
 
-from services.common.nats_server import free_port
 from services.rollout.agent.proxy import AgentProxy, SamplingDefaults
 from services.rollout.agent.server import ProxyServer
 from services.rollout.agent.workflow import AgentWorkflow
-from services.rollout.engine import InferenceClientSettings, InferenceEngine, ModelRequest, ModelResponse
+from services.rollout.engine import ModelResponse
 from services.rollout.workflow import as_tensor_dict
-from tests.support.waiting import wait_http_ok
+from tests.support import agent
+from tests.support.agent import ROOT, RecordingEngine
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def inference_url(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One CPU inference server for the module (ready on GET /health)."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("agent-inference") / "inference.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.inference", f"model_path={tiny_model}", f"port={port}"],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(f"{url}/health", timeout_s=120, proc=proc, log=log)
-        yield url
-    finally:
-        proc.kill()
-        proc.wait(10)
-
-
-class RecordingEngine(InferenceEngine):
-    """The real client, keeping what the server answered so tests can compare the export with it."""
-
-    def __init__(self, settings: InferenceClientSettings) -> None:
-        super().__init__(settings)
-        self.calls: list[ModelResponse] = []
-
-    async def agenerate(self, req: ModelRequest, *, episode: str | None = None) -> ModelResponse:
-        resp = await super().agenerate(req, episode=episode)
-        self.calls.append(resp)
-        return resp
-
-
-@pytest.fixture
-async def engine(inference_url: str) -> AsyncIterator[RecordingEngine]:
-    eng = RecordingEngine(InferenceClientSettings(servers=[inference_url]))
-    try:
-        yield eng
-    finally:
-        await eng.aclose()
+# fixtures: the module's inference server and the recording engine
+inference_url, engine = agent.inference_url, agent.engine
 
 
 @pytest.fixture
@@ -75,18 +37,12 @@ def tokenizer(tiny_model: Path) -> Any:
 
 @pytest.fixture
 async def server(engine: RecordingEngine, tokenizer: Any) -> AsyncIterator[ProxyServer]:
-    srv = ProxyServer(AgentProxy(engine, tokenizer, SamplingDefaults(max_new_tokens=6)))
-    await srv.start()
-    try:
+    async with agent.running(AgentProxy(engine, tokenizer, SamplingDefaults(max_new_tokens=6))) as srv:
         yield srv
-    finally:
-        await srv.aclose()
 
 
 async def start(http: httpx.AsyncClient, srv: ProxyServer) -> str:
-    resp = await http.post(f"{srv.url}/rl/start_session", json={"task_id": "t"})
-    assert resp.status_code == 200
-    return resp.json()["session_id"]
+    return await agent.session(http, srv, "t")
 
 
 async def three_turns(client: openai.AsyncOpenAI) -> list[Any]:

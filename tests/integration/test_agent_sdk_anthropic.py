@@ -13,13 +13,11 @@ import openai
 import pytest
 
 from services.rollout.agent.server import ProxyServer
-from tests.integration import test_agent_proxy as base
-from tests.integration import test_agent_sdk_common as common
-from tests.integration.test_agent_proxy import RecordingEngine
-from tests.integration.test_agent_sdk_common import assert_export_is_the_engines, seeded_stop, session
+from tests.support import agent
+from tests.support.agent import RecordingEngine, assert_export_is_the_engines, seeded_stop, session
 
-# fixtures: the module's inference server and the engine from the proxy's tests; a proxy whose template shows the tools
-inference_url, engine, tokenizer, server = base.inference_url, base.engine, common.tokenizer, common.server
+# fixtures: the module's inference server, the recording engine, a proxy whose template shows the tools
+inference_url, engine, tokenizer, server = agent.inference_url, agent.engine, agent.tokenizer, agent.server
 
 ASK: list[Any] = [{"role": "user", "content": "40+2="}]
 TOOLS: list[Any] = [{"name": "add", "description": "sum", "input_schema": {"type": "object", "properties": {}}}]

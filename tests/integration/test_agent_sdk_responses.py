@@ -14,19 +14,16 @@ import openai
 import pytest
 
 from services.rollout.agent.server import ProxyServer
-from tests.integration import test_agent_proxy as base
-from tests.integration import test_agent_sdk_common as common
-from tests.integration.test_agent_proxy import RecordingEngine
-from tests.integration.test_agent_sdk_common import assert_export_is_the_engines, seeded_stop, session
+from tests.support import agent
+from tests.support.agent import RecordingEngine, assert_export_is_the_engines, seeded_stop, session
 
-# fixtures: the module's inference server and the engine from the proxy's tests; a proxy whose template shows the tools
-inference_url, engine, tokenizer, server = base.inference_url, base.engine, common.tokenizer, common.server
+# fixtures: the module's inference server, the recording engine, a proxy whose template shows the tools
+inference_url, engine, tokenizer, server = agent.inference_url, agent.engine, agent.tokenizer, agent.server
 
 TOOLS = [{"type": "function", "name": "add", "description": "sum", "parameters": {"type": "object", "properties": {}}}]
 
 
-def client(srv: ProxyServer, sid: str, http: httpx.AsyncClient) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=srv.base_url(sid), api_key="x", http_client=http, max_retries=0)
+client = agent.openai_client
 
 
 async def test_streamed_responses_answer_and_record_what_the_plain_call_does(server: ProxyServer, engine: RecordingEngine) -> None:

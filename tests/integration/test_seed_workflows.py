@@ -135,7 +135,7 @@ async def test_seed_workflows_train_past_eta(
     trainer = Trainer(settings, TrainEngine(settings), publish=publish)
     await trainer.start(nc)
     stopping = asyncio.Event()
-    feeding = asyncio.create_task(trainer.feed_forever(stopping))
+    feeding = asyncio.create_task(trainer.feeder.feed_forever(stopping))
     try:
         async with worker(nc, workflow, engine):
             for _ in range(3):

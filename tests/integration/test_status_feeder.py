@@ -48,7 +48,7 @@ async def test_status_shows_stale_reissues_and_dropped_rows_by_cause(nats_url: s
     try:
         await trainer.start(nc)
         js = nc.jetstream()
-        feeding = asyncio.create_task(trainer.feed_forever(stopping))
+        feeding = asyncio.create_task(trainer.feeder.feed_forever(stopping))
 
         async def next_prompt() -> str:
             [task] = await take_prompts(js, S.prompts_train, S.rollout_consumer, 1)

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +31,8 @@ from tests.support.trainer import (
     read_steps,
     start_trainer,
     take_prompts,
+    trained_steps,
+    until,
 )
 from tests.support.trainer import write_dataset as _dataset
 
@@ -107,9 +107,9 @@ async def test_prompts_trajectories_and_weights_go_through_server_restarts(
         # prompts published while the server is away
         await _stop(nats_server)
         restart = asyncio.create_task(_start_after(nats_server, OUTAGE_S))
-        assert await trainer.feed_once() == 2
+        assert await trainer.feeder.feed_once() == 2
         await restart
-        assert trainer.feeder.counters.issued == 2 and trainer.feeder.counters.in_flight == 2
+        assert trainer.feeder.ledger.counters.issued == 2 and trainer.feeder.ledger.counters.in_flight == 2
         first = await _answer(js, tiny_model, 2)
 
         # the weights of step 1 published while the server is away
@@ -120,7 +120,7 @@ async def test_prompts_trajectories_and_weights_go_through_server_restarts(
         # step 2 waits for trajectories through an outage
         step = asyncio.create_task(trainer.step())
         await _outage(nats_server, OUTAGE_S)
-        assert await trainer.feed_once() == 2
+        assert await trainer.feeder.feed_once() == 2
         second = await _answer(js, tiny_model, 2)
         assert await step is not None and trainer.version == 2
         steps = [r["prompt_ids"] for r in read_steps(settings.output_dir) if "prompt_ids" in r]
@@ -143,9 +143,9 @@ async def test_when_the_server_stays_away_the_trainer_checkpoints_and_gives_up(
     trainer = Trainer(settings, TrainEngine(settings), publish=publish)
     try:
         await trainer.start(nc)
-        feeder = trainer.feeder
-        assert feeder is not None
-        assert await trainer.feed_once() == 2
+        assert trainer.feeder is not None
+        feeder = trainer.feeder.ledger
+        assert await trainer.feeder.feed_once() == 2
         await _answer(js, tiny_model, 2)
         with pytest.raises(BusUnavailable):
             await trainer.run(asyncio.Event())  # step 1 trains, then its weights cannot be published
@@ -154,23 +154,13 @@ async def test_when_the_server_stays_away_the_trainer_checkpoints_and_gives_up(
 
         counters = vars(feeder.counters).copy()
         with pytest.raises(BusUnavailable):
-            await trainer.feed_once()
+            await trainer.feeder.feed_once()
         assert vars(feeder.counters) == counters and feeder.counters.in_flight == 0  # the row is back in line
         assert len(feeder.reissue) == 1
     finally:
         await trainer.close()
         with contextlib.suppress(ConnectionResetError):  # the server is gone
             await nc.close()
-
-
-async def _until(what: str, check: Callable[[], bool], timeout_s: float, proc: Any) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if proc.poll() is not None:
-            raise RuntimeError(f"trainer exited with {proc.returncode} while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.1)  # the poll interval of a condition
 
 
 @pytest.mark.timeout(300)
@@ -186,9 +176,8 @@ async def test_the_trainer_service_continues_and_finishes_after_a_server_restart
     S = Subjects(SERVICE_RUN)
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
-    trained = lambda: [r for r in read_steps(out) if "prompt_ids" in r]  # noqa: E731
     try:
-        await _until("the trainer to start", lambda: any(r.get("event") == "start" for r in read_steps(out)), 120, proc)
+        await until("the trainer to start", lambda: any(r.get("event") == "start" for r in read_steps(out)), 120, proc)
         for step in range(1, 5):  # act as the rollout side: answer the two prompts each step needs
             tasks: list[PromptTask] = []
             while len(tasks) < 2:
@@ -201,7 +190,7 @@ async def test_the_trainer_service_continues_and_finishes_after_a_server_restart
             if step == 3:
                 # the trainer is about to train step 3, publish its weights and the next prompts
                 await _outage(nats_server, OUTAGE_S)
-            await _until(f"step {step}", lambda: len(trained()) >= step, 120, proc)  # noqa: B023
+            await until(f"step {step}", lambda: len(trained_steps(out)) >= step, 120, proc)  # noqa: B023
         assert await asyncio.to_thread(proc.wait, 120) == 0
     finally:
         kill_group(proc)

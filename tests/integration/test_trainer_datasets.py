@@ -44,7 +44,7 @@ async def test_a_saved_dataset_and_a_parquet_file_feed_the_trainer(kind: str, na
     trainer = Trainer(settings, TrainEngine(settings))
     try:
         await trainer.start(nc)
-        assert await trainer.feed_once() == 4
+        assert await trainer.feeder.feed_once() == 4
         s = Subjects(settings.run)
         tasks = await take_prompts(nc.jetstream(), s.prompts_train, s.rollout_consumer, 4)
     finally:

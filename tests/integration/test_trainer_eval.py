@@ -52,13 +52,13 @@ async def test_trainer_reports_an_eval_round_once_every_prompt_is_answered(nats_
         await trainer.start(nc)
         js = nc.jetstream()
         events = await nc.subscribe(S.metrics("eval"))
-        await trainer.feed_once()
+        await trainer.feeder.feed_once()
         [task] = await take_prompts(js, S.prompts_train, S.rollout_consumer, 1)
         await publish_group(js, RUN, task.prompt_id, make_group(tiny_model, task.data["answer"]))
         assert await trainer.step() is not None and trainer.version == 1
 
         evals = await take_prompts(js, S.prompts_eval, "eval-test", 5)
-        ids = [f"eval1-{i}.{trainer.nonce}" for i in range(3)]
+        ids = [f"eval1-{i}.{trainer.feeder.nonce}" for i in range(3)]
         assert sorted(t.prompt_id for t in evals) == ids
         assert all(t.is_eval for t in evals)
         await js.publish(S.trajectories_eval, b"not arrow", headers={"Jetrl-Prompt-Id": "eval9-0"}, stream=TRAJECTORIES_STREAM)
@@ -73,7 +73,7 @@ async def test_trainer_reports_an_eval_round_once_every_prompt_is_answered(nats_
         assert v["eval_groups"] == 2 and v["eval_rejected"] == 1 and v["eval_complete"] == 1
         assert v["eval_reward_mean"] == pytest.approx(3.5 / 8) and v["eval_accuracy"] == pytest.approx(3 / 8)
         assert v["eval_malformed_messages"] == 1  # the garbage was counted and skipped
-        assert trainer.evals is not None and not trainer.evals.rounds
+        assert trainer.feeder.evals is not None and not trainer.feeder.evals.rounds
     finally:
         await trainer.close()
         await nc.close()
@@ -101,7 +101,7 @@ async def test_an_eval_round_issued_again_after_a_resume_is_answered(nats_url: s
                 assert trainer.version == 0 and trainer.resumed == bool(incarnation)
                 if not incarnation:
                     await trainer.checkpoint()  # version 0: the second incarnation trains step 1 again
-                    await trainer.feed_once()
+                    await trainer.feeder.feed_once()
                     [task] = await take_prompts(js, S.prompts_train, S.rollout_consumer, 1)
                     await publish_group(js, RUN, task.prompt_id, make_group(tiny_model, task.data["answer"]))
                 assert await trainer.step() is not None and trainer.version == 1

@@ -45,7 +45,7 @@ async def test_a_fresh_start_on_a_used_run_name_trains_only_on_its_own_prompts(n
     first = Trainer(settings("first"), TrainEngine(settings("first")), publish=publisher.publish_dir)
     try:
         await first.start(nc)
-        assert await first.feed_once() == 6
+        assert await first.feeder.feed_once() == 6
         old = await take_prompts(js, S.prompts_train, S.rollout_consumer, 3)
         for t in old[:2]:
             await publish_group(js, RUN, t.prompt_id, make_group(tiny_model, t.data["answer"]))
@@ -64,7 +64,7 @@ async def test_a_fresh_start_on_a_used_run_name_trains_only_on_its_own_prompts(n
         assert next(e for k, e in warned.items() if k.startswith("weights of an earlier"))["announced_version"] == 1
         assert await _queued_prompts(js) == 0
 
-        assert await second.feed_once() == 6
+        assert await second.feeder.feed_once() == 6
         new = await take_prompts(js, S.prompts_train, S.rollout_consumer, 6)
         assert len(new) == 6 and {t.data["id"] for t in new} >= {t.data["id"] for t in old}  # same rows again
         assert not {t.prompt_id for t in new} & {t.prompt_id for t in old}

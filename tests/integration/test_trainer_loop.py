@@ -48,8 +48,8 @@ async def test_trainer_steps_with_admission_staleness_and_duplicates(nats_url: s
     trainer = Trainer(settings, TrainEngine(settings), publish=publish)
     await trainer.start(nc)
     js = nc.jetstream()
-    feeder = trainer.feeder
-    assert feeder is not None
+    assert trainer.feeder is not None
+    feeder = trainer.feeder.ledger
 
     def check_bound() -> None:
         c = feeder.counters
@@ -57,9 +57,9 @@ async def test_trainer_steps_with_admission_staleness_and_duplicates(nats_url: s
         assert c.in_flight <= feeder.max_in_flight
 
     # version 0: (eta + 0 + 1) * B = 4 prompts admitted, not one more
-    assert await trainer.feed_once() == 4
+    assert await trainer.feeder.feed_once() == 4
     check_bound()
-    assert await trainer.feed_once() == 0
+    assert await trainer.feeder.feed_once() == 0
     tasks = await _take_prompts(js, 4)
     assert len(tasks) == 4
 
@@ -75,7 +75,7 @@ async def test_trainer_steps_with_admission_staleness_and_duplicates(nats_url: s
     assert published[-1][0] == 1 and "model.embed_tokens.weight" in published[-1][2]
 
     # the rejected row comes back under a new id; bound at v=1 is 6
-    await trainer.feed_once()
+    await trainer.feeder.feed_once()
     check_bound()
     assert feeder.counters.issued - feeder.counters.rejected == 6 or feeder.counters.in_flight == feeder.max_in_flight
     more = await _take_prompts(js, 10)
@@ -88,7 +88,7 @@ async def test_trainer_steps_with_admission_staleness_and_duplicates(nats_url: s
     await publish_group(js, RUN, more[0].prompt_id, make_group(tiny_model, more[0].data["answer"]))
     values = await trainer.step()
     assert values is not None and trainer.version == 2 and values["duplicate_groups"] == 1
-    assert await trainer.feed_once() == 2  # v=2: bound 8 = 9 issued - 1 rejected
+    assert await trainer.feeder.feed_once() == 2  # v=2: bound 8 = 9 issued - 1 rejected
     check_bound()
     more = more[1:] + await _take_prompts(js, 2)
 
@@ -103,7 +103,7 @@ async def test_trainer_steps_with_admission_staleness_and_duplicates(nats_url: s
     epoch, row = (int(x) for x in stale_id.split("-")[:2])
     # re-issued as its first re-issue, with no failure charged to the row: [epoch, row, failures, reissue]
     assert stale_id not in trainer.intake.trained and [epoch, row, 0, 1] in list(feeder.reissue)
-    await trainer.feed_once()
+    await trainer.feeder.feed_once()
     check_bound()
 
     # versions advanced by one per step, each published; the step record names what was trained

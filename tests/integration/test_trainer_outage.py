@@ -25,6 +25,7 @@ from tests.support.trainer import (
     read_steps,
     start_trainer,
     take_prompts,
+    trained_steps,
     until,
     write_dataset,
 )
@@ -46,7 +47,6 @@ async def test_the_trainer_rides_out_a_long_outage_with_its_default_retry_budget
     S = Subjects(SERVICE_RUN)
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
-    trained = lambda: [r for r in read_steps(out) if "prompt_ids" in r]  # noqa: E731
 
     async def prompts(n: int) -> list[PromptTask]:
         tasks: list[PromptTask] = []
@@ -64,7 +64,7 @@ async def test_the_trainer_rides_out_a_long_outage_with_its_default_retry_budget
         await until("the trainer to start", lambda: any(r.get("event") == "start" for r in read_steps(out)), 120, proc)
         for task in await prompts(2):
             await answer(task)
-        await until("step 1", lambda: len(trained()) == 1, 120, proc)
+        await until("step 1", lambda: len(trained_steps(out)) == 1, 120, proc)
 
         # step 2: the trainer holds one accepted group when the server goes away
         first, second = await prompts(2)
@@ -76,7 +76,7 @@ async def test_the_trainer_rides_out_a_long_outage_with_its_default_retry_budget
         await asyncio.to_thread(nats_server.start)
 
         await answer(second)
-        await until("step 2", lambda: len(trained()) == 2, 120, proc)
+        await until("step 2", lambda: len(trained_steps(out)) == 2, 120, proc)
         for task in await prompts(2):
             await answer(task)
         assert await asyncio.to_thread(proc.wait, 120) == 0
@@ -86,9 +86,9 @@ async def test_the_trainer_rides_out_a_long_outage_with_its_default_retry_budget
             await nc.close()
     rows = read_steps(out)
     assert len([r for r in rows if r.get("event") == "start"]) == 1, "one process, no restart"
-    assert [r["version"] for r in trained()] == [1, 2, 3]
-    assert sorted(trained()[1]["prompt_ids"]) == sorted([first.prompt_id, second.prompt_id])
-    assert all(n == 1 for n in Counter(p for r in trained() for p in r["prompt_ids"]).values())
+    assert [r["version"] for r in trained_steps(out)] == [1, 2, 3]
+    assert sorted(trained_steps(out)[1]["prompt_ids"]) == sorted([first.prompt_id, second.prompt_id])
+    assert all(n == 1 for n in Counter(p for r in trained_steps(out) for p in r["prompt_ids"]).values())
 
 
 @pytest.mark.timeout(240)

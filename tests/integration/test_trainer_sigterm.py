@@ -13,17 +13,13 @@ from services.common.bus import connect, declare_streams
 from services.trainer import checkpoint as ckpt
 from tests.support.trainer import SERVICE_RUN as RUN
 from tests.support.trainer import kill_group as _kill
-from tests.support.trainer import make_group, publish_group, read_steps
+from tests.support.trainer import make_group, publish_group, read_steps, trained_steps
 from tests.support.trainer import start_trainer as _start
 from tests.support.trainer import wait_for_step as _wait_for
 
 SHUTDOWN_S = 10.0
 # Only SIGTERM and the end of the run write checkpoints; the feeder is off, trajectories come from the test.
 ARGS = ("checkpoint_every=0", f"shutdown_timeout_s={SHUTDOWN_S}")
-
-
-def _trained(out: Path) -> list[dict]:
-    return [r for r in read_steps(out) if "prompt_ids" in r]
 
 
 @pytest.mark.timeout(120)
@@ -38,7 +34,7 @@ async def test_sigterm_checkpoints_the_current_version_and_exits_0(nats_url: str
 
     proc = _start(nats_url, tiny_model, out, *ARGS, "total_steps=0")
     try:
-        _wait_for(lambda: any(r["version"] == 2 for r in _trained(out)), 90, proc)
+        _wait_for(lambda: any(r["version"] == 2 for r in trained_steps(out)), 90, proc)
         assert not [r for r in read_steps(out) if r.get("event") == "checkpoint"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=SHUTDOWN_S) == 0  # TimeoutExpired: it overran its shutdown deadline
@@ -61,7 +57,7 @@ async def test_sigterm_checkpoints_the_current_version_and_exits_0(nats_url: str
     rows = read_steps(out)
     start = [r for r in rows if r.get("event") == "start"][-1]
     assert start["resumed"] and start["version"] == 2
-    last = _trained(out)[-1]
+    last = trained_steps(out)[-1]
     assert last["version"] == 3 and sorted(last["prompt_ids"]) == ["p4", "p5"]
     assert ckpt.latest(root) == ckpt.tag_for(3)
     assert os.path.isdir(root / ckpt.tag_for(3))

@@ -28,15 +28,12 @@ from tests.support.trainer import (
     read_steps,
     start_trainer,
     stream_groups,
+    trained_steps,
     until,
 )
 
 SHUTDOWN_S = 10.0
 ARGS = ("checkpoint_every=0", f"shutdown_timeout_s={SHUTDOWN_S}")
-
-
-def _trained(out: Path) -> list[dict]:
-    return [r for r in read_steps(out) if "prompt_ids" in r]
 
 
 @pytest.mark.timeout(300)
@@ -56,7 +53,7 @@ async def test_sigterm_mid_collect_then_resume_trains_every_group_exactly_once(
         await publish(i)
     proc = start_trainer(nats_url, tiny_model, out, *ARGS, "total_steps=0")
     try:
-        await until("step 1", lambda: len(_trained(out)) == 1, 120, proc)
+        await until("step 1", lambda: len(trained_steps(out)) == 1, 120, proc)
         # one group of step 2: the trainer reads and accepts it, then waits for the second
         held = await publish(2)
         await until("p2 to reach the trainer", lambda: delivered_to_trainer(js, RUN, held), 60, proc)
@@ -64,7 +61,7 @@ async def test_sigterm_mid_collect_then_resume_trains_every_group_exactly_once(
         assert proc.wait(timeout=SHUTDOWN_S) == 0
     finally:
         kill_group(proc)
-    step1 = _trained(out)[0]
+    step1 = trained_steps(out)[0]
     saved = [r for r in read_steps(out) if r.get("event") == "checkpoint"][-1]
     assert saved["version"] == 1
     assert saved["last_seq"] == max(step1["seqs"]), "the checkpoint covers what was trained, not what was read"
@@ -82,8 +79,8 @@ async def test_sigterm_mid_collect_then_resume_trains_every_group_exactly_once(
     rows = read_steps(out)
     final = [r for r in rows if r.get("event") == "checkpoint"][-1]
     assert final["version"] == 3
-    trained = Counter(pid for r in _trained(out) for pid in r["prompt_ids"])
-    assert [r["version"] for r in _trained(out)] == [1, 2, 3]
+    trained = Counter(pid for r in trained_steps(out) for pid in r["prompt_ids"])
+    assert [r["version"] for r in trained_steps(out)] == [1, 2, 3]
     due = {pid for seq, pid in groups.items() if seq <= final["last_seq"]}
     assert "p2" in trained, "the group held at SIGTERM was trained after the resume"
     assert set(trained) == due, "every group up to the checkpoint's last_seq trained, none after it"

@@ -48,10 +48,10 @@ async def train_one(trainer: Trainer, tiny_model: Path) -> None:
     """Act as the rollout side for one step: take B prompts, answer them, let the trainer step."""
     assert trainer.nc is not None
     js, subjects, version = trainer.nc.jetstream(), trainer.subjects, trainer.version + 1
-    await trainer.feed_once()
-    tasks = await take_prompts(js, subjects.prompts_train, subjects.rollout_consumer, trainer.s.batch_groups)
+    await trainer.feeder.feed_once()
+    tasks = await take_prompts(js, subjects.prompts_train, subjects.rollout_consumer, trainer.settings.batch_groups)
     for i, t in enumerate(tasks):
-        await publish_group(js, trainer.s.run, t.prompt_id, make_group(tiny_model, t.data["answer"], seed=version * 10 + i))
+        await publish_group(js, trainer.settings.run, t.prompt_id, make_group(tiny_model, t.data["answer"], seed=version * 10 + i))
     assert await trainer.step() is not None and trainer.version == version
 
 

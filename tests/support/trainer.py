@@ -90,6 +90,11 @@ def read_steps(output_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def trained_steps(output_dir: str | Path) -> list[dict[str, Any]]:
+    """The trained steps of the trainer's step record (not its start and checkpoint events)."""
+    return [r for r in read_steps(output_dir) if "prompt_ids" in r]
+
+
 def write_dataset(path: Path, n: int) -> Path:
     from services.common.demo_task import write_copy3_dataset
 
@@ -132,7 +137,7 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-async def until(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
+async def until(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     """Poll `check()` (a function, or a coroutine function) until it holds; fail early if `proc` exits."""
     import asyncio
     import inspect
@@ -145,7 +150,7 @@ async def until(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[
             result = await result
         if result:
             return
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"trainer exited with {proc.returncode} while waiting for {what}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")

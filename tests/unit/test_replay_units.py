@@ -11,8 +11,8 @@ import pytest
 
 from schemas.headers import rejection_headers, trajectory_headers
 from schemas.trajectory import decode_group, encode_group
+from services.common.entry import parse_settings, read_command_line
 from services.common.settings import SettingsError, load_settings
-from services.replay import flags_to_overrides
 from services.replay.parquet import ExportWriter, ParquetFormatError, group_rows, iter_records
 from services.replay.reader import Record
 from services.replay.settings import RangeSettings, ReplaySettings
@@ -44,9 +44,15 @@ def ragged_group(seed: int, n: int = 3, extra: bool = True) -> dict[str, np.ndar
 
 
 def test_flags_are_spellings_of_range_settings() -> None:
-    argv = ["--from-seq", "10", "--to-seq=20", "--since", "2026-01-01T00:00:00", "--follow", "--kind=all", "run=x"]
-    assert flags_to_overrides(argv) == ["range.from_seq=10", "range.to_seq=20", "range.since=2026-01-01T00:00:00",
-                                        "range.follow=true", "range.kind=all", "run=x"]
+    argv = ["--from-seq", "10", "--to-seq=20", "--since", "2026-01-01T00:00:00", "--follow", "run=x", "--kind=all",
+            "source_run=live"]
+    line = read_command_line(ReplaySettings, argv, "jetrl replay", "")
+    assert sorted(line.overrides) == sorted(["range.from_seq=10", "range.to_seq=20", "range.since=2026-01-01T00:00:00",
+                                             "range.follow=true", "range.kind=all", "run=x", "source_run=live"])
+    s = parse_settings(ReplaySettings, argv[2:], "jetrl replay", "")  # from_seq or since, not both
+    assert isinstance(s, ReplaySettings)
+    assert (s.range.to_seq, s.range.since, s.range.follow, s.range.kind) == (20, T0, True, "all")
+    assert (s.run, s.source_run) == ("x", "live")
 
 
 def test_replay_settings_refuse_what_cannot_work() -> None:

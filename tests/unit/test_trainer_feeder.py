@@ -16,19 +16,19 @@ from schemas.headers import rejection_headers, trajectory_headers
 from schemas.messages import RejectionMarker, encode
 from schemas.trajectory import encode_group_with_meta
 from services.trainer.dataset import load_rows
-from services.trainer.feeder import Feeder
 from services.trainer.intake import Intake
+from services.trainer.ledger import PromptLedger
 
 ROWS = [{"id": i, "prompt": f"{i:03d}=", "answer": f"{i:03d}"} for i in range(10)]
 
 
-def _feeder(**kw: object) -> Feeder:
+def _feeder(**kw: object) -> PromptLedger:
     args = {"run": "r", "rows": ROWS, "batch_groups": 2, "eta": 1, "max_in_flight": 100, "seed": 3}
     args.update(kw)
-    return Feeder(**args)  # type: ignore[arg-type]
+    return PromptLedger(**args)  # type: ignore[arg-type]
 
 
-def _drain(f: Feeder, version: int) -> list[str]:
+def _drain(f: PromptLedger, version: int) -> list[str]:
     """Issue what the admission rule allows, each publish acknowledged."""
     out = []
     while (t := f.next_task(version)) is not None:

@@ -7,16 +7,24 @@ import sys
 
 import pytest
 
+from services.common.entry import parse_settings
 from services.common.settings import SettingsError, load_settings
-from services.trainer import _flag_to_override
 from services.trainer.settings import TrainerSettings
 
 
+def _parse(*argv: str) -> TrainerSettings:
+    s = parse_settings(TrainerSettings, list(argv), "jetrl trainer", "")
+    assert isinstance(s, TrainerSettings)
+    return s
+
+
 def test_resume_flag_becomes_the_setting() -> None:
-    assert _flag_to_override(["--resume", "auto", "run=x"]) == ["resume=auto", "run=x"]
-    assert _flag_to_override(["--resume=/ck/v3"]) == ["resume=/ck/v3"]
-    s = load_settings(TrainerSettings, overrides=_flag_to_override(["--resume", "auto", "ppo.adv_norm=rloo", "zero_stage=3"]))
+    assert _parse("--resume", "auto", "run=x").resume == "auto"
+    assert _parse("--resume=/ck/v3").resume == "/ck/v3"
+    assert _parse("run=x", "--resume").resume == "auto"  # alone: auto
+    s = _parse("--resume", "auto", "ppo.adv_norm=rloo", "zero_stage=3")
     assert s.resume == "auto" and s.ppo.adv_norm == "rloo" and s.zero_stage == 3
+    assert _parse("run=x").resume == "never"
 
 
 def test_invalid_settings_name_the_key() -> None:

@@ -1,0 +1,60 @@
+"""The trainer's feeder on a real nats-server, on its own (no model, no engine): it opens its
+subscriptions when started, turns a dead-lettered prompt into a rejection that is issued again, and
+leaves no subscription behind when closed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from schemas.subjects import PROMPTS_STREAM, Subjects
+from services.common.bus import connect, declare_streams
+from services.common.metrics import MetricsPublisher
+from services.trainer.feeder import Feeder
+from services.trainer.settings import TrainerSettings
+from tests.support.trainer import until, write_dataset
+
+RUN = "fb"
+
+
+@pytest.mark.timeout(60)
+async def test_the_feeder_owns_its_subscriptions_and_reissues_a_dead_letter(nats_url: str, tmp_path: Path) -> None:
+    settings = TrainerSettings(
+        run=RUN, nats_url=nats_url, batch_groups=2, eta=0,
+        feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1, "eval_every": 5,
+                "eval_dataset_path": str(write_dataset(tmp_path / "e.jsonl", 3))},
+    )
+    feeder = Feeder(settings, version=lambda: 0, is_trained=lambda _: False, gate_versions=False, tag=lambda _: "")
+    nc = await connect(nats_url, "test")
+    try:
+        js = nc.jetstream()
+        await declare_streams(js)
+        subjects = Subjects(RUN)
+        # the rollout side's consumer, giving up on a prompt after one delivery
+        await js.add_consumer(PROMPTS_STREAM, ConsumerConfig(
+            durable_name=subjects.rollout_consumer, filter_subject=subjects.prompts_all, ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL, max_deliver=1, ack_wait=1.0))
+        before = len(nc._subs)
+        await feeder.start(nc, MetricsPublisher(nc, RUN, "trainer"))
+        assert len(nc._subs) == before + 2, "dead-letter advisories and eval answers"
+
+        assert await feeder.feed_once() == 1
+        first = next(iter(feeder.ledger.in_flight))
+        sub = await js.pull_subscribe_bind(subjects.rollout_consumer, stream=PROMPTS_STREAM)
+        [msg] = await sub.fetch(1, timeout=5)
+        await msg.nak()  # its one delivery failed: asked for it again, the server gives up on it and says so
+        with pytest.raises(TimeoutError):
+            await sub.fetch(1, timeout=1)
+
+        await until("the dead letter to be counted", lambda: feeder.ledger.counters.rejected == 1, 30)
+        assert first not in feeder.ledger.in_flight and len(feeder.ledger.reissue) == 1
+        assert await feeder.feed_once() == 1  # the slot is free: the row goes out again, under a new id
+        assert next(iter(feeder.ledger.in_flight)) == f"{first}-r1"
+        await sub.unsubscribe()
+
+        await feeder.close()
+        assert len(nc._subs) == before, "closed, the feeder leaves no subscription behind"
+    finally:
+        await nc.close()
