@@ -61,7 +61,7 @@ async def test_forged_groups_and_prompts_are_refused_and_counted(nats_url: str, 
     js = nc.jetstream()
     feeder = trainer.feeder
     assert feeder is not None
-    assert await trainer.feed_once() == 4
+    assert await feeder.feed_once() == 4
     issued = await _pull_prompts(js, 4)
     assert all(prompt_tag_of(h) for _, h in issued), "the feeder tags every prompt it issues"
 
@@ -85,8 +85,8 @@ async def test_forged_groups_and_prompts_are_refused_and_counted(nats_url: str, 
     assert values["total_terminated_unissued_prompt"] == 3
     assert values["total_accepted"] == 2
     # the refusals cost the real prompts nothing: still in flight, not charged, not re-issued
-    assert feeder.counters.rejected == 0 and real.prompt_id in feeder.in_flight
-    assert feeder.in_flight[real.prompt_id][2] == 0
+    assert feeder.ledger.counters.rejected == 0 and real.prompt_id in feeder.ledger.in_flight
+    assert feeder.ledger.in_flight[real.prompt_id][2] == 0
     assert {"0-999", "1-998"}.isdisjoint(trainer.intake.trained)
 
     status = await trainer_groups(nc, RUN, timeout_s=5.0)
@@ -94,7 +94,7 @@ async def test_forged_groups_and_prompts_are_refused_and_counted(nats_url: str, 
 
     # across a restart: answers to prompts issued before it still check out. (Not issued[0]: the
     # forged group took its result's de-duplication id; that prompt is re-issued when it times out.)
-    assert await trainer.feed_once() == 2
+    assert await feeder.feed_once() == 2
     later = await _pull_prompts(js, 2)
     await trainer.checkpoint()
     await trainer.close()
