@@ -3,7 +3,7 @@
     jetrl bus init [--config FILE] [key=value ...]   declare the streams and the WEIGHTS bucket (admin user)
     jetrl bus permissions [--run RUN] [--passwords-include PATH] [--out FILE]
                                                      print the nats-server users block, one user per service
-    jetrl bus secrets DIR                            a random password per user in DIR, and DIR/nats-passwords.conf
+    jetrl bus secrets DIR                            a random password per user in DIR, DIR/nats-passwords.conf, and the trust keys
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """`jetrl bus secrets DIR`: one random password per NATS user, each in its own file (what a compose
-secret or a Kubernetes Secret key holds), and the nats-server variables file the users block includes."""
+secret or a Kubernetes Secret key holds), the nats-server variables file the users block includes, and
+the trust checks' shared keys."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ from pathlib import Path
 from services.common.permissions import passwords_conf, users
 
 PASSWORDS_CONF = "nats-passwords.conf"
+TRUST_KEYS = ("announce-key", "inference-admin-key")
+"""Beside the passwords, the shared keys of the trust checks: the trainer signs weights announcements
+with `announce-key` (`trust.announce_key_file` of the trainer and every weights agent); the inference
+servers' admin routes want `inference-admin-key` (`admin_api_key_file` of the server,
+`trust.inference_admin_api_key_file` of the weights agent and the trainer)."""
 
 
 def write_secrets(directory: str | Path) -> list[Path]:
@@ -23,14 +29,20 @@ def write_secrets(directory: str | Path) -> list[Path]:
     passwords: dict[str, str] = {}
     written = []
     for user in users():
-        path = root / user
-        if not path.exists() or not path.read_text().strip():
-            path.write_text(secrets.token_urlsafe(24) + "\n")
-            os.chmod(path, 0o644)
+        path = _keep_or_make(root / user)
         passwords[user] = path.read_text().strip()
         written.append(path)
+    written += [_keep_or_make(root / name) for name in TRUST_KEYS]
     conf = root / PASSWORDS_CONF
     conf.write_text(passwords_conf(passwords))
     os.chmod(conf, 0o644)
     (root / ".gitignore").write_text("# NATS passwords: never committed\n*\n")  # e.g. infra/secrets in a checkout
     return [*written, conf]
+
+
+def _keep_or_make(path: Path) -> Path:
+    """A random secret in `path` unless it already holds one (0644: see `write_secrets`)."""
+    if not path.exists() or not path.read_text().strip():
+        path.write_text(secrets.token_urlsafe(24) + "\n")
+        os.chmod(path, 0o644)
+    return path

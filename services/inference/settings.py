@@ -47,8 +47,8 @@ class InferenceSettings(ServiceSettings):
     admin_api_key: SecretStr = SecretStr("")
     """As SGLang's `--admin-api-key`: the admin routes (`update_weights_*`, `pause_generation` /
     `continue_generation`, `abort_request`, `flush_cache`, the distributed weight-update group) need
-    this key, and `api_key` is not accepted there. Give the same key to the weights agent
-    (`trust.inference_api_key`)."""
+    this key, and `api_key` is not accepted there. Give the same key to the weights agent and the
+    trainer (`trust.inference_admin_api_key`)."""
     admin_api_key_file: str = ""
     """File holding `admin_api_key`."""
     port: int = 30000

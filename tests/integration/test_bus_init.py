@@ -125,9 +125,12 @@ def test_bus_secrets_keeps_existing_passwords_and_prints_none(tmp_path: Path) ->
     first = jetrl("bus", "secrets", str(tmp_path / "s"))
     assert first.returncode == 0, first.stderr
     admin = (tmp_path / "s" / "admin").read_text()
+    keys = {name: (tmp_path / "s" / name).read_text() for name in ("announce-key", "inference-admin-key")}
+    assert all(len(k.strip()) >= 24 for k in keys.values()) and len(set(keys.values())) == 2
     again = jetrl("bus", "secrets", str(tmp_path / "s"))
     assert (tmp_path / "s" / "admin").read_text() == admin, "a re-run changed a password"
-    assert admin.strip() not in first.stdout + again.stdout + first.stderr
+    assert {name: (tmp_path / "s" / name).read_text() for name in keys} == keys, "a re-run changed a trust key"
+    assert not any(k.strip() in first.stdout + again.stdout + first.stderr for k in [admin, *keys.values()])
     conf = (tmp_path / "s" / "nats-passwords.conf").read_text()
     assert f'{password_env("admin")}: "{admin.strip()}"' in conf
     assert (tmp_path / "s" / ".gitignore").read_text().splitlines()[-1] == "*"

@@ -82,8 +82,10 @@ def test_k8s_mounts_only_each_pods_own_password() -> None:
                 continue
             for vol in doc["spec"]["template"]["spec"].get("volumes", []):
                 if vol.get("secret", {}).get("secretName") == "jetrl-nats":
-                    keys[doc["metadata"]["name"]] = [i["key"] for i in vol["secret"]["items"]]
-        expected = {"bus-init": [ADMIN], "trainer": ["trainer"], "rollout": ["rollout"], "reward": ["reward"], "inference": ["weights"]}
+                    keys.setdefault(doc["metadata"]["name"], []).extend(i["key"] for i in vol["secret"]["items"])
+        trust = ["announce-key", "inference-admin-key"]  # the trust keys: the signer/checkers and the admin-route callers
+        expected = {"bus-init": [ADMIN], "trainer": ["trainer", *trust], "rollout": ["rollout"], "reward": ["reward"],
+                    "inference": ["weights", "inference-admin-key", "announce-key"]}
         if overlay == "base":
             expected["nats"] = ["nats-passwords.conf"]
         assert keys == expected, overlay
