@@ -107,27 +107,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
 
         common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json"}
         sec = lambda name: deep_merge(DEMO_DEFAULTS.get(name, {}), sections.get(name, {}))  # noqa: E731
-        stack.start("reward", "services.reward", to_env("reward", deep_merge(common, sec("reward"))))
-        servers = []
-        for i in range(s.inference_servers):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            servers.append(url)
-            stack.start(
-                f"inference-{i}",
-                "services.inference",
-                to_env(
-                    "inference",
-                    deep_merge({**common, "model_path": s.model_path, "port": port, "seed": i}, sec("inference")),
-                ),
-            )
-            weights = {**common, "server": url, "cache_dir": str(run_dir / f"weights-cache-{i}")}
-            stack.start(f"weights-{i}", "services.weights", to_env("weights", deep_merge(weights, sec("weights"))))
-        await _wait_healthy(servers, stack, s.ready_timeout_s, stop)
-        for i in range(s.rollout_workers):
-            rollout = {**common, "model_path": s.model_path, "worker": f"rollout-{i}", "inference": {"servers": servers}}
-            # replicas: one dying is survivable (its prompts are redelivered); all of them is not
-            stack.start(f"rollout-{i}", "services.rollout", to_env("rollout", deep_merge(rollout, sec("rollout"))), required=False)
+        # Ports first, so that every service is told where the servers will be before any of them is up.
+        servers = [f"http://127.0.0.1:{free_port()}" for _ in range(s.inference_servers)]
         trainer: dict[str, Any] = {
             **common,
             "model_path": s.model_path,
@@ -138,7 +119,29 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         if not s.dataset_path:  # the demo: a fixed eval set of 32 prompts, every 10 steps
             eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1)
             trainer["feeder"] |= {"eval_dataset_path": str(eval_set), "eval_every": 10, "eval_size": 32}
+        # The trainer first: its start (DeepSpeed's import and init, the model) is the longest of all and
+        # needs no inference server, so it overlaps the servers' start instead of following it. Its
+        # prompts wait in the PROMPTS stream until a rollout worker is up.
         trainer_proc = stack.start("trainer", "services.trainer", to_env("trainer", deep_merge(trainer, sec("trainer"))))
+        stack.start("reward", "services.reward", to_env("reward", deep_merge(common, sec("reward"))))
+        for i, url in enumerate(servers):
+            port = int(url.rsplit(":", 1)[1])
+            stack.start(
+                f"inference-{i}",
+                "services.inference",
+                to_env(
+                    "inference",
+                    deep_merge({**common, "model_path": s.model_path, "port": port, "seed": i}, sec("inference")),
+                ),
+            )
+            weights = {**common, "server": url, "cache_dir": str(run_dir / f"weights-cache-{i}")}
+            stack.start(f"weights-{i}", "services.weights", to_env("weights", deep_merge(weights, sec("weights"))))
+        # Rollout workers only once the servers answer: an episode sent to a server still loading fails.
+        await _wait_healthy(servers, stack, s.ready_timeout_s, stop)
+        for i in range(s.rollout_workers):
+            rollout = {**common, "model_path": s.model_path, "worker": f"rollout-{i}", "inference": {"servers": servers}}
+            # replicas: one dying is survivable (its prompts are redelivered); all of them is not
+            stack.start(f"rollout-{i}", "services.rollout", to_env("rollout", deep_merge(rollout, sec("rollout"))), required=False)
         if "track" in sections:  # experiment trackers: a follower of the METRICS stream; losing it loses no training
             config = run_dir / "config.json"
             config.write_text(json.dumps({"up": s.model_dump(), **{n: sec(n) for n in SERVICE_SECTIONS if n != "track"}}, default=str))
