@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", help="YAML with an `up:` section and one section per service")
     parser.add_argument("--rollout-workers", type=int, help="rollout worker processes (default 2)")
-    parser.add_argument("--steps", type=int, help="trainer steps (default 300)")
+    parser.add_argument("--steps", type=int, help="trainer steps at most (default: the total_steps setting)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="`jetrl up` settings, e.g. run=exp1")
     args = parser.parse_args(argv)
     overrides = list(args.overrides)

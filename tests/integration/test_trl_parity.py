@@ -19,7 +19,7 @@ pytest.importorskip("trl")
 GROUPS, GROUP, NEW_TOKENS, LR = 8, 8, 4, 1e-3
 
 
-def _sample(model: Any, tok: Any, seed: int) -> tuple[list[dict[str, np.ndarray]], list[list[int]], list[list[int]], list[float]]:
+def _sample(model: Any, tok: Any, seed: int) -> tuple[list[dict[str, Any]], list[list[int]], list[list[int]], list[float]]:
     """On-policy copy3 groups sampled from `model` (behaviour log-probs = the model's own), as jetrl
     collates them, and the same samples as TRL sees them (prompt ids, completion ids, rewards)."""
     import torch
@@ -76,9 +76,13 @@ def _trl_update(model_path: Path, tok: Any, prompts: list[list[int]], completion
     )
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": "123="}]}] * GROUPS)
-    trainer = GRPOTrainer(model=policy, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
-                          train_dataset=data, processing_class=tok)
+    def no_reward(completions: list[Any], **_: Any) -> list[float | None]:  # the rewards are given below
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(model=policy, reward_funcs=no_reward, args=config, train_dataset=data, processing_class=tok)
     trainer.create_optimizer_and_scheduler(num_training_steps=1)
+    model: Any = trainer.model
+    optimizer: Any = trainer.optimizer
     trainer.current_gradient_accumulation_steps = 1
     completion_ids = torch.full((len(completions), NEW_TOKENS), tok.pad_token_id)
     completion_mask = torch.zeros(len(completions), NEW_TOKENS, dtype=torch.long)
@@ -88,16 +92,16 @@ def _trl_update(model_path: Path, tok: Any, prompts: list[list[int]], completion
     r = torch.tensor(rewards).view(-1, GROUP)  # TRL's advantages, as in _generate_and_score_completions
     advantages = ((r - r.mean(1, keepdim=True)) / (nanstd(r, dim=1).unsqueeze(1) + 1e-4)).flatten()
     prompt_ids = torch.tensor(prompts)
-    trainer.model.train()
-    loss = trainer._compute_loss(trainer.model, {
+    model.train()
+    loss = trainer._compute_loss(model, {
         "prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
         "completion_mask": completion_mask, "advantages": advantages, "num_items_in_batch": completion_mask.sum(),
     })
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), config.max_grad_norm)
-    trainer.optimizer.step()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+    optimizer.step()
     return {"loss": float(loss.detach()), "grad_norm": float(norm),
-            "weights": {k: v.detach().clone() for k, v in trainer.model.named_parameters()}}
+            "weights": {k: v.detach().clone() for k, v in model.named_parameters()}}
 
 
 def test_one_update_on_the_same_batch_moves_the_weights_as_trl_does(tiny_model: Path, tmp_path: Path) -> None:
