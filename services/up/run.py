@@ -55,12 +55,14 @@ def validate_sections(sections: dict[str, dict[str, Any]]) -> None:
 
 
 # The demo's defaults (copy3 on the tiny model; docs/reference/tiny-model-rl.md); a --config
-# section overrides any of them. Measured on copy3 (bench/README.md): 16 prompts a step reach 0.9 in
-# fewer samples than 32 (which needs ~35% fewer steps but ~30% more samples) and lr 2e-3 is no faster
-# than 1e-3; eta 2 lets generation overlap training (eta 0 waits for data) without eta 4's slower climb.
+# section overrides any of them. Measured on copy3 (bench/README.md): at 16 prompts a step the steps
+# to 0.9 spread over 186-399 (a run can sit at ~0.8 for 100 steps with a digit locked on a wrong
+# answer); at 32 they stay within ~150-190 (~30% more samples); lr 2e-3 is no faster than 1e-3. eta 2
+# lets generation overlap training (at eta 0 the trainer waits for data); the feeder keeps eta + 1
+# steps of prompts in flight.
 DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
     "rollout": {"max_new_tokens": 4, "group_size": 8, "temperature": 1.0, "max_concurrent": 32},
-    "trainer": {"batch_groups": 16, "eta": 2, "lr": 1e-3, "checkpoint_every": 50, "feeder": {"max_in_flight": 64}},
+    "trainer": {"batch_groups": 32, "eta": 2, "lr": 1e-3, "checkpoint_every": 50, "feeder": {"max_in_flight": 96}},
 }
 
 

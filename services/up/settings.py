@@ -30,7 +30,7 @@ class UpSettings(ServiceSettings):
     """CPU inference servers (each with its own weights agent)."""
     total_steps: int = Field(500, ge=1)
     """Trainer steps at most; the run ends when the trainer finishes them (or at `stop_at_reward`). The
-    demo reaches its 0.9 in ~190-300 steps (16 prompts a step), so 500 leaves room for a slow seed."""
+    demo reaches its 0.9 in ~150-250 steps (32 prompts a step): 500 leaves room for a slow seed."""
     stop_at_reward: float | None = Field(None, ge=0)
     """Stop early once the 10-step mean reward reaches this (0 = run all `total_steps`). Unset: 0.9 for
     the demo (no `dataset_path`: copy3 is learned there, and the run ends instead of idling on), 0 with
