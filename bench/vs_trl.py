@@ -31,11 +31,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PROMPTS_PER_STEP = 16
-GROUP = 8
-LR = 1e-3
-NEW_TOKENS = 4
-TEMPERATURE = 1.0
+from services.up.run import DEMO_DEFAULTS  # noqa: E402  (after the sys.path line)
+
+# jetrl's demo defaults, given to TRL as they are (jetrl runs with its defaults, stated below)
+PROMPTS_PER_STEP = DEMO_DEFAULTS["trainer"]["batch_groups"]
+GROUP = DEMO_DEFAULTS["rollout"]["group_size"]
+LR = DEMO_DEFAULTS["trainer"]["lr"]
+NEW_TOKENS = DEMO_DEFAULTS["rollout"]["max_new_tokens"]
+TEMPERATURE = DEMO_DEFAULTS["rollout"]["temperature"]
 CLIP = 0.2
 ENTROPY = 0.03
 
