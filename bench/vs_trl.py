@@ -31,11 +31,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PROMPTS_PER_STEP = 16
-GROUP = 8
-LR = 1e-3
-NEW_TOKENS = 4
-TEMPERATURE = 1.0
+from services.up.run import DEMO_DEFAULTS  # noqa: E402  (after the sys.path line)
+
+# jetrl's demo defaults, given to TRL as they are (jetrl runs with its defaults, stated below)
+PROMPTS_PER_STEP = DEMO_DEFAULTS["trainer"]["batch_groups"]
+GROUP = DEMO_DEFAULTS["rollout"]["group_size"]
+LR = DEMO_DEFAULTS["trainer"]["lr"]
+NEW_TOKENS = DEMO_DEFAULTS["rollout"]["max_new_tokens"]
+TEMPERATURE = DEMO_DEFAULTS["rollout"]["temperature"]
 CLIP = 0.2
 ENTROPY = 0.03
 
@@ -44,14 +47,15 @@ MAPPING = [
     ("prompts per step", f"trainer.batch_groups={PROMPTS_PER_STEP}", f"per_device_train_batch_size={PROMPTS_PER_STEP * GROUP} (samples)"),
     ("samples per prompt", f"rollout.group_size={GROUP}", f"num_generations={GROUP}"),
     ("learning rate", f"trainer.lr={LR}", f"learning_rate={LR} (constant, no warmup)"),
-    ("optimizer", "DeepSpeed Adam (betas 0.9/0.999, eps 1e-8, no decay)", "adamw_torch (betas 0.9/0.999, eps 1e-8, weight_decay=0)"),
+    ("optimizer", "torch AdamW in DeepSpeed ZeRO-2 (0.9/0.999, 1e-8, wd 0)", "adamw_torch_fused (0.9/0.999, 1e-8, weight_decay=0)"),
     ("grad clip", "trainer.grad_clip=1.0", "max_grad_norm=1.0"),
     ("new tokens", f"rollout.max_new_tokens={NEW_TOKENS}", f"max_completion_length={NEW_TOKENS}"),
     ("temperature", f"rollout.temperature={TEMPERATURE}", f"temperature={TEMPERATURE}"),
     ("ratio clip", f"ppo.eps_clip={CLIP}", f"epsilon={CLIP}"),
     ("entropy bonus", f"ppo.entropy_coef={ENTROPY}", f"entropy_coef={ENTROPY}"),
     ("loss aggregation", "ppo.loss_agg=token-mean", "loss_type=dapo (token mean over the batch)"),
-    ("advantages", "ppo.adv_norm=grpo (group mean/std)", "scale_rewards=group"),
+    ("advantages", "ppo.adv_norm=grpo: (r - mean) / (std + 1e-6)", "scale_rewards=group: (r - mean) / (std + 1e-4); std unbiased in both"),
+    ("importance weight", "decoupled: proximal/behaviour (1 at eta=0), cap 5", "none (num_iterations=1: ratio 1)"),
     ("KL", "none (ppo.kl_coef=0)", "beta=0.0"),
     ("updates per batch", "ppo.n_minibatches=1", "num_iterations=1, steps_per_generation=1"),
     ("prompt", "chat template of the tiny model's tokenizer", "the same (conversational prompts)"),
@@ -163,9 +167,10 @@ def run_jetrl(model: Path, dataset: Path, seed: int, steps: int, target: float, 
     generated = sum(last.get(f"total_{k}", 0.0) for k in ("accepted", "stale", "filtered", "duplicate", "malformed")) * GROUP
     med = lambda key: statistics.median(s[key] for s in history if key in s) if history else float("nan")  # noqa: E731
     step_s = med("step_time_s")
+    first = history[0]["time"] + offset if history else None  # the first step done, from the command's start
     return {"side": "jetrl", "eta": "default" if eta is None else eta, "seed": seed, "wall_s": wall, "cpu_s": cpu,
             "steps": len(history), "samples": generated, "stale_groups": last.get("total_stale", 0.0),
-            "trained_groups": last.get("total_accepted", 0.0), "outcome": metrics.get("outcome"),
+            "trained_groups": last.get("total_accepted", 0.0), "outcome": metrics.get("outcome"), "startup_s": first,
             "step_s": step_s, "wait_s": med("data_wait_fraction") * step_s, "train_s": med("train_time_s"),
             "publish_s": med("publish_time_s"), **_crossings(series, target)}
 
@@ -234,13 +239,14 @@ def main() -> None:
 
     t_to = f"t->{args.target} s"
     header = f"{'run':<18} {'seed':>4} {'t->0.5 s':>9} {t_to:>9} {'step':>5} {'steps':>5} {'samples':>8} {'cpu s':>7}"
-    print("\n" + header + f" {'stale':>6} {'step s':>7} {'wait':>6} {'train':>6} {'publish':>7}")
+    print("\n" + header + f" {'stale':>6} {'start s':>7} {'step s':>7} {'wait':>6} {'train':>6} {'publish':>7}")
     for r in trl + jetrl + [r for runs in sweep.values() for r in runs]:
         name = "trl" if r["side"] == "trl" else f"jetrl eta={r['eta']}"
         line = (f"{name:<18} {r['seed']:>4} {_fmt(r['t_half']):>9} {_fmt(r['t_target']):>9} {_fmt(r['step_target']):>5} "
                 f"{r['steps']:>5} {int(r['samples']):>8} {r['cpu_s']:>7.0f}")
         if r["side"] == "jetrl":
-            line += (f" {int(r['stale_groups']):>6} {r['step_s']:>7.3f} {r['wait_s']:>6.3f} {r['train_s']:>6.3f} {r['publish_s']:>7.3f}")
+            line += (f" {int(r['stale_groups']):>6} {_fmt(r['startup_s']):>7} {r['step_s']:>7.3f} {r['wait_s']:>6.3f}"
+                     f" {r['train_s']:>6.3f} {r['publish_s']:>7.3f}")
         print(line)
 
     t_trl = _median_time(trl) if trl else float("nan")
@@ -251,6 +257,8 @@ def main() -> None:
         "score": round(score, 3), "trl_t_target_median_s": t_trl, "jetrl_t_target_median_s": t_jetrl,
         "jetrl_eta_sweep_t_target_median_s": {str(e): _median_time(runs) for e, runs in sweep.items()},
         "trl_steps_to_target": [r["step_target"] for r in trl], "jetrl_steps_to_target": [r["step_target"] for r in jetrl],
+        "jetrl_eta_sweep_steps_to_target": {str(e): [r["step_target"] for r in runs] for e, runs in sweep.items()},
+        "jetrl_startup_s": [r["startup_s"] for r in jetrl],
     }
     print(json.dumps(_finite(figures)))
 

@@ -26,10 +26,18 @@ def summary_lines(steps: list[dict[str, Any]], servers: dict[str, int], wall_s: 
         f"steps: {steps[-1]['step']}  final version: {steps[-1].get('version')}  wall: {wall_s:.0f} s",
         f"reward mean: first 10 steps {mean(first):.3f} -> last 10 steps {mean(last):.3f}",
     ]
+    lines += startup_lines(steps)
     lines += waste_lines(steps)
     for server, version in sorted(servers.items()):
         lines.append(f"server {server}: weight version {version}")
     return lines
+
+
+def startup_lines(steps: list[dict[str, Any]]) -> list[str]:
+    """How long the stack took to get going: from `jetrl up`'s start (the bus, the model, every service's
+    start-up, the first batch's generation) to the end of the first trainer step."""
+    first = steps[0].get("time")
+    return [] if first is None else [f"start-up: first step trained {first:.1f} s after the start"]
 
 
 WASTED_KINDS = ("stale", "filtered", "duplicate")

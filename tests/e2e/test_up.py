@@ -26,15 +26,17 @@ ROOT = Path(__file__).resolve().parents[2]
 ETA = 4
 
 
-def start_up(tmp_path: Path, run: str, steps: int, config: dict[str, Any]) -> subprocess.Popen[str]:
+def start_up(tmp_path: Path, run: str, steps: int | None, config: dict[str, Any]) -> subprocess.Popen[str]:
+    """`jetrl up` on a run of its own under `tmp_path`; `steps` None: its default step budget."""
     import yaml
 
     cfg = tmp_path / "up.yaml"
     cfg.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    budget = [] if steps is None else [f"total_steps={steps}"]
     return subprocess.Popen(
         [sys.executable, "-m", "services.up", "--config", str(cfg), f"run={run}", f"run_dir={tmp_path}",
-         f"total_steps={steps}", "display=lines", "model_path=" + str(tmp_path / "model")],
+         *budget, "display=lines", "model_path=" + str(tmp_path / "model")],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
@@ -104,12 +106,21 @@ def finish(proc: subprocess.Popen[str], timeout: float) -> str:
     return out
 
 
-DEMO = {"trainer": {"eta": ETA, "checkpoint_every": 0}, "rollout": {"ack_wait_s": 15}}
+# The short runs of the fault tests: a fixed eta and batch (they count steps x 16 trained prompts).
+DEMO = {"trainer": {"eta": ETA, "batch_groups": 16, "checkpoint_every": 0}, "rollout": {"ack_wait_s": 15}}
 
 
-def test_up_learns_copy3_publishes_versions_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    steps = 150
-    proc = start_up(tmp_path, "e2e", steps, DEMO)
+@pytest.mark.timeout(1500)
+def test_default_up_learns_copy3_to_0_9_publishes_versions_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """`jetrl up` as a new user runs it: every setting at its default (the step budget, the batch, eta,
+    the stop at a 10-step mean reward of 0.9)."""
+    from services.up.run import DEMO_DEFAULTS, DEMO_STOP_AT_REWARD
+    from services.up.settings import UpSettings
+
+    budget = UpSettings.model_fields["total_steps"].default
+    eta = DEMO_DEFAULTS["trainer"]["eta"]
+    batch = DEMO_DEFAULTS["trainer"]["batch_groups"]
+    proc = start_up(tmp_path, "e2e", None, {})
     run_dir = tmp_path / "e2e"
     status = None
     lines = []
@@ -119,7 +130,7 @@ def test_up_learns_copy3_publishes_versions_and_leaves_nothing_behind(tmp_path: 
         # poll `jetrl status` on the live run until it shows both rollout workers and the trainer
         if not status_shows_workers(status) and _step_of(line) >= 8:
             status = jetrl_status("e2e", tmp_path)
-    out = "".join(lines) + finish(proc, timeout=900)
+    out = "".join(lines) + finish(proc, timeout=1400)
     assert proc.returncode == 0, out[-4000:]
 
     # `jetrl status` on the live run: both rollout workers and the trainer alive, the server loaded
@@ -129,29 +140,32 @@ def test_up_learns_copy3_publishes_versions_and_leaves_nothing_behind(tmp_path: 
     assert status["weights"]["servers"][0]["loaded_version"] >= 1
     assert processes_of(tmp_path) == [], "processes left behind after jetrl up exited"
 
+    # learned: a 10-step mean reward of 0.9 (chance is ~0.02) within the default step budget
     metrics = json.loads((run_dir / "metrics.json").read_text())
     history = metrics["steps"]
-    assert [s["step"] for s in history][-1] == steps
-    first = sum(s["reward_mean"] for s in history[:10]) / 10
-    last = sum(s["reward_mean"] for s in history[-10:]) / 10
-    # from chance (~0.02): 150 steps at eta 4 end between ~0.3 and ~0.6 on this machine; +0.2 is far
-    # beyond the 10-step means' noise (~0.02) without depending on how fast this run happened to learn
-    assert last > first + 0.2, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
-    assert all(s["staleness_max"] <= ETA for s in history if "staleness_max" in s)
+    steps = history[-1]["step"]
+    rewards = [s["reward_mean"] for s in history]
+    means = [sum(rewards[i - 10 : i]) / 10 for i in range(10, len(rewards) + 1)]
+    assert metrics["outcome"] == "converged" and steps <= budget, f"after {steps} of {budget} steps:\n{out[-2000:]}"
+    assert max(means) >= DEMO_STOP_AT_REWARD
+    # the end: the steps trained while the stack stopped may dip below 0.9 by a sample or two, not more
+    assert means[-1] >= DEMO_STOP_AT_REWARD - 0.05, f"10-step mean reward {means[-1]:.3f} at the end"
+    assert "start-up: first step trained" in out and "stale groups:" in out
+    assert all(s["staleness_max"] <= eta for s in history if "staleness_max" in s)
     assert (run_dir / "reward_curve.png").stat().st_size > 0
     # eval rounds (every 10 steps on the demo's eval set) came back and show the same progress
     evals = [e for e in metrics["evals"] if "eval_reward_mean" in e]
-    assert len(evals) >= 10
+    assert len(evals) >= 5
     assert evals[-1]["eval_reward_mean"] > evals[0]["eval_reward_mean"]
 
-    # weights: the server loaded at least 5 versions; the last loaded is recent
+    # weights: the server loaded at least 5 versions
     loaded = max(metrics["servers"].values())
     assert loaded >= 5
 
     # the recording: every training trajectory carries its versions, within the staleness budget
     recording = asyncio.run(read_recording(run_dir, "e2e"))
     groups = [decode_group(data) for headers, data in recording if not is_rejection(headers)]
-    assert len(groups) >= steps * 16 * 0.9
+    assert len(groups) >= steps * batch * 0.9
     assert all(HDR_HEAD_VERSION in headers for headers, _ in recording if not is_rejection(headers))
     late = [g for g in groups if g.meta.tail_version >= 5]
     assert late, "no trajectory was generated by an updated policy"

@@ -22,3 +22,9 @@ def test_summary_of_a_run_without_waste() -> None:
     steps = [{"step": 1, "version": 1, "reward_mean": 0.5, "groups": 16.0, "samples": 128.0, "stale_groups": 0.0}]
     lines = summary_lines(steps, {}, 1.0)
     assert "stale groups: 0 (0.0% of 16 trained)  wasted samples: 0 (0 stale, 0 filtered, 0 duplicate groups)" in lines
+
+
+def test_summary_says_how_long_the_start_up_took() -> None:
+    steps = [{"step": 1, "version": 1, "reward_mean": 0.0, "time": 12.34, "groups": 16.0, "samples": 128.0},
+             {"step": 2, "version": 2, "reward_mean": 0.1, "time": 12.5, "groups": 16.0, "samples": 128.0}]
+    assert "start-up: first step trained 12.3 s after the start" in summary_lines(steps, {}, 20.0)
