@@ -57,7 +57,7 @@ class AgentWorkflow(RolloutWorkflow):
     ) -> None:
         """`agent`: an object, a class (built with `agent_kwargs`) or a "module:Name" reference;
         `tokenizer`: a tokenizer or model directory (default: the inference server's, from
-        /get_model_info); `discount`: reward discount per turn back through the conversation tree;
+        /model_info); `discount`: reward discount per turn back through the conversation tree;
         `export_style`: "individual" or "concat"; `host`/`port`: where the proxy listens (0: a free
         port); `max_workers`: subprocess-mode pool size; `timeout_s`: longest episode.
 
@@ -224,7 +224,7 @@ async def _server_tokenizer_path(engine: Any) -> str:
     errors = []
     for server in list(getattr(engine, "servers", [])):
         try:
-            info = await engine.model_info(server)  # /model_info, or /get_model_info on older servers
+            info = await engine.model_info(server)  # /model_info (SGLang 0.5.19+ serves it)
         except Exception as exc:
             errors.append(f"{server}: {exc!r}")
             continue
