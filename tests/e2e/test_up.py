@@ -127,6 +127,7 @@ def test_up_learns_copy3_publishes_versions_and_leaves_nothing_behind(tmp_path: 
     assert status_shows_workers(status), status["bus"]["workers"]
     assert status["weights"]["published_version"] >= 1
     assert status["weights"]["servers"][0]["loaded_version"] >= 1
+    assert status["weights"]["servers"][0]["transport"] == "broadcast"  # the default: weights in memory
     assert processes_of(tmp_path) == [], "processes left behind after jetrl up exited"
 
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -139,6 +140,7 @@ def test_up_learns_copy3_publishes_versions_and_leaves_nothing_behind(tmp_path: 
     assert last > first + 0.2, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
     assert all(s["staleness_max"] <= ETA for s in history if "staleness_max" in s)
     assert (run_dir / "reward_curve.png").stat().st_size > 0
+    assert "publishing weights: " in out and "% of step time" in out  # the summary says what publishing cost
     # eval rounds (every 10 steps on the demo's eval set) came back and show the same progress
     evals = [e for e in metrics["evals"] if "eval_reward_mean" in e]
     assert len(evals) >= 10
