@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,8 @@ class Group:
     takes the next bucket."""
     held: dict[str, torch.Tensor] = field(default_factory=dict)
     """Received, verified tensors of the version in flight, swapped in by its last bucket."""
+    timing: dict[str, float] = field(default_factory=lambda: {"receive_s": 0.0, "check_s": 0.0})
+    """Seconds spent receiving and checking the version in flight (logged with its swap)."""
     spoiled: str = ""
     """Why a bucket of the version in flight was refused: the rest of the version is received (the
     group stays in step) but refused too, so a partial version is never swapped in."""
@@ -174,7 +177,7 @@ class DistWeights:
             # threads take buckets in order, so when this returns every earlier bucket of the version
             # has been checked and its handler has run (held it, or marked the version spoiled).
             ready = await asyncio.get_running_loop().run_in_executor(
-                group.checker, self._verify, names, buffers, body.get("checksum"))
+                group.checker, self._verify, group, names, buffers, body.get("checksum"))
             if group.spoiled:
                 raise DistUpdateError(f"an earlier bucket of this version was refused ({group.spoiled})")
             group.held.update(zip(names, ready, strict=True))
@@ -182,6 +185,9 @@ class DistWeights:
             if version is not None:
                 held, group.held = group.held, {}
                 seconds, old = await self.server.sched.in_model_thread(self._swap_in, held, str(version))
+                log.info("weights version received", version=version, tensors=len(held), swap_s=round(seconds, 6),
+                         **{k: round(v, 4) for k, v in group.timing.items()})
+                group.timing = {k: 0.0 for k in group.timing}
                 # the next version lands in the memory of the one before this (when it was ours)
                 self.spare = {n: t for n, t in old.items() if t.data_ptr() in self._received}
                 self._received = {t.data_ptr() for t in held.values()}
@@ -211,12 +217,21 @@ class DistWeights:
         return out
 
     def _receive(self, group: Group, buffers: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
         for t in buffers:
             group.pg.broadcast(t, 0).wait()
+        group.timing["receive_s"] += time.perf_counter() - t0  # this thread's key only
 
-    def _verify(self, names: list[str], buffers: list[torch.Tensor], checksum: Any) -> list[torch.Tensor]:
-        """In the receiving thread: names, shapes and checksum checked; each tensor in the model's
-        dtype, ready to be swapped in."""
+    def _verify(self, group: Group, names: list[str], buffers: list[torch.Tensor], checksum: Any) -> list[torch.Tensor]:
+        """In the group's checking thread: names, shapes and checksum checked; each tensor in the
+        model's dtype, ready to be swapped in."""
+        t0 = time.perf_counter()
+        try:
+            return self._checked(names, buffers, checksum)
+        finally:
+            group.timing["check_s"] += time.perf_counter() - t0  # this thread's key only
+
+    def _checked(self, names: list[str], buffers: list[torch.Tensor], checksum: Any) -> list[torch.Tensor]:
         targets = self._targets()
         for n, t in zip(names, buffers, strict=True):
             if n not in targets:
@@ -249,17 +264,13 @@ class DistWeights:
         """In the model thread, between two steps; returns how long decoding waited for it, and the
         old weights by name (the next version's receive buffers). The received tensors become the
         parameters' storage (no copy): the wait is a pointer per tensor."""
-        import time
-
         t0 = time.perf_counter()
         targets = self._targets()
         old = {n: targets[n].data for n in tensors}
         for n, t in tensors.items():
             targets[n].data = t
         self.server.sched.backend.version = version
-        seconds = time.perf_counter() - t0
-        log.info("weights updated from distributed", tensors=len(tensors), version=version, swap_s=round(seconds, 6))
-        return seconds, old
+        return time.perf_counter() - t0, old
 
     # ---- inspection ----------------------------------------------------------------------------
     async def get_weights_by_name(self, request: web.Request) -> web.Response:

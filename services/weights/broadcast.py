@@ -53,6 +53,9 @@ class VersionResult:
     bytes: int = 0
     seconds: float = 0.0
     rebuilds: int = 0
+    stages: dict[str, float] = field(default_factory=dict)
+    """Where the sender's time went: `bucketing_s` (cast and cut), `checksum_s` (all buckets,
+    overlapped with sending), `send_s` (the broadcasts themselves, in the sending thread)."""
 
 
 class GroupBroken(RuntimeError):
@@ -80,6 +83,7 @@ class WeightBroadcaster:
         refusing must not cost every version that wait."""
         self.port = 0
         self._pg: Any = None
+        self._send_s = 0.0
         self._store: Any = None
         # the group's collectives block a thread; one thread keeps them in order
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-send")
@@ -101,6 +105,8 @@ class WeightBroadcaster:
         t0 = time.perf_counter()
         buckets = await asyncio.to_thread(make_buckets, state, self.dtype, self.bucket_bytes, checksum=False)
         result = VersionResult(version, buckets=len(buckets), bytes=sum(b.nbytes for b in buckets))
+        result.stages["bucketing_s"] = time.perf_counter() - t0
+        self._send_s = 0.0
         for attempt in range(ATTEMPTS):
             live, down = await self._live(version)
             result.failed = dict(down)
@@ -130,6 +136,7 @@ class WeightBroadcaster:
                 await self._destroy_group()
             break
         result.seconds = time.perf_counter() - t0
+        result.stages.update(checksum_s=sum(b.checksum_s for b in buckets), send_s=self._send_s)
         return result
 
     async def _send_buckets(self, buckets: list[Bucket], version: int) -> dict[str, str]:
@@ -200,8 +207,10 @@ class WeightBroadcaster:
         raise GroupBroken(f"{_short(send_error)}; members' answers: {dict(zip(self.members, answers, strict=True))}")
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
         for t in tensors:
             self._pg.broadcast(t, 0).wait()
+        self._send_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------ membership
 
