@@ -108,7 +108,11 @@ class WeightBroadcaster:
         result.stages["bucketing_s"] = time.perf_counter() - t0
         self._send_s = 0.0
         for attempt in range(ATTEMPTS):
-            live, down = await self._live(version)
+            # The members of an intact group are not asked for /health: a member that died fails the
+            # broadcast itself (and the retry asks everyone). That saves a request per version through
+            # each server's busy event loop; only servers outside the group are polled, to let them in.
+            assumed = set(self.members) if self._pg is not None and attempt == 0 else set()
+            live, down = await self._live(version, assumed)
             result.failed = dict(down)
             if not live:
                 break
@@ -214,7 +218,8 @@ class WeightBroadcaster:
 
     # ------------------------------------------------------------------------------ membership
 
-    async def _live(self, version: int) -> tuple[list[str], dict[str, str]]:
+    async def _live(self, version: int, assumed: set[str] | frozenset[str] = frozenset()) -> tuple[list[str], dict[str, str]]:
+        """The servers to send to, and those left out with why; `assumed` are taken as live unasked."""
         async def healthy(server: str) -> str | None:
             try:
                 resp = await self._http.get(f"{server}/health", timeout=5.0)
@@ -224,7 +229,7 @@ class WeightBroadcaster:
 
         shunned = {s: f"left out until version {until}: {why}" for s, (until, why) in self.shunned.items() if version < until}
         candidates = [s for s in self.servers if s not in shunned]
-        answers = await asyncio.gather(*(healthy(s) for s in candidates))
+        answers = await asyncio.gather(*(healthy(s) if s not in assumed else _alive() for s in candidates))
         down = {s: a for s, a in zip(candidates, answers, strict=True) if a is not None} | shunned
         return [s for s in candidates if s not in down], down
 
@@ -314,6 +319,10 @@ class WeightBroadcaster:
 def _short(exc: BaseException, limit: int = 300) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+async def _alive() -> None:
+    return None
 
 
 async def _outcome(fut: Any) -> BaseException | None:
