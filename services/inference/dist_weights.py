@@ -218,8 +218,10 @@ class DistWeights:
 
     def _receive(self, group: Group, buffers: list[torch.Tensor]) -> None:
         t0 = time.perf_counter()
-        for t in buffers:
-            group.pg.broadcast(t, 0).wait()
+        # queued all at once, then waited for (gloo keeps their order): one GIL take per bucket
+        works = [group.pg.broadcast(t, 0) for t in buffers]
+        for w in works:
+            w.wait()
         group.timing["receive_s"] += time.perf_counter() - t0  # this thread's key only
 
     def _verify(self, group: Group, names: list[str], buffers: list[torch.Tensor], checksum: Any) -> list[torch.Tensor]:

@@ -212,8 +212,12 @@ class WeightBroadcaster:
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         t0 = time.perf_counter()
-        for t in tensors:
-            self._pg.broadcast(t, 0).wait()
+        # Every broadcast is queued before any is waited for: gloo runs them in its own threads, in
+        # the order queued (each carries its sequence tag), so this thread takes the GIL once per
+        # bucket, not once per tensor; on a busy process each take can cost a switch interval (5 ms).
+        works = [self._pg.broadcast(t, 0) for t in tensors]
+        for w in works:
+            w.wait()
         self._send_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------ membership
