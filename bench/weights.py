@@ -224,7 +224,7 @@ async def bench_broadcast(model: Path, url: str, version: int, copy_s: float, si
             if i == 0:
                 continue  # built the group
             lines = (await asyncio.to_thread(log.read_text)).splitlines()
-            server = next((json.loads(line) for line in reversed(lines)
+            server: dict = next((json.loads(line) for line in reversed(lines)
                            if '"weights version received"' in line and f'"version": "{version}"' in line), {})
             rows.append({"mb": round(size / 1e6), "transport": "broadcast", "copy_s": copy_s, "publish_s": total, "agent_s": 0.0,
                          "total_s": total, "ratio": copy_s / total, "nats_cpu_s": 0.0, "bound": None,

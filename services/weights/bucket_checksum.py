@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+xxhash: Any
 try:
     import xxhash
 except ImportError:  # the fallback below is always there
