@@ -58,10 +58,7 @@ def validate_sections(sections: dict[str, dict[str, Any]]) -> None:
 # section overrides any of them.
 DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
     "rollout": {"max_new_tokens": 4, "group_size": 8, "temperature": 1.0, "max_concurrent": 32},
-    "trainer": {"batch_groups": 16, "eta": 4, "lr": 1e-3, "checkpoint_every": 50, "feeder": {"max_in_flight": 64},
-                # weights travel in memory to the servers (their URLs are filled in when they start);
-                # `trainer.weights_broadcast.enabled: false` selects the disk path
-                "weights_broadcast": {"enabled": True}},
+    "trainer": {"batch_groups": 16, "eta": 4, "lr": 1e-3, "checkpoint_every": 50, "feeder": {"max_in_flight": 64}},
 }
 
 
@@ -137,7 +134,10 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             "output_dir": str(run_dir / "trainer"),
             "total_steps": s.total_steps,
             "feeder": {"dataset_path": dataset},
-            "weights_broadcast": {"servers": servers},
+            # Weights travel in memory to the servers it started (docs/weights.md), unless they are
+            # simulated (no model to receive into: then the disk path, as `trainer.weights_broadcast.
+            # enabled: false` selects).
+            "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers},
         }
         if not s.dataset_path:  # the demo: a fixed eval set of 32 prompts, every 10 steps
             eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1)
@@ -194,6 +194,11 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     if outcome in ("finished", "converged"):
         return 0
     return 130 if interrupted else 1
+
+
+def _simulated(inference: dict[str, Any]) -> bool:
+    """Whether the inference section asks for simulated servers (read as the server reads it)."""
+    return bool(getattr(settings_class("inference").model_validate(inference), "simulate", False))
 
 
 def _make_model(path: str) -> None:
