@@ -132,7 +132,7 @@ def start_services(model: Path, work: Path, mb: int, nats_url: str, run: str, po
     return logs, procs
 
 
-async def bench_size(mb: int, work: Path, server: NatsServer, repeats: int, rows: list[dict]) -> None:
+async def bench_size(mb: int, work: Path, server: NatsServer, repeats: int, rows: list[dict], transports: list[str]) -> None:
     assert server.proc is not None
     nats_url, nats_pid = server.url, server.proc.pid
     model = work / f"model{mb}"
@@ -163,6 +163,8 @@ async def bench_size(mb: int, work: Path, server: NatsServer, repeats: int, rows
             copy_s = copy_seconds(model, work / f"copy{mb}-{rep}")
             shutil.rmtree(work / f"copy{mb}-{rep}")
             for transport, pub in publishers.items():
+                if transport not in transports:
+                    continue
                 version += 1
                 handed = work / f"trainer-out{mb}" / f"v{version}"  # what the trainer would have written
                 shutil.copytree(model, handed)
@@ -180,7 +182,8 @@ async def bench_size(mb: int, work: Path, server: NatsServer, repeats: int, rows
                              "agent_s": report.seconds, "total_s": total, "ratio": copy_s / total,
                              "nats_cpu_s": nats_cpu,
                              "bound": copy_s * CORES / nats_cpu if transport == "object store" else None})
-            version = await bench_broadcast(model, url, version, copy_s, size, work / f"procs{mb}.log", rows)
+            if "broadcast" in transports:
+                version = await bench_broadcast(model, url, version, copy_s, size, work / f"procs{mb}.log", rows)
     finally:
         await nc.close()
         for p in procs:
@@ -195,8 +198,11 @@ async def bench_size(mb: int, work: Path, server: NatsServer, repeats: int, rows
         shutil.rmtree(model, ignore_errors=True)
 
 
-async def bench_broadcast(model: Path, url: str, version: int, copy_s: float, size: int, log: Path, rows: list[dict]) -> int:
-    """One broadcast of the model to the server (after an untimed one that builds the group)."""
+async def bench_broadcast(model: Path, url: str, version: int, copy_s: float, size: int, log: Path, rows: list[dict],
+                          sends: int = 3) -> int:
+    """`sends` timed broadcasts of the model to the server (after an untimed one that builds the
+    group), each with where its time went: the sender's stages (`VersionResult.stages`) and the
+    server's (its "weights version received" log line)."""
     from safetensors.torch import load_file
 
     def load() -> dict:
@@ -208,18 +214,22 @@ async def bench_broadcast(model: Path, url: str, version: int, copy_s: float, si
     state = await asyncio.to_thread(load)
     sender = WeightBroadcaster([url], dtype="float32", bucket_mb=64, timeout_s=300)
     try:
-        for _ in ("build the group", "timed"):
+        for i in range(sends + 1):
             version += 1
             t0 = time.perf_counter()
             result = await sender.send_version(version, state)
             total = time.perf_counter() - t0
             if result.loaded != [url]:
                 raise RuntimeError(f"broadcast failed: {result.failed}")
-        lines = (await asyncio.to_thread(log.read_text)).splitlines()
-        swaps = [json.loads(line).get("swap_s") for line in lines if '"swap_s"' in line]
-        rows.append({"mb": round(size / 1e6), "transport": "broadcast", "copy_s": copy_s, "publish_s": total, "agent_s": 0.0,
-                     "total_s": total, "ratio": copy_s / total, "nats_cpu_s": 0.0, "bound": None,
-                     "pause_ms": 1000 * swaps[-1] if swaps else float("nan")})
+            if i == 0:
+                continue  # built the group
+            lines = (await asyncio.to_thread(log.read_text)).splitlines()
+            server: dict = next((json.loads(line) for line in reversed(lines)
+                           if '"weights version received"' in line and f'"version": "{version}"' in line), {})
+            rows.append({"mb": round(size / 1e6), "transport": "broadcast", "copy_s": copy_s, "publish_s": total, "agent_s": 0.0,
+                         "total_s": total, "ratio": copy_s / total, "nats_cpu_s": 0.0, "bound": None,
+                         "pause_ms": 1000 * server.get("swap_s", float("nan")),
+                         "stages": {**result.stages, **{f"server_{k}": server[k] for k in ("receive_s", "check_s") if k in server}}})
     finally:
         await sender.aclose()
     return version
@@ -229,6 +239,8 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="100,1000", help="model sizes in MB (from: 100, 1000)")
     parser.add_argument("--repeats", type=int, default=1, help="publishes per size and transport")
+    parser.add_argument("--transports", default="object store,shared dir,broadcast",
+                        help="comma-separated, from: object store, shared dir, broadcast")
     args = parser.parse_args()
     rows: list[dict] = []
     work = Path(tempfile.mkdtemp(prefix="jetrl-bench-weights-"))
@@ -236,7 +248,7 @@ async def main() -> None:
     t_start = time.perf_counter()
     try:
         for mb in (int(s) for s in args.sizes.split(",")):
-            await bench_size(mb, work, server, args.repeats, rows)
+            await bench_size(mb, work, server, args.repeats, rows, args.transports.split(","))
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -246,6 +258,10 @@ async def main() -> None:
         bound_text = f"{r['bound']:>6.2f}" if r["bound"] else f"{'-':>6}"
         print(f"{r['mb']:>6}MB {r['transport']:<13} {r['copy_s']:>8.2f} {r['publish_s']:>10.2f} {r['agent_s']:>8.2f} "
               f"{r['total_s']:>8.2f} {r['ratio']:>6.2f} {r['nats_cpu_s']:>11.2f} {bound_text} {r.get('pause_ms', float('nan')):>9.1f}")
+    for r in rows:
+        if r.get("stages"):
+            print(f"{r['mb']:>6}MB broadcast stages (s): " + "  ".join(f"{k} {v:.3f}" for k, v in r["stages"].items())
+                  + f"  total {r['total_s']:.3f}")
     print("ratio = local-disk copy time of the same bytes / publish-to-loaded time (publish + fetch + verify + load)")
     print(f"nats cpu s = CPU the nats-server used meanwhile; bound = copy s / (nats cpu s / {CORES} cores): the best"
           " ratio possible here if the clients cost nothing and the server's work were spread over every core")

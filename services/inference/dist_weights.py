@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,8 @@ class Group:
     takes the next bucket."""
     held: dict[str, torch.Tensor] = field(default_factory=dict)
     """Received, verified tensors of the version in flight, swapped in by its last bucket."""
+    timing: dict[str, float] = field(default_factory=lambda: {"receive_s": 0.0, "check_s": 0.0})
+    """Seconds spent receiving and checking the version in flight (logged with its swap)."""
     spoiled: str = ""
     """Why a bucket of the version in flight was refused: the rest of the version is received (the
     group stays in step) but refused too, so a partial version is never swapped in."""
@@ -75,6 +78,14 @@ class DistWeights:
         self.groups: dict[str, Group] = {}
         self.buckets_received = 0
         self.buckets_refused = 0
+        self.spare: dict[str, torch.Tensor] = {}
+        """The storage of the weights the last swap replaced, by name: the next version is received
+        straight into it (same name, shape and dtype), so a version costs no allocation, no page
+        faults on fresh memory and no unmapping of the old weights (at 1 GB those cost more than the
+        copy itself). Nothing else references it once swapped out."""
+        self._received: set[int] = set()
+        """Data pointers of the tensors the last swap put in (memory this class allocated): only those
+        are reused. The weights the server loaded at start may be a file's read-only mapping."""
 
     def register(self, router: web.UrlDispatcher) -> None:
         router.add_post("/init_weights_update_group", self.init_group)
@@ -149,7 +160,7 @@ class DistWeights:
             return _fail(f"update_weights_from_distributed: bad request: {exc}")
         version = body.get("weight_version")
         try:
-            buffers = self._buffers(dtypes, shapes)
+            buffers = self._buffers(names, dtypes, shapes)
         except (TypeError, ValueError, RuntimeError) as exc:
             return _fail(f"update_weights_from_distributed: bad shapes: {exc}")
         try:
@@ -166,7 +177,7 @@ class DistWeights:
             # threads take buckets in order, so when this returns every earlier bucket of the version
             # has been checked and its handler has run (held it, or marked the version spoiled).
             ready = await asyncio.get_running_loop().run_in_executor(
-                group.checker, self._verify, names, buffers, body.get("checksum"))
+                group.checker, self._verify, group, names, buffers, body.get("checksum"))
             if group.spoiled:
                 raise DistUpdateError(f"an earlier bucket of this version was refused ({group.spoiled})")
             group.held.update(zip(names, ready, strict=True))
@@ -174,9 +185,12 @@ class DistWeights:
             if version is not None:
                 held, group.held = group.held, {}
                 seconds, old = await self.server.sched.in_model_thread(self._swap_in, held, str(version))
-                # the old weights are freed here, not in the model thread: unmapping a model's worth
-                # of memory takes longer than the swap itself
-                await asyncio.get_running_loop().run_in_executor(group.checker, old.clear)
+                log.info("weights version received", version=version, tensors=len(held), swap_s=round(seconds, 6),
+                         **{k: round(v, 4) for k, v in group.timing.items()})
+                group.timing = {k: 0.0 for k in group.timing}
+                # the next version lands in the memory of the one before this (when it was ours)
+                self.spare = {n: t for n, t in old.items() if t.data_ptr() in self._received}
+                self._received = {t.data_ptr() for t in held.values()}
                 swapped = f"; version {version} swapped in ({len(held)} tensors) between two steps in {seconds:.6f}s"
         except DistUpdateError as exc:
             group.held.clear()
@@ -190,19 +204,36 @@ class DistWeights:
         self.buckets_received += 1
         return web.json_response({"success": True, "message": f"received {len(names)} tensors{swapped}"})
 
-    @staticmethod
-    def _buffers(dtypes: list[torch.dtype], shapes: list[Any]) -> list[torch.Tensor]:
+    def _buffers(self, names: list[str], dtypes: list[torch.dtype], shapes: list[Any]) -> list[torch.Tensor]:
+        """Where the bucket lands: the spare storage of each tensor when it fits, else fresh memory."""
         import torch
 
-        return [torch.empty([int(x) for x in s], dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
+        out = []
+        for n, d, s in zip(names, dtypes, shapes, strict=True):
+            shape = [int(x) for x in s]
+            spare = self.spare.pop(n, None)
+            fits = spare is not None and spare.dtype == d and list(spare.shape) == shape
+            out.append(spare if fits and spare is not None else torch.empty(shape, dtype=d))
+        return out
 
     def _receive(self, group: Group, buffers: list[torch.Tensor]) -> None:
-        for t in buffers:
-            group.pg.broadcast(t, 0).wait()
+        t0 = time.perf_counter()
+        # queued all at once, then waited for (gloo keeps their order): one GIL take per bucket
+        works = [group.pg.broadcast(t, 0) for t in buffers]
+        for w in works:
+            w.wait()
+        group.timing["receive_s"] += time.perf_counter() - t0  # this thread's key only
 
-    def _verify(self, names: list[str], buffers: list[torch.Tensor], checksum: Any) -> list[torch.Tensor]:
-        """In the receiving thread: names, shapes and checksum checked; each tensor in the model's
-        dtype, ready to be swapped in."""
+    def _verify(self, group: Group, names: list[str], buffers: list[torch.Tensor], checksum: Any) -> list[torch.Tensor]:
+        """In the group's checking thread: names, shapes and checksum checked; each tensor in the
+        model's dtype, ready to be swapped in."""
+        t0 = time.perf_counter()
+        try:
+            return self._checked(names, buffers, checksum)
+        finally:
+            group.timing["check_s"] += time.perf_counter() - t0  # this thread's key only
+
+    def _checked(self, names: list[str], buffers: list[torch.Tensor], checksum: Any) -> list[torch.Tensor]:
         targets = self._targets()
         for n, t in zip(names, buffers, strict=True):
             if n not in targets:
@@ -210,13 +241,11 @@ class DistWeights:
             if tuple(t.shape) != tuple(targets[n].shape):
                 raise DistUpdateError(f"shape mismatch for {n}: sent {tuple(t.shape)}, model {tuple(targets[n].shape)}")
         if checksum is not None:
-            from services.weights.bucket_checksum import bucket_checksum
+            from services.weights.bucket_checksum import check_bucket
 
-            got = bucket_checksum(buffers)
-            if got != str(checksum):
-                raise DistUpdateError(
-                    f"bucket checksum mismatch: announced {checksum}, received {got} ({len(names)} tensors from {names[0]})"
-                )
+            why = check_bucket(buffers, str(checksum))
+            if why is not None:
+                raise DistUpdateError(f"{why} ({len(names)} tensors from {names[0]})")
         return [t if t.dtype == targets[n].dtype else t.to(targets[n].dtype) for n, t in zip(names, buffers, strict=True)]
 
     def _model(self) -> Any:
@@ -233,21 +262,17 @@ class DistWeights:
     def _state(self) -> dict[str, torch.Tensor]:
         return dict(self._model().state_dict())
 
-    def _swap_in(self, tensors: dict[str, torch.Tensor], version: str) -> tuple[float, list[torch.Tensor]]:
+    def _swap_in(self, tensors: dict[str, torch.Tensor], version: str) -> tuple[float, dict[str, torch.Tensor]]:
         """In the model thread, between two steps; returns how long decoding waited for it, and the
-        old weights (for the caller to free). The received tensors become the parameters' storage
-        (no copy): the wait is a pointer per tensor."""
-        import time
-
+        old weights by name (the next version's receive buffers). The received tensors become the
+        parameters' storage (no copy): the wait is a pointer per tensor."""
         t0 = time.perf_counter()
         targets = self._targets()
-        old = [targets[n].data for n in tensors]
+        old = {n: targets[n].data for n in tensors}
         for n, t in tensors.items():
             targets[n].data = t
         self.server.sched.backend.version = version
-        seconds = time.perf_counter() - t0
-        log.info("weights updated from distributed", tensors=len(tensors), version=version, swap_s=round(seconds, 6))
-        return seconds, old
+        return time.perf_counter() - t0, old
 
     # ---- inspection ----------------------------------------------------------------------------
     async def get_weights_by_name(self, request: web.Request) -> web.Response:

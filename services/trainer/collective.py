@@ -4,6 +4,7 @@ than 0 never touch NATS: they loop on `follow` until told to stop."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,11 @@ def execute(engine: TrainEngine, actor: PPOActor, cmd: Command) -> Result:
     """The collective work of one command; identical on every rank."""
     if cmd.op == "train":
         stats = actor.ppo_update(cmd.pieces)
+        t0 = time.perf_counter()
         weights = engine.upload_weights(cmd.weights_dir) if cmd.weights_dir else None
         state = engine.full_state_dict() if cmd.weights_state else None
+        if cmd.weights_dir or cmd.weights_state:  # part of what publishing costs the step
+            stats = {**stats, "weights_gather_s": time.perf_counter() - t0}
         return Result(stats=stats, weights_dir=weights, state=state)
     if cmd.op == "save":
         engine.save(cmd.directory, cmd.tag or "latest", cmd.client_state)

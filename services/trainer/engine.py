@@ -201,6 +201,11 @@ class TrainEngine:
         from deepspeed.utils import safe_get_full_fp32_param
 
         out: dict[str, torch.Tensor] = {}
+        if self.world_size == 1 and self.settings.zero_stage < 3 and self.settings.dtype == "float32":
+            # One rank training in float32 under ZeRO-1/2: the module's parameters are the master
+            # copy, bit for bit. Reading them costs no collective per parameter, each of which also
+            # hands the GIL back and forth with the event loop (a background publish) on a busy machine.
+            return {name: param.detach().cpu().clone() for name, param in self.engine.module.named_parameters()}
         for name, param in self.engine.module.named_parameters():
             full = safe_get_full_fp32_param(param)
             if full is None:  # before the first step the optimizer may hold no hp mapping: use the module

@@ -93,7 +93,8 @@ def _broadcast_publisher(settings: TrainerSettings, nc: Any, disk: Any) -> Any:
     sender = WeightBroadcaster(b.servers, master_address=b.master_address, dtype=b.dtype, bucket_mb=b.bucket_mb,
                                timeout_s=b.timeout_s, group_name=b.group_name, checksum=b.checksum,
                                keys=settings.trust.inference_keys())
-    return BroadcastPublisher(nc, settings.run, sender, disk, b.disk_every, retry_s=settings.bus_retry_timeout_s)
+    return BroadcastPublisher(nc, settings.run, sender, disk, b.disk_every, retry_s=settings.bus_retry_timeout_s,
+                              background=b.background)
 
 
 async def _train(trainer: Trainer, sup: Supervisor) -> None:

@@ -35,6 +35,9 @@ def step_values(trainer: Trainer, batch: dict[str, Any], groups: list[Group], st
         "step_time_s": t_end - t0,
         "train_time_s": t_train - t_data,
         "publish_time_s": t_end - t_train,
+        # what publishing the weights cost this step: gathering them (and writing the checkpoint, on
+        # the disk path) inside the training call, plus waiting on the publish itself
+        "publish_share": (values.get("weights_gather_s", 0.0) + t_end - t_train) / max(t_end - t0, 1e-9),
         "data_wait_fraction": (t_data - t0) / max(t_end - t0, 1e-9),
         "tokens_per_s": tokens / max(t_train - t_data, 1e-9),
         "last_seq": float(trainer.last_seq),

@@ -28,6 +28,7 @@ def summary_lines(steps: list[dict[str, Any]], servers: dict[str, int], wall_s: 
     ]
     lines += startup_lines(steps)
     lines += waste_lines(steps)
+    lines += publish_lines(steps)
     for server, version in sorted(servers.items()):
         lines.append(f"server {server}: weight version {version}")
     return lines
@@ -63,3 +64,23 @@ def waste_lines(steps: list[dict[str, Any]]) -> list[str]:
         lines.append(f"dataset rows dropped: {last['feeder_dropped']:.0f}" + (f" ({', '.join(causes)})" if causes else "")
                      + f"  re-issued: {last.get('feeder_reissued', 0.0):.0f}")
     return lines
+
+
+def publish_lines(steps: list[dict[str, Any]]) -> list[str]:
+    """What publishing the weights cost the trainer: its share of all step time (gathering the
+    weights plus waiting on the publish; `publish_share` per step), with the per-step medians."""
+    timed = [s for s in steps if "publish_time_s" in s and s.get("step_time_s")]
+    if not timed:
+        return []
+    gather = [s.get("weights_gather_s", 0.0) for s in timed]
+    wait = [s["publish_time_s"] for s in timed]
+    total = sum(s["step_time_s"] for s in timed)
+    share = (sum(gather) + sum(wait)) / total if total > 0 else float("nan")
+    return [f"publishing weights: {100 * share:.1f}% of step time (per step, median: gather {1e3 * _median(gather):.1f} ms, "
+            f"publish {1e3 * _median(wait):.1f} ms, step {1e3 * _median([s['step_time_s'] for s in timed]):.0f} ms)"]
+
+
+def _median(xs: list[float]) -> float:
+    ordered = sorted(xs)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

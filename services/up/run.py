@@ -135,6 +135,10 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             "output_dir": str(run_dir / "trainer"),
             "total_steps": s.total_steps,
             "feeder": {"dataset_path": dataset},
+            # Weights travel in memory to the servers it started (docs/weights.md), unless they are
+            # simulated (no model to receive into: then the disk path, as `trainer.weights_broadcast.
+            # enabled: false` selects).
+            "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers},
         }
         if not s.dataset_path:  # the demo: a fixed eval set of 32 prompts, every 10 steps
             eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1)
@@ -214,6 +218,11 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     if outcome in ("finished", "converged"):
         return 0
     return 130 if interrupted else 1
+
+
+def _simulated(inference: dict[str, Any]) -> bool:
+    """Whether the inference section asks for simulated servers (read as the server reads it)."""
+    return bool(getattr(settings_class("inference").model_validate(inference), "simulate", False))
 
 
 def _make_model(path: str) -> None:

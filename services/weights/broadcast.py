@@ -55,6 +55,9 @@ class VersionResult:
     bytes: int = 0
     seconds: float = 0.0
     rebuilds: int = 0
+    stages: dict[str, float] = field(default_factory=dict)
+    """Where the sender's time went: `bucketing_s` (cast and cut), `checksum_s` (all buckets,
+    overlapped with sending), `send_s` (the broadcasts themselves, in the sending thread)."""
 
 
 class GroupBroken(RuntimeError):
@@ -82,6 +85,7 @@ class WeightBroadcaster:
         refusing must not cost every version that wait."""
         self.port = 0
         self._pg: Any = None
+        self._send_s = 0.0
         self._store: Any = None
         # the group's collectives block a thread; one thread keeps them in order
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-send")
@@ -104,8 +108,14 @@ class WeightBroadcaster:
         t0 = time.perf_counter()
         buckets = await asyncio.to_thread(make_buckets, state, self.dtype, self.bucket_bytes, checksum=False)
         result = VersionResult(version, buckets=len(buckets), bytes=sum(b.nbytes for b in buckets))
+        result.stages["bucketing_s"] = time.perf_counter() - t0
+        self._send_s = 0.0
         for attempt in range(ATTEMPTS):
-            live, down = await self._live(version)
+            # The members of an intact group are not asked for /health: a member that died fails the
+            # broadcast itself (and the retry asks everyone). That saves a request per version through
+            # each server's busy event loop; only servers outside the group are polled, to let them in.
+            assumed = set(self.members) if self._pg is not None and attempt == 0 else set()
+            live, down = await self._live(version, assumed)
             result.failed = dict(down)
             if not live:
                 break
@@ -133,6 +143,7 @@ class WeightBroadcaster:
                 await self._destroy_group()
             break
         result.seconds = time.perf_counter() - t0
+        result.stages.update(checksum_s=sum(b.checksum_s for b in buckets), send_s=self._send_s)
         return result
 
     async def _send_buckets(self, buckets: list[Bucket], version: int) -> dict[str, str]:
@@ -203,12 +214,19 @@ class WeightBroadcaster:
         raise GroupBroken(f"{_short(send_error)}; members' answers: {dict(zip(self.members, answers, strict=True))}")
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            self._pg.broadcast(t, 0).wait()
+        t0 = time.perf_counter()
+        # Every broadcast is queued before any is waited for: gloo runs them in its own threads, in
+        # the order queued (each carries its sequence tag), so this thread takes the GIL once per
+        # bucket, not once per tensor; on a busy process each take can cost a switch interval (5 ms).
+        works = [self._pg.broadcast(t, 0) for t in tensors]
+        for w in works:
+            w.wait()
+        self._send_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------ membership
 
-    async def _live(self, version: int) -> tuple[list[str], dict[str, str]]:
+    async def _live(self, version: int, assumed: set[str] | frozenset[str] = frozenset()) -> tuple[list[str], dict[str, str]]:
+        """The servers to send to, and those left out with why; `assumed` are taken as live unasked."""
         async def healthy(server: str) -> str | None:
             try:
                 resp = await self._http.get(f"{server}/health", timeout=5.0)
@@ -218,7 +236,7 @@ class WeightBroadcaster:
 
         shunned = {s: f"left out until version {until}: {why}" for s, (until, why) in self.shunned.items() if version < until}
         candidates = [s for s in self.servers if s not in shunned]
-        answers = await asyncio.gather(*(healthy(s) for s in candidates))
+        answers = await asyncio.gather(*(healthy(s) if s not in assumed else _alive() for s in candidates))
         down = {s: a for s, a in zip(candidates, answers, strict=True) if a is not None} | shunned
         return [s for s in candidates if s not in down], down
 
@@ -308,6 +326,10 @@ class WeightBroadcaster:
 def _short(exc: BaseException, limit: int = 300) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+async def _alive() -> None:
+    return None
 
 
 async def _outcome(fut: Any) -> BaseException | None:

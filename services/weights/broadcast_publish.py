@@ -5,11 +5,18 @@ server's outcome (`WeightsLoaded` / `WeightsLoadFailed`, transport `broadcast`: 
 that saw every server's answer), announce `WeightsPublished{transport: broadcast, members, ...}`, and
 every `disk_every` versions also publish the HF checkpoint through `WeightPublisher` (object store or
 shared directory), where a server that joins late or missed versions catches up.
+
+With `background` (the default), a version without a disk copy is sent while the trainer goes on
+with its next step: `publish` returns at once and the next `publish` (or `wait`, or `aclose`) first
+waits for it to be done, so versions still go out one at a time, in order, and a failure (NATS
+away past the retry deadline) is raised there. A version with a disk copy is published in full
+before `publish` returns: the trainer deletes its checkpoint directory right after.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +40,7 @@ log = get_logger("weights.broadcast")
 
 class BroadcastPublisher:
     def __init__(self, nc: NATS, run: str, broadcaster: WeightBroadcaster, disk: WeightPublisher | None, disk_every: int,
-                 retry_s: float = 300.0) -> None:
+                 retry_s: float = 300.0, background: bool = True) -> None:
         self.js = nc.jetstream()
         self.nc = nc
         self.run = run
@@ -47,13 +54,39 @@ class BroadcastPublisher:
         self.history: list[VersionResult] = []
         """Every version's outcome (for metrics and tests)."""
         self._ready = False
+        self.background = background
+        self._pending: asyncio.Task[WeightsPublished] | None = None
+        """The version being sent in the background, if any."""
         self.metrics: MetricsPublisher | None = MetricsPublisher(nc, run, "weights_broadcast")
 
     def wants_disk(self, version: int) -> bool:
         """Whether version `version` is also written to disk / the object store."""
         return self.disk is not None and self.disk_every > 0 and version % self.disk_every == 0
 
-    async def publish(self, version: int, state: dict[str, torch.Tensor], hf_dir: Path | None) -> WeightsPublished:
+    async def publish(self, version: int, state: dict[str, torch.Tensor], hf_dir: Path | None) -> WeightsPublished | None:
+        """Send `version` (and publish `hf_dir`, its checkpoint, when given); in the background
+        (returns None) when `background` is on. Waits first for the version before it."""
+        await self.wait()
+        if not self.background:
+            return await self._publish(version, state, hf_dir)
+        # the caller deletes hf_dir once this returns: the background publish takes it over first
+        owned = await asyncio.to_thread(_take_over, hf_dir) if hf_dir is not None else None
+        self._pending = asyncio.create_task(self._publish_owned(version, state, owned), name=f"broadcast v{version}")
+        return None
+
+    async def _publish_owned(self, version: int, state: dict[str, torch.Tensor], hf_dir: Path | None) -> WeightsPublished:
+        try:
+            return await self._publish(version, state, hf_dir)
+        finally:
+            if hf_dir is not None:
+                await asyncio.to_thread(shutil.rmtree, hf_dir, True)
+
+    async def wait(self) -> WeightsPublished | None:
+        """Until the version sent in the background (if any) is done; raises what it raised."""
+        task, self._pending = self._pending, None
+        return await task if task is not None else None
+
+    async def _publish(self, version: int, state: dict[str, torch.Tensor], hf_dir: Path | None) -> WeightsPublished:
         if not self._ready:
             await ensure_weight_sync_stream(self.nc)
             if self.last_disk is None and self.disk is not None:
@@ -61,12 +94,11 @@ class BroadcastPublisher:
             self._ready = True
         result = await self.broadcaster.send_version(version, state)
         self.history.append(result)
-        for server in result.loaded:
-            await self._report(self.subjects.weights_loaded(server), WeightsLoaded(
-                run=self.run, server=server, version=version, seconds=result.seconds, transport="broadcast"))
-        for server, reason in result.failed.items():
-            await self._report(self.subjects.weights_failed(server), WeightsLoadFailed(
-                run=self.run, server=server, version=version, reason=reason, transport="broadcast"))
+        reports = [self._report(self.subjects.weights_loaded(server), WeightsLoaded(
+            run=self.run, server=server, version=version, seconds=result.seconds, transport="broadcast")) for server in result.loaded]
+        reports += [self._report(self.subjects.weights_failed(server), WeightsLoadFailed(
+            run=self.run, server=server, version=version, reason=reason, transport="broadcast"))
+            for server, reason in result.failed.items()]
         disk = self.last_disk
         msg = WeightsPublished(
             run=self.run, version=version, step=version, transport="broadcast", members=result.loaded,
@@ -75,7 +107,10 @@ class BroadcastPublisher:
         )
         msg = sign(msg, self.disk.announce_key if self.disk is not None else b"")  # the agents check it
         data = encode(msg)
-        await with_retries(f"announce weights v{version}", lambda: self.js.publish(self.subjects.weights_published, data), self.retry_s)
+        # the reports and the announcement at once: each is a round trip to JetStream
+        await asyncio.gather(
+            with_retries(f"announce weights v{version}", lambda: self.js.publish(self.subjects.weights_published, data), self.retry_s),
+            *reports)
         if self.metrics is not None:
             await self.metrics.emit({
                 "broadcast_seconds": result.seconds, "broadcast_bytes": float(result.bytes), "broadcast_buckets": float(result.buckets),
@@ -117,4 +152,18 @@ class BroadcastPublisher:
             log.warning("weights report lost", subject=subject, error=repr(exc))
 
     async def aclose(self) -> None:
+        try:
+            await self.wait()  # the last version still reaches the servers and is announced
+        except Exception as exc:  # closing: the version is lost, not the shutdown
+            log.warning("last weights version not published", error=repr(exc))
         await self.broadcaster.aclose()
+
+
+def _take_over(hf_dir: Path) -> Path:
+    """Move the trainer's checkpoint directory aside (a rename: same directory), for the background
+    publish to own and delete."""
+    hf_dir = Path(hf_dir)
+    owned = hf_dir.with_name(f".{hf_dir.name}.publishing")
+    shutil.rmtree(owned, ignore_errors=True)
+    hf_dir.rename(owned)
+    return owned

@@ -31,6 +31,10 @@ class BroadcastSettings(Section):
     checksum: bool = True
     """Send each bucket's CRC-32 (the `checksum` field jetrl adds to SGLang's request) for the server
     to check; off only for a server that refuses unknown request fields (then nothing is checked)."""
+    background: bool = True
+    """Send a version (one without a disk copy) while the trainer goes on with its next step; the
+    next version waits for it. Off: the step waits until every server answered and the version was
+    announced."""
     group_name: str = "jetrl-weights"
     """Name of the weight-update group on the servers."""
 

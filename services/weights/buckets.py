@@ -4,6 +4,7 @@ about `bucket_mb`, each with its checksum (`bucket_checksum.py`)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ class Bucket:
     names: list[str]
     tensors: list[torch.Tensor]
     checksum: str
+    checksum_s: float = 0.0
+    """How long computing the checksum took (for the stage breakdown)."""
 
     @property
     def nbytes(self) -> int:
@@ -46,4 +49,6 @@ def make_buckets(state: dict[str, torch.Tensor], dtype: torch.dtype, bucket_byte
 async def ensure_checksum(bucket: Bucket) -> None:
     """Compute the bucket's checksum (in a thread) unless it has one."""
     if not bucket.checksum:
+        t0 = time.perf_counter()
         bucket.checksum = await asyncio.to_thread(bucket_checksum, bucket.tensors)
+        bucket.checksum_s = time.perf_counter() - t0

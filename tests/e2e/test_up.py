@@ -138,6 +138,7 @@ def test_default_up_learns_copy3_to_0_9_publishes_versions_and_leaves_nothing_be
     assert status_shows_workers(status), status["bus"]["workers"]
     assert status["weights"]["published_version"] >= 1
     assert status["weights"]["servers"][0]["loaded_version"] >= 1
+    assert status["weights"]["servers"][0]["transport"] == "broadcast"  # the default: weights in memory
     assert processes_of(tmp_path) == [], "processes left behind after jetrl up exited"
 
     # learned: a 10-step mean reward of 0.9 (chance is ~0.02) within the default step budget
@@ -153,6 +154,7 @@ def test_default_up_learns_copy3_to_0_9_publishes_versions_and_leaves_nothing_be
     assert "start-up: first step trained" in out and "stale groups:" in out
     assert all(s["staleness_max"] <= eta for s in history if "staleness_max" in s)
     assert (run_dir / "reward_curve.png").stat().st_size > 0
+    assert "publishing weights: " in out and "% of step time" in out  # the summary says what publishing cost
     # eval rounds (every 10 steps on the demo's eval set) came back and show the same progress
     evals = [e for e in metrics["evals"] if "eval_reward_mean" in e]
     assert len(evals) >= 5

@@ -4,6 +4,7 @@ inference servers (`python -m services.inference`), against a real nats-server."
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,8 @@ async def train_one(trainer: Trainer, tiny_model: Path) -> None:
     for i, t in enumerate(tasks):
         await publish_group(js, trainer.settings.run, t.prompt_id, make_group(tiny_model, t.data["answer"], seed=version * 10 + i))
     assert await trainer.step() is not None and trainer.version == version
+    if trainer.broadcast is not None:  # the version goes out while the next step trains: wait for it
+        await trainer.broadcast.wait()
 
 
 def broadcast_trainer(nats_url: str, tiny_model: Path, tmp_path: Path, urls: list[str], **broadcast: object) -> TrainerSettings:
@@ -255,6 +258,40 @@ async def test_a_server_started_after_version_5_catches_up_from_disk_then_gets_6
         finally:
             await bcast.aclose()
             await trainer.close()
+            await nc.close()
+
+
+@pytest.mark.timeout(180)
+async def test_a_version_goes_out_while_the_trainer_goes_on_and_the_next_waits_for_it(
+    nats_url: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    from services.weights.broadcast import WeightBroadcaster
+    from services.weights.broadcast_publish import BroadcastPublisher
+
+    with running_servers(tiny_model, tmp_path, 1) as (server,):
+        nc = await connect(nats_url, "test")
+        disk = WeightPublisher(nc, RUN, shared_dir=str(tmp_path / "shared"))
+        bcast = BroadcastPublisher(nc, RUN, WeightBroadcaster([server.url], bucket_mb=0.05, timeout_s=30), disk, disk_every=2)
+        try:
+            # publish returns at once: the version is sent while the trainer goes on
+            assert await bcast.publish(1, _model_state(tiny_model, 0.01), None) is None
+            assert bcast.history == []
+            # the next version waits for it; its checkpoint directory is taken over at once, since
+            # the trainer deletes that directory as soon as publish returns
+            hf_dir = tmp_path / "out" / "v2"
+            shutil.copytree(tiny_model, hf_dir)
+            assert await bcast.publish(2, _model_state(tiny_model, 0.02), hf_dir) is None
+            assert [r.version for r in bcast.history] == [1] and bcast.history[0].loaded == [server.url]
+            assert not hf_dir.exists()
+            done = await bcast.wait()
+            assert done is not None and (done.version, done.transport) == (2, "disk")
+            assert [r.loaded for r in bcast.history] == [[server.url], [server.url]]
+            assert server_version(server.url) == "2"
+            assert (tmp_path / "shared" / "v2" / "model.safetensors").exists()
+            assert list((tmp_path / "out").iterdir()) == []  # nothing of the checkpoint left behind
+            assert await bcast.wait() is None  # nothing in flight
+        finally:
+            await bcast.aclose()
             await nc.close()
 
 

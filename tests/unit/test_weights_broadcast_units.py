@@ -32,3 +32,20 @@ def test_buckets_keep_order_respect_the_size_and_checksum_the_sent_bytes() -> No
     assert bucket_checksum(flipped) != buckets[0].checksum
     big = make_buckets({"a": torch.zeros(10), "huge": torch.zeros(1000), "b": torch.zeros(10)}, torch.float32, 100)
     assert [b.names for b in big] == [["a"], ["huge"], ["b"]]  # a tensor larger than a bucket is one of its own
+
+
+def test_the_receiver_checks_a_bucket_with_the_algorithm_the_sender_announced() -> None:
+    from services.weights.bucket_checksum import check_bucket
+
+    tensors = [torch.arange(1000, dtype=torch.float32), torch.ones(7, dtype=torch.bfloat16)]
+    fast = bucket_checksum(tensors)
+    assert fast.startswith("xxh3:")  # the default where xxhash is installed (it is in the dev set-up)
+    crc = bucket_checksum(tensors, "crc32")
+    assert crc.startswith("crc32:")
+    assert check_bucket(tensors, fast) is None and check_bucket(tensors, crc) is None
+    damaged = [tensors[0].clone(), tensors[1]]
+    damaged[0].view(torch.int32)[500] ^= 1 << 7
+    for announced in (fast, crc):
+        why = check_bucket(damaged, announced)
+        assert why is not None and why.startswith(f"bucket checksum mismatch: announced {announced}, received ")
+    assert "unknown checksum algorithm 'md5'" in (check_bucket(tensors, "md5:abc") or "")
