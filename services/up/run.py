@@ -27,6 +27,7 @@ from services.up.report import summary_lines, write_metrics
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
 from services.up.stack import Stack, settings_class, to_env
+from services.up.trust import announce_trust
 
 log = get_logger("up")
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,8 +130,10 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         sec = lambda name: deep_merge(DEMO_DEFAULTS.get(name, {}), sections.get(name, {}))  # noqa: E731
         # Ports first, so that every service is told where the servers will be before any of them is up.
         servers = [f"http://127.0.0.1:{free_port()}" for _ in range(s.inference_servers)]
+        signed = announce_trust(run_dir, sections)  # the trainer signs announcements, the agents check them
         trainer: dict[str, Any] = {
             **common,
+            **signed,
             "model_path": s.model_path,
             "output_dir": str(run_dir / "trainer"),
             "total_steps": s.total_steps,
@@ -158,7 +161,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
                     deep_merge({**common, "model_path": s.model_path, "port": port, "seed": i}, sec("inference")),
                 ),
             )
-            weights = {**common, "server": url, "cache_dir": str(run_dir / f"weights-cache-{i}")}
+            weights = {**common, **signed, "server": url, "cache_dir": str(run_dir / f"weights-cache-{i}")}
             stack.start(f"weights-{i}", "services.weights", to_env("weights", deep_merge(weights, sec("weights"))))
         # Rollout workers only once the servers answer: an episode sent to a server still loading fails.
         await _wait_healthy(servers, stack, s.ready_timeout_s, stop)

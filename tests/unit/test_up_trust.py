@@ -1,0 +1,28 @@
+"""`jetrl up` signs its weights announcements with a key of the run's own."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+from services.up.stack import to_env
+from services.up.trust import announce_trust
+
+
+def test_the_run_gets_one_private_key_the_trainer_and_agents_share(tmp_path: Path) -> None:
+    signed = announce_trust(tmp_path, {})
+    key_file = Path(signed["trust"]["announce_key_file"])
+    key = key_file.read_text().strip()
+    assert len(key) >= 32
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert announce_trust(tmp_path, {}) == signed and key_file.read_text().strip() == key, "a resumed run keeps its key"
+    trainer_env = to_env("trainer", signed)
+    weights_env = to_env("weights", signed)
+    assert trainer_env["JETRL_TRAINER__TRUST__ANNOUNCE_KEY_FILE"] == weights_env["JETRL_WEIGHTS__TRUST__ANNOUNCE_KEY_FILE"] == str(key_file)
+    assert key not in str(trainer_env), "the key goes by file, never in the environment"
+
+
+def test_a_key_in_the_config_wins(tmp_path: Path) -> None:
+    assert announce_trust(tmp_path, {"weights": {"trust": {"announce_key_file": "/run/k"}}}) == {}
+    assert announce_trust(tmp_path, {"trainer": {"trust": {"announce_key": "k"}}}) == {}
+    assert not (tmp_path / "announce-key").exists()
