@@ -40,9 +40,9 @@ def run(*cmd: str) -> subprocess.CompletedProcess[str]:
 # ---- Dockerfile -----------------------------------------------------------------------------------
 
 
-def stages() -> dict[str, list[tuple[str, str]]]:
-    """{stage name: [(INSTRUCTION, args), ...]} with line continuations joined."""
-    text = re.sub(r"\\\n", " ", (INFRA / "Dockerfile").read_text())
+def stages(dockerfile: str = "Dockerfile") -> dict[str, list[tuple[str, str]]]:
+    """{stage name: [(INSTRUCTION, args), ...]} of infra/<dockerfile>, with line continuations joined."""
+    text = re.sub(r"\\\n", " ", (INFRA / dockerfile).read_text())
     out: dict[str, list[tuple[str, str]]] = {}
     current: list[tuple[str, str]] = []
     for line in text.splitlines():
