@@ -140,7 +140,7 @@ class LoRASettings(Section):
     """Train LoRA adapters instead of the full model."""
     rank: int = Field(16, ge=1)
     """r: the adapters' rank."""
-    alpha: float = Field(32.0, gt=0)
+    alpha: int = Field(32, ge=1)
     """lora_alpha: the update is scaled by alpha / rank."""
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapters' input while training."""

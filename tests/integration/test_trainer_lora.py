@@ -35,7 +35,7 @@ from tests.support.trainer import (
     write_dataset,
 )
 
-LORA = {"enabled": True, "rank": 2, "alpha": 4.0, "target_modules": ["q_proj", "v_proj"]}
+LORA = {"enabled": True, "rank": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}
 
 
 def _base(tiny_model: Path) -> dict[str, torch.Tensor]:
