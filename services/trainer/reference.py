@@ -16,7 +16,7 @@ switched off, which is exactly the initial weights.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -89,7 +89,7 @@ class Reference:
                 module.train(was_training)
         model = self.engine if self.engine is not None else self.module
         assert model is not None
-        with self.on_device() if self.placement == "cpu" else nullcontext():
+        with self.on_device():
             return model(**inputs).logits.float()
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
