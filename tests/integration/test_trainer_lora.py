@@ -89,7 +89,7 @@ def test_only_the_adapters_train_and_the_merged_weights_are_published(tiny_model
 
 
 def test_a_target_that_is_not_a_linear_layer_is_refused_by_name(tiny_model: Path) -> None:
-    with pytest.raises(ValueError, match="embed_tokens is a .*only linear layers are supported"):
+    with pytest.raises(ValueError, match=r"embed_tokens is a .*only linear layers are supported"):
         TrainEngine(TrainerSettings(model_path=str(tiny_model), lora={**LORA, "target_modules": ["embed_tokens"]}))
 
 
