@@ -6,7 +6,10 @@ locally from a config), the real-model path against today's, in the same run:
 - new: `max_tokens_per_microbatch` (`--seq-len` tokens: one full sample, or several shorter ones),
   `pack_sequences`, `logp_chunk_tokens`, and `gradient_checkpointing`.
 
-    python bench/trainer_memory.py [--layers 24] [--samples 8] [--seq-len 4096] [--steps 2] [--lengths uniform]
+    python bench/trainer_memory.py [--layers 24] [--samples 8] [--seq-len 4096] [--steps 2] [--lengths uniform] [--budget N]
+
+`--budget` is the new path's `max_tokens_per_microbatch` (default `--seq-len`): a larger one packs
+several samples per pass (fewer passes, larger logits).
 
 `--lengths varied` gives the samples lengths spread evenly from a quarter of `--seq-len` to all of it
 (as generations of different lengths are): today's path pads them to the longest, the packed one
@@ -102,7 +105,8 @@ def _peak_bytes(reset: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, steps: int, lengths: str, result: str) -> None:
+def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, steps: int, lengths: str, budget: int,
+           result: str) -> None:
     from services.trainer.actor import PPOActor
     from services.trainer.batch import shard
     from services.trainer.engine import TrainEngine
@@ -110,7 +114,7 @@ def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, s
 
     extra: dict[str, Any] = dict(PATHS[name])
     if name == "new":
-        extra["max_tokens_per_microbatch"] = seq_len
+        extra["max_tokens_per_microbatch"] = budget or seq_len
     s = TrainerSettings.model_validate({"model_path": model_path, "zero_stage": 2, **extra})
     engine = TrainEngine(s)
     actor = PPOActor(engine, s.ppo)
@@ -136,7 +140,7 @@ def launch(name: str, model_path: str, args: argparse.Namespace, tmp: Path) -> d
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, __file__, "--worker", name, model_path, str(args.samples), str(args.seq_len), str(args.vocab),
-           str(args.steps), args.lengths, str(result)]
+           str(args.steps), args.lengths, str(args.budget), str(result)]
     proc = subprocess.run(cmd, env=env, capture_output=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} path failed:\n{proc.stdout.decode()[-2000:]}{proc.stderr.decode()[-3000:]}")
@@ -151,6 +155,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--lengths", choices=["uniform", "varied"], default="uniform")
+    parser.add_argument("--budget", type=int, default=0, help="the new path's max_tokens_per_microbatch (0: --seq-len)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
@@ -171,13 +176,13 @@ def main() -> None:
         "tokens_per_s_ratio": new["tokens_per_s"] / old["tokens_per_s"],
         "added_ratio": new["added_bytes"] / max(old["added_bytes"], 1),
         "layers": args.layers, "vocab": args.vocab, "samples": args.samples, "seq_len": args.seq_len,
-        "lengths": args.lengths,
+        "lengths": args.lengths, "budget": args.budget or args.seq_len,
     }))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _, _, name, path, samples, seq_len, vocab, steps, lengths, result = sys.argv
-        worker(name, path, int(samples), int(seq_len), int(vocab), int(steps), lengths, result)
+        _, _, name, path, samples, seq_len, vocab, steps, lengths, budget, result = sys.argv
+        worker(name, path, int(samples), int(seq_len), int(vocab), int(steps), lengths, int(budget), result)
     else:
         main()
