@@ -3,10 +3,17 @@ locally from a config), the real-model path against today's, in the same run:
 
 - today's: one forward/backward per mini-batch piece, log-probs and entropy over the whole float32
   (tokens x vocabulary) log-softmax, no gradient checkpointing;
-- new: `max_tokens_per_microbatch` (one sample per micro-batch), `logp_chunk_tokens`, and
-  `gradient_checkpointing`.
+- new: `max_tokens_per_microbatch` (`--seq-len` tokens: one full sample, or several shorter ones),
+  `pack_sequences`, `logp_chunk_tokens`, and `gradient_checkpointing`.
 
-    python bench/trainer_memory.py [--layers 24] [--samples 8] [--seq-len 4096] [--steps 2]
+    python bench/trainer_memory.py [--layers 24] [--samples 8] [--seq-len 4096] [--steps 2] [--lengths uniform] [--budget N]
+
+`--budget` is the new path's `max_tokens_per_microbatch` (default `--seq-len`): a larger one packs
+several samples per pass (fewer passes, larger logits).
+
+`--lengths varied` gives the samples lengths spread evenly from a quarter of `--seq-len` to all of it
+(as generations of different lengths are): today's path pads them to the longest, the packed one
+computes only their tokens. tokens/s counts real tokens either way.
 
 Defaults are the full shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab
 151936) on 8 samples of 4k tokens: today's path alone needs well over 100 GB there (the logits and
@@ -38,7 +45,8 @@ sys.path.insert(0, str(REPO))
 
 PATHS: dict[str, dict[str, Any]] = {
     "today": {},
-    "new": {"logp_chunk_tokens": 1024, "gradient_checkpointing": True},  # + one sample per micro-batch
+    # + max_tokens_per_microbatch = --seq-len
+    "new": {"logp_chunk_tokens": 1024, "gradient_checkpointing": True, "pack_sequences": True},
 }
 
 
@@ -54,17 +62,21 @@ def build(out: Path, layers: int, vocab: int) -> str:
     return str(out)
 
 
-def batch(samples: int, seq_len: int, vocab: int) -> dict:
-    """One group of `samples` rows of `seq_len` tokens: a quarter prompt, the rest generated."""
+def batch(samples: int, seq_len: int, vocab: int, lengths: str) -> dict:
+    """One group of `samples` rows of up to `seq_len` tokens (all of it, or spread from a quarter of
+    it with `lengths` varied): a prompt of a quarter of `seq_len`, the rest generated."""
     import numpy as np
 
     from services.trainer.batch import attach_advantages, collate
 
     rng = np.random.default_rng(0)
     ids = rng.integers(0, vocab, size=(samples, seq_len))
+    sizes = np.full(samples, seq_len) if lengths == "uniform" else np.linspace(seq_len // 4 + 1, seq_len, samples).astype(int)
+    am = (np.arange(seq_len)[None, :] < sizes[:, None]).astype(np.int64)
     lm = np.zeros_like(ids)
     lm[:, seq_len // 4 :] = 1
-    group: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": np.ones_like(ids), "loss_mask": lm,
+    lm *= am
+    group: dict[str, np.ndarray] = {"input_ids": ids * am, "attention_mask": am, "loss_mask": lm,
              "logprobs": (-2.3 * lm).astype(np.float32), "versions": np.where(lm > 0, 0, -1),
              "rewards": rng.random(samples).astype(np.float32)}
     return attach_advantages(collate([group]), "grpo", 1e-6)
@@ -93,7 +105,8 @@ def _peak_bytes(reset: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, steps: int, result: str) -> None:
+def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, steps: int, lengths: str, budget: int,
+           result: str) -> None:
     from services.trainer.actor import PPOActor
     from services.trainer.batch import shard
     from services.trainer.engine import TrainEngine
@@ -101,11 +114,12 @@ def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, s
 
     extra: dict[str, Any] = dict(PATHS[name])
     if name == "new":
-        extra["max_tokens_per_microbatch"] = seq_len
+        extra["max_tokens_per_microbatch"] = budget or seq_len
     s = TrainerSettings.model_validate({"model_path": model_path, "zero_stage": 2, **extra})
     engine = TrainEngine(s)
     actor = PPOActor(engine, s.ppo)
-    b = batch(samples, seq_len, vocab)
+    b = batch(samples, seq_len, vocab, lengths)
+    tokens = int(b["attention_mask"].sum())
     elapsed, before, reset = 0.0, 0, False
     for i in range(steps):
         if i == steps - 1:  # the last update: its peak, and what it adds over the model and Adam states
@@ -115,7 +129,7 @@ def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, s
         actor.ppo_update(shard(b, 1, 1)[0])
         elapsed = time.perf_counter() - t0
     peak = _peak_bytes(reset)
-    Path(result).write_text(json.dumps({"peak_bytes": peak, "added_bytes": peak - before, "tokens_per_s": samples * seq_len / elapsed}))
+    Path(result).write_text(json.dumps({"peak_bytes": peak, "added_bytes": peak - before, "tokens_per_s": tokens / elapsed}))
     sys.stdout.flush()
     os._exit(0)
 
@@ -126,7 +140,7 @@ def launch(name: str, model_path: str, args: argparse.Namespace, tmp: Path) -> d
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, __file__, "--worker", name, model_path, str(args.samples), str(args.seq_len), str(args.vocab),
-           str(args.steps), str(result)]
+           str(args.steps), args.lengths, str(args.budget), str(result)]
     proc = subprocess.run(cmd, env=env, capture_output=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} path failed:\n{proc.stdout.decode()[-2000:]}{proc.stderr.decode()[-3000:]}")
@@ -140,13 +154,16 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--lengths", choices=["uniform", "varied"], default="uniform")
+    parser.add_argument("--budget", type=int, default=0, help="the new path's max_tokens_per_microbatch (0: --seq-len)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         model_path = build(tmp / "model", args.layers, args.vocab)
         rows = {name: launch(name, model_path, args, tmp) for name in PATHS}
     gib = 1024**3
-    print(f"Qwen2-0.5B-shaped, {args.layers} layers, vocab {args.vocab}; {args.samples} samples x {args.seq_len} tokens; "
+    print(f"Qwen2-0.5B-shaped, {args.layers} layers, vocab {args.vocab}; {args.samples} samples x {args.seq_len} tokens "
+          f"({args.lengths}); "
           f"ZeRO-2, 1 CPU rank, float32; {args.steps} update(s), tokens/s of the last")
     print(f"{'path':<8}{'peak GiB':>10}{'added GiB':>11}{'tokens/s':>11}")
     for name, r in rows.items():
@@ -159,12 +176,13 @@ def main() -> None:
         "tokens_per_s_ratio": new["tokens_per_s"] / old["tokens_per_s"],
         "added_ratio": new["added_bytes"] / max(old["added_bytes"], 1),
         "layers": args.layers, "vocab": args.vocab, "samples": args.samples, "seq_len": args.seq_len,
+        "lengths": args.lengths, "budget": args.budget or args.seq_len,
     }))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _, _, name, path, samples, seq_len, vocab, steps, result = sys.argv
-        worker(name, path, int(samples), int(seq_len), int(vocab), int(steps), result)
+        _, _, name, path, samples, seq_len, vocab, steps, lengths, budget, result = sys.argv
+        worker(name, path, int(samples), int(seq_len), int(vocab), int(steps), lengths, int(budget), result)
     else:
         main()

@@ -91,7 +91,7 @@ class InferenceSettings(ServiceSettings):
             # whoever reaches the address; the fix is one setting.
             raise ValueError(f"host {self.host} listens beyond loopback, and neither admin_api_key nor api_key is set: "
                              "anyone who reaches it could swap the weights or pause generation; set admin_api_key "
-                             "(or admin_api_key_file) and give the weights agent the same trust.inference_api_key")
+                             "(or admin_api_key_file) and give the weights agent the same trust.inference_admin_api_key")
         return self
 
     def keys(self) -> tuple[str, str]:

@@ -20,6 +20,7 @@ from services.trainer.algorithms.registry import load_algorithm
 from services.trainer.batch import to_tensors
 from services.trainer.engine import TrainEngine
 from services.trainer.logprobs import lean_logp_entropy
+from services.trainer.packing import target_ids, unpack
 from services.trainer.ppo import aggregate, entropy_from_logits, logp_from_logits
 from services.trainer.settings import PPOSettings
 
@@ -37,15 +38,21 @@ class PPOActor:
         self.algorithm = load_algorithm(cfg)
 
     def compute_logp(self, batch: dict[str, Any], *, reference: bool = False) -> torch.Tensor:
+        """Per-token log-probs (rows x length, the padded layout even when `batch` is packed)."""
         logits = self.engine.forward(batch, reference=reference)
-        return self._logp_entropy(logits, batch["input_ids"].long(), entropy=False)[0].cpu()
+        return self._logp_entropy(logits, batch, entropy=False)[0].cpu()
 
-    def _logp_entropy(self, logits: torch.Tensor, ids: torch.Tensor, *, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logp, entropy or None): chunked with `logp_chunk_tokens`, else the whole-vocabulary way."""
+    def _logp_entropy(self, logits: torch.Tensor, mb: dict[str, Any], *, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logp, entropy or None) in `mb`'s padded layout: chunked with `logp_chunk_tokens`, else the
+        whole-vocabulary way; computed on the packed row when `mb` is packed, then put back."""
         chunk, temp = self.engine.settings.logp_chunk_tokens, self.cfg.temperature
+        ids = target_ids(mb).long().to(logits.device)
+        ent: torch.Tensor | None
         if chunk > 0:
-            return lean_logp_entropy(logits, ids, temp, chunk)
-        return logp_from_logits(logits, ids, temp), entropy_from_logits(logits, temp) if entropy else None
+            logp, ent = lean_logp_entropy(logits, ids, temp, chunk)
+        else:
+            logp, ent = logp_from_logits(logits, ids, temp), entropy_from_logits(logits, temp) if entropy else None
+        return unpack(logp, mb), unpack(ent, mb) if ent is not None and entropy else None
 
     def compute_advantages(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Adds `advantages` (per token) and `sample_advantages` to a collated batch (whole groups),
@@ -57,31 +64,39 @@ class PPOActor:
         return attach_advantages(self.algorithm, batch, self.cfg, ref)
 
     def _reference_logp(self, batch: dict[str, np.ndarray]) -> torch.Tensor:
-        n = batch["input_ids"].shape[0]
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        assert self.engine.ref_model is not None
+        with self.engine.ref_model.on_device():
+            self._reference_chunks(batch, out)
+        return out
+
+    def _reference_chunks(self, batch: dict[str, np.ndarray], out: torch.Tensor) -> None:
+        n = batch["input_ids"].shape[0]
         for start in range(0, n, _REF_CHUNK):
             rows = slice(start, start + _REF_CHUNK)
             length = int(batch["attention_mask"][rows].sum(-1).max())
             chunk = to_tensors({k: batch[k][rows, :length] for k in ("input_ids", "attention_mask")})
             out[rows, :length] = self.compute_logp(chunk, reference=True)
-        return out
 
     def ppo_update(self, pieces: list[dict[str, Any]]) -> dict[str, float]:
         """Train on this rank's pieces (one per mini-batch). Returns global stats (same on every rank)."""
         mbs = [self.engine.micro_batches(to_tensors(p)) for p in pieces]
         # The proximal policy is the current one BEFORE any mini-batch step of this update.
-        for mb in (m for micros in mbs for m in micros):
-            if self.cfg.decoupled:
+        flat = [m for micros in mbs for m in micros]
+        if self.cfg.decoupled:
+            for mb in flat:
                 mb["proximal_logp"] = self.compute_logp(mb)
-            if self.cfg.kl_coef > 0 and self.cfg.kl_in == "loss":
-                mb["ref_logp"] = self.compute_logp(mb, reference=True)
+        ref = self.engine.ref_model
+        if ref is not None and self.cfg.kl_in == "loss":
+            with ref.on_device():  # reference_placement cpu: moved to the device once for these passes
+                for mb in flat:
+                    mb["ref_logp"] = self.compute_logp(mb, reference=True)
         stats, norms = self.engine.train_batch(mbs, self._loss)
         return self._reduce(stats, norms, len(mbs))
 
     def _loss(self, logits: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.cfg
-        ids = mb["input_ids"].long().to(logits.device)
-        logp, entropy = self._logp_entropy(logits, ids)
+        logp, entropy = self._logp_entropy(logits, mb)
         assert entropy is not None
         inp = loss_input(mb, logp, cfg)
         out = checked_loss(self.algorithm, inp)

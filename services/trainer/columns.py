@@ -7,7 +7,7 @@ from typing import Any
 
 TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
 RESERVED_KEYS = frozenset((*TOKEN_KEYS, "rewards", "group_index", "advantages", "sample_advantages",
-                           "proximal_logp", "ref_logp", "total_tokens", "total_seqs"))
+                           "proximal_logp", "ref_logp", "total_tokens", "total_seqs", "_packed"))
 """Names the trainer gives meaning to: a workflow's extra column may not use them."""
 
 

@@ -18,7 +18,8 @@ import torch
 
 from services.common.logging import get_logger
 from services.common.stores import init_default_group
-from services.trainer import micro
+from services.trainer import lora, micro, packing
+from services.trainer.reference import Reference
 from services.trainer.schedule import scheduler
 from services.trainer.settings import TrainerSettings
 from services.weights.files import shard_bytes
@@ -95,39 +96,40 @@ class TrainEngine:
         torch.manual_seed(settings.seed)
         # Built in full on every rank, then partitioned by deepspeed.initialize: a bare zero.Init would
         # skip HF's weight init (docs/reference/deepspeed-cpu.md); loading a checkpoint is exact anyway.
-        model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32,
+                                                     attn_implementation=settings.attn_implementation)
         if settings.gradient_checkpointing:
             # non-reentrant: works with inputs that need no grad and under ZeRO-3's parameter hooks
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
-        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+        if settings.lora.enabled:
+            model = lora.apply(model, settings.lora)
+        # Frozen parameters (the base weights under LoRA) get no Adam states.
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay,
                                       betas=settings.adam_betas, eps=settings.adam_eps)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(settings),
                                                lr_scheduler=scheduler(settings, optimizer))
-        self.ref_model: torch.nn.Module | None = None
-        if settings.ppo.kl_coef > 0:
-            # typed as a Module: transformers' decorated PreTrainedModel.to reads as unbound to mypy
-            ref: torch.nn.Module = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=torch.float32)
-            self.ref_model = ref.to(self.device)
-            self.ref_model.eval().requires_grad_(False)
+        self.ref_model: Reference | None = None
+        if settings.ppo.kl_coef > 0:  # no KL term, no reference model on any rank
+            self.ref_model = Reference(settings, self.device, self.world_size, deepspeed,
+                                       lora_engine=self.engine if settings.lora.enabled else None)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def _inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {
-            "input_ids": batch["input_ids"].to(self.device).long(),
-            "attention_mask": batch["attention_mask"].to(self.device).long(),
-        }
+    def _inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return packing.model_inputs(batch, self.device)
 
     @torch.no_grad()
-    def forward(self, batch: dict[str, torch.Tensor], *, reference: bool = False) -> torch.Tensor:
-        """Logits (float32) for a padded batch, without gradients; `reference` uses the frozen reference model."""
+    def forward(self, batch: dict[str, Any], *, reference: bool = False) -> torch.Tensor:
+        """Logits (float32) for a padded batch, or its packed row when `batch` is packed (see
+        `services.trainer.packing`), without gradients; `reference` uses the frozen reference model."""
         if reference:
             if self.ref_model is None:
                 raise RuntimeError("forward(reference=True) needs ppo.kl_coef > 0 (no reference model loaded)")
-            return self.ref_model(**self._inputs(batch)).logits.float()
+            return self.ref_model.logits(self._inputs(batch))
         was_training = self.engine.module.training
         self.engine.module.eval()
         try:
@@ -137,17 +139,19 @@ class TrainEngine:
 
     def micro_batches(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
         """This rank's piece of a mini-batch cut by `max_tokens_per_microbatch` (one micro-batch when
-        0). Collective when the budget is on and there are several ranks: every rank gets as many
-        micro-batches as the rank that needs the most (ZeRO-3 gathers parameters in every pass)."""
-        budget = self.settings.max_tokens_per_microbatch
+        0), each packed into one row with `pack_sequences`. Collective when the budget is on and there
+        are several ranks: every rank gets as many micro-batches as the rank that needs the most
+        (ZeRO-3 gathers parameters in every pass)."""
+        budget, packed = self.settings.max_tokens_per_microbatch, self.settings.pack_sequences
         if budget <= 0:
-            return [piece]
-        groups = micro.plan([int(n) for n in piece["attention_mask"].sum(-1).tolist()], budget)
+            return [packing.pack(piece)] if packed else [piece]
+        groups = micro.plan(packing.lengths(piece), budget, packed=packed)
         if self.world_size > 1:
             count = torch.tensor([len(groups)], dtype=torch.int64)
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
             groups = micro.widen(groups, int(count.item()))
-        return micro.split(piece, groups)
+        micros = micro.split(piece, groups)
+        return [packing.pack(m) for m in micros] if packed else micros
 
     def train_batch(
         self,
@@ -215,6 +219,8 @@ class TrainEngine:
                     full = param.detach().float().clone()
             if self.is_main:
                 out[name] = full.detach().cpu().clone()
+        if self.is_main and self.settings.lora.enabled:  # published as merged full weights, base names
+            out = lora.merge(out, self.settings.lora)
         return out if self.is_main else None
 
     def upload_weights(self, out_dir: str | Path) -> Path | None:
@@ -228,7 +234,7 @@ class TrainEngine:
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
-        module = self.engine.module
+        module = lora.base_model(self.engine.module)  # a plain HF dir, also under LoRA
         dtype = self.settings.publish_dtype
         if dtype != "float32":  # cast from the fp32 master copy, once, as the server will hold them
             sd = {k: v.to(getattr(torch, dtype)) for k, v in sd.items()}

@@ -1,5 +1,6 @@
 """Micro-batches: a rank's piece of a mini-batch cut into row groups of at most a token budget
-(rows x padded length), each trimmed to its own longest row, trained with gradient accumulation.
+(rows x padded length, or the sum of the rows' lengths when packed), each trimmed to its own longest
+row, trained with gradient accumulation.
 
 Every micro-batch carries the mini-batch's global `total_tokens` / `total_seqs`, so each one's loss is
 its share of the mini-batch's loss and their sum (the accumulated gradient) is the one-pass value."""
@@ -23,19 +24,21 @@ def _rows(mb: dict[str, Any], idx: list[int], n: int) -> dict[str, Any]:
     return out
 
 
-def plan(lengths: list[int], budget: int) -> list[list[int]]:
-    """Row indices of each micro-batch, in order: rows are added while rows x longest <= budget (a
-    row longer than the budget goes alone). `budget` 0 is one micro-batch of every row."""
+def plan(lengths: list[int], budget: int, *, packed: bool = False) -> list[list[int]]:
+    """Row indices of each micro-batch, in order: rows are added while the micro-batch's tokens stay
+    within budget: rows x longest (padded), or the sum of the lengths when `packed` (a row longer than
+    the budget goes alone). `budget` 0 is one micro-batch of every row."""
     if budget <= 0 or not lengths:
         return [list(range(len(lengths)))]
     groups: list[list[int]] = [[]]
-    longest = 0
+    longest = total = 0
     for i, n in enumerate(lengths):
-        if groups[-1] and (len(groups[-1]) + 1) * max(longest, n) > budget:
+        cost = total + n if packed else (len(groups[-1]) + 1) * max(longest, n)
+        if groups[-1] and cost > budget:
             groups.append([])
-            longest = 0
+            longest = total = 0
         groups[-1].append(i)
-        longest = max(longest, n)
+        longest, total = max(longest, n), total + n
     return groups
 
 

@@ -131,6 +131,25 @@ class FeederSettings(Section):
     """Run the feeder; False when prompts come from elsewhere (`jetrl prompts`, replay)."""
 
 
+class LoRASettings(Section):
+    """LoRA through peft: only the adapters train (base weights frozen, no Adam states for them); the
+    published weights are the merged full weights (base + alpha / rank x B A), which every server loads
+    as it loads any version. With the KL term on, the reference is the model with its adapters off."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of the full model."""
+    rank: int = Field(16, ge=1)
+    """r: the adapters' rank."""
+    alpha: int = Field(32, ge=1)
+    """lora_alpha: the update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"])
+    """Names (or name suffixes) of the linear layers that get adapters, or ["all-linear"]; the default
+    covers attention and MLP of Llama / Qwen / Mistral-style models. Linear layers only."""
+
+
 class TrainerSettings(ServiceSettings):
     service = "trainer"
 
@@ -169,12 +188,26 @@ class TrainerSettings(ServiceSettings):
     mini-batch is cut into micro-batches of at most this many tokens (a longer row goes alone) and
     their gradients accumulate into the mini-batch's one optimizer step; the loss is the same number.
     0: one pass per piece."""
+    pack_sequences: bool = False
+    """Pack each micro-batch's samples into one row (position ids restarting per sample, no padding
+    computed; varlen attention with flash-attention-2, a block-diagonal causal mask with sdpa/eager);
+    `max_tokens_per_microbatch` then counts the samples' real tokens. The log-probs and loss are those
+    of the padded path."""
+    attn_implementation: str | None = None
+    """The model's attention kernel (transformers' `attn_implementation`): flash_attention_2 for varlen
+    packed attention on GPUs with flash-attn installed, sdpa, eager; unset: transformers' default."""
     logp_chunk_tokens: int = Field(0, ge=0)
     """Log-probs and entropy are computed this many tokens at a time, without the whole float32
     (tokens x vocabulary) log-softmax (equal to 1e-5); 0: the whole vocabulary tensor at once."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them (HF gradient
     checkpointing): less memory for about one more forward pass; the gradients are unchanged."""
+    reference_placement: Literal["device", "cpu", "zero3"] = "device"
+    """Where the KL term's reference model lives (only loaded while ppo.kl_coef > 0): device, a full copy
+    per rank; cpu, in host memory, moved to the device for an update's reference passes only; zero3,
+    sharded over the ranks by DeepSpeed ZeRO-3 (1/world of it per rank). Unused with LoRA."""
+    lora: LoRASettings = LoRASettings()
+    """LoRA adapters through peft instead of full fine-tuning (see docs/trainer.md)."""
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
     batch_groups: int = Field(16, ge=1)

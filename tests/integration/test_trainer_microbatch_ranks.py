@@ -1,6 +1,6 @@
 """Micro-batches across ranks, with real processes: at 2 CPU ranks under ZeRO-3 a token budget that
 cuts one rank's pieces into more micro-batches than the other's still trains (every rank runs the
-same number of passes) to the loss and weights of one pass per piece.
+same number of passes) to the loss and weights of one pass per piece, packed or padded.
 
 The file doubles as the worker script (`torchrun ... test_trainer_microbatch_ranks.py --worker OUT MODEL`)."""
 
@@ -35,9 +35,9 @@ def worker(out: Path, model_path: str) -> None:
     for key in ("attention_mask", "loss_mask"):
         groups[0][key][:3, full - 2 :] = 0
     budget = 3 * (full - 2)
-    for name, tokens in (("one", 0), ("micro", budget)):
+    for name, tokens, packed in (("one", 0, False), ("micro", budget, False), ("packed", budget, True)):
         s = TrainerSettings(model_path=model_path, zero_stage=3, seed=0, ppo={"n_minibatches": 2},
-                            max_tokens_per_microbatch=tokens)
+                            max_tokens_per_microbatch=tokens, pack_sequences=packed)
         engine = TrainEngine(s)
         actor = PPOActor(engine, s.ppo)
         batch = actor.compute_advantages(collate(groups))
@@ -77,12 +77,19 @@ def test_ranks_with_different_micro_batch_counts_train_like_one_pass(tiny_model:
 
     plans = [json.loads((tmp_path / f"micro-plan-{r}.json").read_text()) for r in (0, 1)]
     assert plans == [1, 2]  # the ranks' own budgets differ: rank 0 ran an extra pass to match
-    one, micro = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "micro"))
-    for key in ("loss", "pg_loss", "entropy", "train_tokens", "clip_fraction", "imp_weight_mean", "grad_norm"):
-        assert abs(one[key] - micro[key]) <= 1e-5 * max(1.0, abs(one[key])), key
-    a, b = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "micro.safetensors")
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    one = json.loads((tmp_path / "one.json").read_text())
+    a = load_file(tmp_path / "one.safetensors")
+    for name in ("micro", "packed"):  # packed micro-batches too: one row each, the same update
+        other = json.loads((tmp_path / f"{name}.json").read_text())
+        for key in ("loss", "pg_loss", "entropy", "train_tokens", "clip_fraction", "imp_weight_mean", "grad_norm"):
+            assert abs(one[key] - other[key]) <= 1e-5 * max(1.0, abs(one[key])), (name, key)
+        b = load_file(tmp_path / f"{name}.safetensors")
+        # Packed attention sums in another order (one row, a block-diagonal mask): its gradients
+        # match to float noise, which Adam can blow up to ~lr x 1e-2 on an element whose gradient is
+        # near 0 (the update is about lr x sign(g) there); one such element was seen at 1.6e-5.
+        atol = 1e-5 if name == "micro" else 5e-5
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=atol, msg=f"{name} {k}")
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":

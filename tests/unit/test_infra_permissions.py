@@ -59,7 +59,8 @@ def test_compose_runs_bus_init_as_admin_and_every_service_as_its_own_user() -> N
         env = {k.split("__", 1)[1]: v for k, v in spec["environment"].items() if k.startswith("JETRL_")}
         assert env["NATS_AUTH__USER"] == user, name
         assert env["NATS_AUTH__PASSWORD_FILE"] == f"/run/secrets/nats-{user}", name
-        assert spec["secrets"] == [f"nats-{user}"], f"{name} must see only its own password"
+        trust = {"trainer": ["announce-key", "inference-admin-key"], "weights": ["inference-admin-key", "announce-key"]}
+        assert spec["secrets"] == [f"nats-{user}", *trust.get(name, [])], f"{name} must see only its own password"
         assert not any(k.endswith(("__PASSWORD", "__TOKEN")) for k in env), f"{name}: a secret in the environment"
         if name != "bus-init":
             assert env["BUS_DECLARE"] == "false", name

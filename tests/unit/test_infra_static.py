@@ -40,9 +40,9 @@ def run(*cmd: str) -> subprocess.CompletedProcess[str]:
 # ---- Dockerfile -----------------------------------------------------------------------------------
 
 
-def stages() -> dict[str, list[tuple[str, str]]]:
-    """{stage name: [(INSTRUCTION, args), ...]} with line continuations joined."""
-    text = re.sub(r"\\\n", " ", (INFRA / "Dockerfile").read_text())
+def stages(dockerfile: str = "Dockerfile") -> dict[str, list[tuple[str, str]]]:
+    """{stage name: [(INSTRUCTION, args), ...]} of infra/<dockerfile>, with line continuations joined."""
+    text = re.sub(r"\\\n", " ", (INFRA / dockerfile).read_text())
     out: dict[str, list[tuple[str, str]]] = {}
     current: list[tuple[str, str]] = []
     for line in text.splitlines():
@@ -175,6 +175,9 @@ def check_env(service: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch
     for key, value in env.items():
         if key.endswith("__NATS_AUTH__PASSWORD_FILE") and secret is not None:
             assert value.startswith("/run/secrets/nats-"), f"{key}={value}: not a mounted secret"
+            value = str(secret)
+        elif key.endswith("_KEY_FILE") and secret is not None:  # the trust keys (`jetrl bus secrets` writes them)
+            assert value in ("/run/secrets/announce-key", "/run/secrets/inference-admin-key"), f"{key}={value}"
             value = str(secret)
         monkeypatch.setenv(key, value)
     return load_settings(settings_class(service))  # unknown keys and bad values raise here

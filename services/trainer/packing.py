@@ -1,0 +1,92 @@
+"""Sequence packing: the rows of a micro-batch concatenated into one row, each sample's position ids
+starting again at 0, so the model computes no padding.
+
+The model sees only the packed row (`input_ids` and `position_ids`, no `attention_mask`): transformers
+reads the sample boundaries from the position ids, as varlen attention with flash-attention-2 (no
+cross-sample attention, no padding) and as a block-diagonal causal mask with sdpa / eager (CPU). The
+per-token log-probs and entropy computed on the packed row are put back into the micro-batch's padded
+(rows x length) layout before the loss, so the loss, its aggregation (token- or sequence-level) and any
+algorithm see exactly the tensors of the padded path: the same numbers, only the forward is packed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+KEY = "_packed"
+"""Where a packed micro-batch keeps its `Packed` (beside its padded columns, which the loss uses)."""
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One packed row and the way back to the padded layout."""
+
+    input_ids: torch.Tensor
+    """(1, L): the samples' tokens, back to back."""
+    position_ids: torch.Tensor
+    """(1, L): 0..n_i - 1 per sample."""
+    index: torch.Tensor
+    """(L,): for each packed token, its flat index in the padded (rows x length) layout."""
+    shape: tuple[int, int]
+    """The padded layout's (rows, length)."""
+
+
+def lengths(mb: dict[str, Any]) -> list[int]:
+    """Each row's token count; raises if a row's attention mask is not ones then zeros (right
+    padding): packing takes each row's first `length` tokens."""
+    mask = mb["attention_mask"] != 0
+    n = mask.sum(-1)
+    prefix = torch.arange(mask.shape[1]).unsqueeze(0) < n.unsqueeze(1)
+    if not torch.equal(mask, prefix):
+        bad = int((mask != prefix).any(-1).nonzero()[0, 0])
+        raise ValueError(f"pack_sequences: row {bad}'s attention_mask has a gap (packing needs right padding only)")
+    return [int(x) for x in n.tolist()]
+
+
+def pack(mb: dict[str, Any]) -> dict[str, Any]:
+    """`mb` with its `Packed` row attached under `KEY` (its padded columns kept for the loss)."""
+    ids = mb["input_ids"]
+    rows, width = int(ids.shape[0]), int(ids.shape[1])
+    sizes = lengths(mb)
+    index = torch.cat([torch.arange(n) + r * width for r, n in enumerate(sizes)])
+    positions = torch.cat([torch.arange(n) for n in sizes])
+    out = dict(mb)
+    out[KEY] = Packed(input_ids=ids.reshape(-1)[index].unsqueeze(0), position_ids=positions.unsqueeze(0),
+                      index=index, shape=(rows, width))
+    return out
+
+
+def model_inputs(mb: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """What the model is called with: the packed row and its position ids when `mb` is packed,
+    else the padded rows and their attention mask. Never a KV cache: training needs none, and
+    transformers reads packed boundaries from the position ids only when there is none."""
+    packed: Packed | None = mb.get(KEY)
+    if packed is not None:
+        return {"input_ids": packed.input_ids.to(device).long(), "position_ids": packed.position_ids.to(device).long(),
+                "use_cache": False}
+    return {"input_ids": mb["input_ids"].to(device).long(), "attention_mask": mb["attention_mask"].to(device).long(),
+            "use_cache": False}
+
+
+def target_ids(mb: dict[str, Any]) -> torch.Tensor:
+    """The ids the log-probs are taken of, in the layout of the logits: (1, L) packed or (rows, length)."""
+    packed: Packed | None = mb.get(KEY)
+    return packed.input_ids if packed is not None else mb["input_ids"]
+
+
+def unpack(values: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
+    """Per-token values computed on the packed row (1, L), aligned with its tokens like
+    `logp_from_logits` (value t from the logits at t - 1), in the padded (rows, length) layout: each
+    sample's first token gets 0 (its packed value came from the previous sample's last logits), as
+    do the padding positions. Differentiable; a padded `mb` is returned as it is."""
+    packed: Packed | None = mb.get(KEY)
+    if packed is None:
+        return values
+    flat = values.reshape(-1)
+    keep = packed.position_ids.reshape(-1).to(flat.device) > 0
+    out = flat.new_zeros(packed.shape[0] * packed.shape[1])
+    out = out.index_put((packed.index.to(flat.device)[keep],), flat[keep])
+    return out.view(packed.shape)
