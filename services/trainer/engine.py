@@ -209,7 +209,8 @@ class TrainEngine:
             # One rank training in float32 under ZeRO-1/2: the module's parameters are the master
             # copy, bit for bit. Reading them costs no collective per parameter, each of which also
             # hands the GIL back and forth with the event loop (a background publish) on a busy machine.
-            return {name: param.detach().cpu().clone() for name, param in self.engine.module.named_parameters()}
+            out = {name: param.detach().cpu().clone() for name, param in self.engine.module.named_parameters()}
+            return lora.merge(out, self.settings.lora) if self.settings.lora.enabled else out
         for name, param in self.engine.module.named_parameters():
             full = safe_get_full_fp32_param(param)
             if full is None:  # before the first step the optimizer may hold no hp mapping: use the module

@@ -53,7 +53,7 @@ def test_compose_runs_bus_init_as_admin_and_every_service_as_its_own_user() -> N
     services = compose["services"]
     assert services["nats"]["command"] == ["--config", "/etc/nats/nats-auth.conf"]
     assert services["nats"]["secrets"] == [{"source": "nats-passwords", "target": "/etc/nats/secrets/nats-passwords"}]
-    assert services["bus-init"]["command"] == ["bus", "init"] and services["bus-init"]["restart"] == "no"
+    assert services["bus-init"]["command"] == ["bus", "init"] and services["bus-init"]["restart"] == "on-failure"
     for name, user in COMPOSE_USERS.items():
         spec = services[name]
         env = {k.split("__", 1)[1]: v for k, v in spec["environment"].items() if k.startswith("JETRL_")}

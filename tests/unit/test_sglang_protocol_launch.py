@@ -26,12 +26,16 @@ def test_the_launch_command_carries_the_settings_and_the_flags_jetrl_needs() -> 
         launch_argv(InferenceSettings(engine="sglang", port=0))
 
 
-def test_the_gpu_compose_profile_passes_the_same_jetrl_flags() -> None:
-    text = COMPOSE.read_text()
-    block = text[text.index("inference-sglang:"):text.index("weights:", text.index("inference-sglang:"))]
-    for flag in ("--skip-tokenizer-init", "--weight-version=0", "--enable-metrics"):
-        assert f"- {flag}" in block
-    assert re.search(r"curl -fsS http://127\.0\.0\.1:30000/ready", block)
+def test_the_gpu_compose_profile_launches_sglang_through_jetrl_inference() -> None:
+    """The GPU profile runs `jetrl inference` with engine=sglang, so SGLang gets exactly the flags of
+    `launch_argv` (tested above), the admin key included, instead of a hand-copied command line."""
+    import yaml
+
+    spec = yaml.safe_load(COMPOSE.read_text())["services"]["inference-sglang"]
+    env = spec["environment"]
+    assert env["JETRL_INFERENCE__ENGINE"] == "sglang" and "command" not in spec
+    assert env["JETRL_INFERENCE__ADMIN_API_KEY_FILE"].startswith("/run/secrets/")
+    assert re.search(r"curl -fsS http://127\.0\.0\.1:30000/ready", " ".join(spec["healthcheck"]["test"]))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
