@@ -134,3 +134,33 @@ def test_bus_secrets_keeps_existing_passwords_and_prints_none(tmp_path: Path) ->
     conf = (tmp_path / "s" / "nats-passwords.conf").read_text()
     assert f'{password_env("admin")}: "{admin.strip()}"' in conf
     assert (tmp_path / "s" / ".gitignore").read_text().splitlines()[-1] == "*"
+
+
+def test_prompts_push_runs_as_the_prompts_user_and_no_other(secured: tuple[NatsServer, dict[str, str]], tmp_path: Path) -> None:
+    """`jetrl prompts push` on a bus with per-service users: as `prompts` (after `bus init`) the rows
+    land on the work queue; as `rollout`, which may not issue prompts, the server refuses it."""
+    server, files = secured
+    assert jetrl("bus", "init", f"nats_url={server.url}", *as_user(files, "admin")).returncode == 0
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}{i}{i}=", "answer": "{i}{i}{i}"}}\n' for i in range(3)))
+
+    def push(user: str) -> subprocess.CompletedProcess[str]:
+        return jetrl("prompts", "push", str(data), "--nats-url", server.url, "--run", RUN,
+                     f"nats_auth.user={user}", f"nats_auth.password_file={files[user]}", "bus_declare=false")
+
+    ok = push("prompts")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    refused = push("rollout")
+    said = (refused.stdout + refused.stderr).lower()
+    assert refused.returncode == 1 and "permissions violation" in said and "did not acknowledge" in said, said[-2000:]
+
+    async def queued() -> int:
+        nc = await connect(server.url, "check", auth=NatsAuth(user="observer", password_file=files["observer"]))
+        try:
+            info = await nc.jetstream().stream_info("PROMPTS")
+            return info.state.messages
+        finally:
+            await nc.close()
+
+    assert asyncio.run(queued()) == 3
+    assert files["prompts"] and Path(files["prompts"]).read_text().strip() not in ok.stdout + ok.stderr
