@@ -244,7 +244,7 @@ async def test_the_weights_agent_starts_and_loads_versions_against_sglangs_app(
     from schemas.messages import WeightsLoaded, WeightsLoadFailed, decode
     from schemas.subjects import Subjects
     from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
-    from tests.integration.test_weights_agent import make_version
+    from tests.support.weights import make_version
 
     nc = await nats.connect(nats_url)
     reports: asyncio.Queue[WeightsLoaded | WeightsLoadFailed] = asyncio.Queue()

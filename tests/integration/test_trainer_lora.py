@@ -21,7 +21,6 @@ from services.trainer.batch import collate, shard
 from services.trainer.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.integration.test_trainer_microbatch import _groups
-from tests.integration.test_weights_agent import process, wait_healthy
 from tests.support.inference import free_port
 from tests.support.trainer import (
     SERVICE_RUN,
@@ -34,6 +33,7 @@ from tests.support.trainer import (
     until,
     write_dataset,
 )
+from tests.support.weights import process, wait_healthy
 
 LORA = {"enabled": True, "rank": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}
 

@@ -16,7 +16,7 @@ import pytest
 from services.common.nats_server import free_port
 from services.rollout.engine import InferenceClientSettings, InferenceEngine, ModelRequest
 from services.weights.server_client import ServerClient, ServerError
-from tests.integration.test_weights_agent import ROOT, make_version, process, wait_healthy
+from tests.support.weights import ROOT, make_version, process, wait_healthy
 
 ADMIN = "admin-secret-1"
 API = "api-secret-2"

@@ -18,7 +18,7 @@ from services.common.nats_server import free_port
 from services.status.weights import weights_status
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
 from services.weights.trust import sign
-from tests.integration.test_weights_agent import Stack, make_version, process, server_version, wait_healthy
+from tests.support.weights import Stack, make_version, process, server_version, wait_healthy
 
 RUN = "wtrust"
 KEY = b"the-trainers-announce-key"

@@ -212,9 +212,9 @@ async def test_sigkill_of_one_server_mid_broadcast_the_other_gets_the_version(ti
 async def test_a_server_started_after_version_5_catches_up_from_disk_then_gets_6_by_broadcast(
     nats_url: str, tiny_model: Path, tmp_path: Path
 ) -> None:
-    from tests.integration.test_weights_agent import process
     from tests.support.inference import free_port
     from tests.support.waiting import wait_http_ok, wait_until
+    from tests.support.weights import process
 
     with running_servers(tiny_model, tmp_path, 1) as (a,):
         port = free_port()

@@ -12,7 +12,7 @@ from schemas.messages import WeightsLoaded
 from schemas.subjects import WEIGHTS_BUCKET
 from services.common.nats_server import free_port
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
-from tests.integration.test_weights_agent import Stack, make_version, process, server_version, wait_healthy
+from tests.support.weights import Stack, make_version, process, server_version, wait_healthy
 
 VERSIONS = 2000
 MAX_CONSUMERS = 8

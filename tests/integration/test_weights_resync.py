@@ -17,7 +17,7 @@ from services.weights.agent import WeightsAgent
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
 from services.weights.server_client import ServerClient
 from services.weights.settings import WeightsSettings
-from tests.integration.test_weights_agent import Stack, make_version, process, server_version, wait_healthy
+from tests.support.weights import Stack, make_version, process, server_version, wait_healthy
 
 RUN = "wresync"
 
