@@ -245,3 +245,14 @@ def _same(a: object, b: object) -> bool:
     if isinstance(a, float | int) and isinstance(b, float | int):
         return abs(float(a) - float(b)) < 1e-6
     return a == b
+
+
+async def unsubscribe_quietly(sub: Any, what: str) -> None:
+    """End a subscription at shutdown; if the bus is already gone, say so and go on (shutting down
+    matters more, and a closed connection holds no subscription anyway). `sub` None: nothing to do."""
+    if sub is None:
+        return
+    try:
+        await sub.unsubscribe()
+    except Exception as exc:
+        log.warning(f"{what} unsubscribe failed", error=repr(exc))

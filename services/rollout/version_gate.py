@@ -19,6 +19,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from schemas.subjects import Subjects
+from services.common.bus import unsubscribe_quietly
 from services.common.logging import get_logger
 
 log = get_logger("rollout.gate")
@@ -55,12 +56,8 @@ class VersionGate:
         self._sub = await nc.subscribe(Subjects(run).weights_loaded_all, cb=on_loaded)
 
     async def close(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception as exc:  # the connection is going away; nothing to clean up then
-                log.warning("weights.loaded unsubscribe failed", error=repr(exc))
-            self._sub = None
+        sub, self._sub = self._sub, None
+        await unsubscribe_quietly(sub, "weights.loaded")
 
     def _fresh(self, min_version: int) -> bool:
         return self.version is not None and self.version >= min_version and time.monotonic() - self._read_at < self.max_age_s

@@ -19,6 +19,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
+from services.common.bus import unsubscribe_quietly
 from services.common.busretry import Backoff, retryable
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
@@ -74,11 +75,7 @@ class TrajectoryConsumer:
         subscription's queue would hold the drain to its timeout. Nothing unacked is lost; JetStream
         redelivers it."""
         sub, self._sub = self._sub, None
-        if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except Exception as exc:  # the bus may be gone; shutting down matters more
-                log.warning("trajectory unsubscribe failed", error=repr(exc))
+        await unsubscribe_quietly(sub, "trajectory")
 
     async def collect(self, version: int, stopping: asyncio.Event | None = None) -> list[Group] | None:
         """Pull until `batch_groups` groups are accepted at `version`; None if stopping first (the groups

@@ -21,6 +21,7 @@ from schemas.headers import is_rejection
 from schemas.messages import MessageError, RejectionMarker, decode
 from schemas.subjects import HDR_PROMPT_ID, Subjects
 from schemas.trajectory import TrajectoryError, decode_group
+from services.common.bus import unsubscribe_quietly
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 
@@ -148,11 +149,7 @@ class EvalRounds:
             log.info("eval rounds left open at shutdown", steps=sorted(self.rounds))
         self._timers.clear()
         self.rounds.clear()
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception as exc:  # the bus may be gone; shutting down matters more
-                log.warning("eval unsubscribe failed", error=repr(exc))
-            self._sub = None
+        sub, self._sub = self._sub, None
+        await unsubscribe_quietly(sub, "eval")
         if self._emitting:
             await asyncio.gather(*self._emitting, return_exceptions=True)

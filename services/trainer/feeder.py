@@ -20,7 +20,7 @@ from nats.js.errors import NotFoundError
 from schemas.headers import prompt_headers
 from schemas.messages import MessageError, PromptTask, decode, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
-from services.common.bus import publish_acked
+from services.common.bus import publish_acked, unsubscribe_quietly
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
@@ -79,11 +79,7 @@ class Feeder:
         if self.evals is not None:
             await self.evals.close()
         sub, self._dead_letters = self._dead_letters, None
-        if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except Exception as exc:  # the bus may be gone; shutting down matters more
-                log.warning("dead-letter unsubscribe failed", error=repr(exc))
+        await unsubscribe_quietly(sub, "dead-letter")
 
     def fresh_start(self) -> None:
         """The run name was used before: set this incarnation's prompt ids apart from the earlier ones'."""
