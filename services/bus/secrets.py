@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import os
 import secrets
+import string
 from pathlib import Path
 
 from services.common.permissions import passwords_conf, users
 
 PASSWORDS_CONF = "nats-passwords.conf"
 TRUST_KEYS = ("announce-key", "inference-admin-key")
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def new_password(length: int = 32) -> str:
+    """A random password nats-server reads back unchanged from either place it can come from: letters
+    and digits, a letter first. nats-server parses an environment variable's value as a config value,
+    so `token_urlsafe` output such as `-abc...`, `12345...` or `1-2...` would be refused or read as a
+    number (about 1 password in 30 failed that way, and the server would not start)."""
+    return secrets.choice(string.ascii_letters) + "".join(secrets.choice(_ALPHANUMERIC) for _ in range(length - 1))
 """Beside the passwords, the shared keys of the trust checks: the trainer signs weights announcements
 with `announce-key` (`trust.announce_key_file` of the trainer and every weights agent); the inference
 servers' admin routes want `inference-admin-key` (`admin_api_key_file` of the server,
@@ -43,6 +53,6 @@ def write_secrets(directory: str | Path) -> list[Path]:
 def _keep_or_make(path: Path) -> Path:
     """A random secret in `path` unless it already holds one (0644: see `write_secrets`)."""
     if not path.exists() or not path.read_text().strip():
-        path.write_text(secrets.token_urlsafe(24) + "\n")
+        path.write_text(new_password() + "\n")
         os.chmod(path, 0o644)
     return path

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from schemas.headers import prompt_headers
 from schemas.messages import PromptTask, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
+from services.bus.secrets import new_password
 from services.common.bus import connect, publish_acked
 from services.common.nats_auth import NatsAuth
 from services.common.nats_server import NatsServer
@@ -35,7 +35,7 @@ STEPS = 4
 def write_secrets(root: Path) -> tuple[dict[str, str], dict[str, str]]:
     """A random password per user, each in its own file; returns (passwords, files)."""
     root.mkdir(parents=True, exist_ok=True)
-    passwords = {u: secrets.token_urlsafe(12) for u in users()}
+    passwords = {u: new_password() for u in users()}
     files = {}
     for user, pw in passwords.items():
         path = root / user

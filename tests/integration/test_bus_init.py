@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from schemas.subjects import TRAJECTORIES_STREAM, WEIGHTS_BUCKET, stream_specs
+from services.bus.secrets import new_password
 from services.common import bus
 from services.common.bus import BusNotInitialized, connect, declare_streams
 from services.common.nats_auth import NatsAuth
-from services.common.nats_server import NatsServer
+from services.common.nats_server import NatsServer, find_binary
 from services.common.permissions import authorization_block, password_env
 from services.weights.objstore import open_bucket
 from tests.e2e.test_up_permissions import ROOT, write_secrets
@@ -119,6 +120,19 @@ def test_the_users_block_reads_passwords_from_the_servers_environment(tmp_path: 
             asyncio.run(login("trainer", files["rollout"]))
     finally:
         server.stop()
+
+
+def test_generated_passwords_survive_nats_servers_environment_parsing(tmp_path: Path) -> None:
+    """nats-server parses an environment variable's value as a config value: 400 passwords as
+    `jetrl bus secrets` makes them, each in a variable, all read back as strings (`nats-server -t`).
+    With `token_urlsafe` about one in thirty (`-abc`, `12345`, `1-2`) stopped the server starting."""
+    env = {f"JETRL_PW_{i}": new_password() for i in range(400)}
+    users_conf = ", ".join(f"{{user: u{i}, password: ${name}}}" for i, name in enumerate(env))
+    conf = tmp_path / "users.conf"
+    conf.write_text(f"authorization {{ users = [{users_conf}] }}\n")
+    checked = subprocess.run([find_binary(), "-c", str(conf), "-t"], env={**os.environ, **env},
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stderr[-2000:]
 
 
 def test_bus_secrets_keeps_existing_passwords_and_prints_none(tmp_path: Path) -> None:
