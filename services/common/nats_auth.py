@@ -38,6 +38,10 @@ class NatsAuth(BaseModel):
     """Client private key for mutual TLS."""
     tls_hostname: str = ""
     """Server name to verify the server's certificate against, when it differs from the URL's host."""
+    inbox_prefix: str = ""
+    """Prefix of this client's reply subjects (JetStream API answers, pulled messages, reward replies).
+    Default: `_INBOX.<user>` when `user` is set, which is all `jetrl bus permissions` lets that user
+    subscribe to, so no service can read another's replies; else nats-py's `_INBOX`."""
 
     @model_validator(mode="after")
     def _consistent(self) -> NatsAuth:
@@ -64,6 +68,9 @@ class NatsAuth(BaseModel):
         if self.user:
             opts["user"] = self.user
             opts["password"] = password
+        prefix = self.inbox_prefix or (inbox_prefix(self.user) if self.user else "")
+        if prefix:
+            opts["inbox_prefix"] = prefix
         token = _secret(self.token, self.token_file)
         if token:
             opts["token"] = token
@@ -79,6 +86,11 @@ class NatsAuth(BaseModel):
             if self.tls_hostname:
                 opts["tls_hostname"] = self.tls_hostname
         return opts
+
+
+def inbox_prefix(user: str) -> str:
+    """The reply-subject prefix of `user`: the users block allows it `<prefix>.>` and nothing wider."""
+    return f"_INBOX.{user}"
 
 
 def _secret(value: SecretStr, path: str) -> str:

@@ -2,7 +2,7 @@
 
 The allow lists are derived from `schemas.subjects` (so a renamed subject moves the permission with
 it) plus the JetStream API subjects each service's client calls make (nats-py: `$JS.API.<verb>.<stream>`
-requests, `$JS.ACK.<stream>.<consumer>.>` acknowledgements, replies on `_INBOX.>`). `jetrl bus
+requests, `$JS.ACK.<stream>.<consumer>.>` acknowledgements, replies on the user's own `_INBOX.<user>.>`). `jetrl bus
 permissions` prints them as a nats-server `authorization { users = [...] }` block; infra/nats-users.conf
 is that block for every run (`run="*"`) and a test keeps the two equal.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.nats_auth import inbox_prefix
 from schemas.subjects import (
     METRICS_STREAM,
     PROMPTS_STREAM,
@@ -91,6 +92,12 @@ def _ordered(stream: str) -> list[str]:
     return [f"{API}.CONSUMER.CREATE.{stream}", f"$JS.FC.{stream}.>"]
 
 
+def _inbox(user: str) -> str:
+    """Replies to this user's own requests (JetStream API, reward, pulls) and nobody else's: every
+    service connects with `nats_auth.inbox_prefix` = `_INBOX.<user>` (the default when `user` is set)."""
+    return f"{inbox_prefix(user)}.>"
+
+
 def _micro(name: str) -> list[str]:
     """The discovery subjects a NATS micro-service answers (`nats micro`, readiness pings)."""
     return [f"$SRV.{verb}{tail}" for verb in ("PING", "INFO", "STATS") for tail in ("", f".{name}", f".{name}.*")]
@@ -111,7 +118,6 @@ def service_permissions(run: str = ANY_RUN) -> list[Permissions]:
     """Every service user's permissions for `run` (`*`: any run on the server)."""
     r = _Run(run)
     s = r.s
-    inbox = ["_INBOX.>"]  # replies to this client's own requests (JetStream API, reward, pulls)
     trainer = Permissions(
         "trainer",
         "trainer + prompt feeder + weights publisher: issues prompts, trains trajectories, announces weights",
@@ -135,7 +141,7 @@ def service_permissions(run: str = ANY_RUN) -> list[Permissions]:
             *_own_consumer(TRAJECTORIES_STREAM, r.consumer(s.trainer_consumer), delete=True),
         ),
         subscribe=(
-            *inbox,
+            _inbox("trainer"),
             r.subj(s.trajectories_eval),
             f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{PROMPTS_STREAM}.{r.consumer(s.rollout_consumer)}",
         ),
@@ -152,13 +158,13 @@ def service_permissions(run: str = ANY_RUN) -> list[Permissions]:
             *_stream_info(*ALL_STREAMS),
             *_own_consumer(PROMPTS_STREAM, r.consumer(s.rollout_consumer)),
         ),
-        subscribe=(*inbox, r.subj(s.weights_loaded_all)),
+        subscribe=(_inbox("rollout"), r.subj(s.weights_loaded_all)),
     )
     reward = Permissions(
         "reward",
         "reward service: answers requests on the reward subject, nothing else but its metrics",
         publish=(*r.metrics("reward"), *_stream_info(*ALL_STREAMS)),
-        subscribe=(*inbox, REWARD_SUBJECT, *_micro(REWARD_SERVICE)),
+        subscribe=(_inbox("reward"), REWARD_SUBJECT, *_micro(REWARD_SERVICE)),
         responses=True,
     )
     weights = Permissions(
@@ -173,19 +179,19 @@ def service_permissions(run: str = ANY_RUN) -> list[Permissions]:
             *_ordered(WEIGHT_SYNC_STREAM),
             *OBJ_READ,
         ),
-        subscribe=tuple(inbox),
+        subscribe=(_inbox("weights"),),
     )
     track = Permissions(
         "track",
         "experiment tracker: reads the METRICS stream, publishes nothing",
         publish=(*_stream_info(*ALL_STREAMS), *_ordered(METRICS_STREAM)),
-        subscribe=tuple(inbox),
+        subscribe=(_inbox("track"),),
     )
     prompts = Permissions(
         "prompts",
         "`jetrl prompts push`: puts prompts on the run's work queue",
         publish=(r.subj(s.prompts_all), *_stream_info(*ALL_STREAMS)),
-        subscribe=tuple(inbox),
+        subscribe=(_inbox("prompts"),),
     )
     # The observer's consumers: on streams that hold no durable consumer of jetrl's, so creating one
     # by name can never touch (update) the trainer's or the rollout workers'.
@@ -200,7 +206,7 @@ def service_permissions(run: str = ANY_RUN) -> list[Permissions]:
             *[x for st in watched for x in (*_ordered(st), f"{API}.CONSUMER.CREATE.{st}.*.>",
                                              f"{API}.CONSUMER.MSG.NEXT.{st}.*")],
         ),
-        subscribe=(*inbox, r.subj(s.metrics_all), r.subj(s.weights_loaded_all)),
+        subscribe=(_inbox("observer"), r.subj(s.metrics_all), r.subj(s.weights_loaded_all)),
     )
     return [trainer, rollout, reward, weights, track, prompts, observer]
 

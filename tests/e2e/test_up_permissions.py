@@ -149,6 +149,10 @@ FORBIDDEN_SUBSCRIBE = [
     ("track", f"jetrl.{RUN}.prompts.>"),
     ("weights", f"jetrl.{RUN}.trajectories"),
     ("observer", "jetrl.reward.score"),
+    ("rollout", "_INBOX.>"),  # reading every service's replies (JetStream API answers, pulled messages)
+    ("rollout", "_INBOX.trainer.>"),  # ... or the trainer's
+    ("reward", "_INBOX.rollout.>"),
+    ("observer", "_INBOX.>"),
 ]
 
 ALLOWED = [
@@ -161,6 +165,7 @@ ALLOWED = [
     ("weights", "publish", f"jetrl.{RUN}.weights.failed.http___127_0_0_1_30000"),
     ("prompts", "publish", f"jetrl.{RUN}.prompts.train"),
     ("observer", "subscribe", f"jetrl.{RUN}.metrics.>"),
+    ("rollout", "subscribe", "_INBOX.rollout.abc"),  # its own replies
 ]
 
 
