@@ -5,23 +5,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from pathlib import Path
 from typing import Any
 
 from nats.js.api import DeliverPolicy
+from pydantic import ValidationError
 
 from schemas.messages import MessageError, MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, Subjects
 from services.common.bus import connect
+from services.common.nats_auth import NatsAuth
 from services.runs import run_directory, run_nats
 from services.up.curves import plot_curves
 from services.up.monitor import RunView
 from services.up.report import summary_lines, write_metrics
 
 
-async def read_metrics(url: str, run: str) -> RunView:
+async def read_metrics(url: str, run: str, auth: NatsAuth | None = None) -> RunView:
     """Every trainer step event of the run, from the start of the METRICS stream."""
-    nc = await connect(url, "jetrl-plot", connect_timeout_s=10)
+    nc = await connect(url, "jetrl-plot", connect_timeout_s=10, auth=auth)
     js = nc.jetstream()
     view = RunView(started=0.0)
     info = await js.stream_info(METRICS_STREAM)
@@ -48,16 +51,40 @@ async def read_metrics(url: str, run: str) -> RunView:
     return view
 
 
+def _auth(parser: argparse.ArgumentParser, pairs: list[str]) -> NatsAuth | None:
+    """`--nats-auth KEY=VALUE` pairs as the `nats_auth` section every service has; a bad one is named."""
+    if not pairs:
+        return None
+    fields: dict[str, str] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or key not in NatsAuth.model_fields:
+            parser.error(f"--nats-auth {pair!r}: expected KEY=VALUE with KEY one of {', '.join(NatsAuth.model_fields)}")
+        fields[key] = value
+    try:
+        return NatsAuth.model_validate(fields)
+    except ValidationError as exc:
+        parser.error(f"--nats-auth: {exc.errors()[0]['msg']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jetrl plot", description=__doc__)
     parser.add_argument("run", help="run name (under --run-dir) or run directory")
     parser.add_argument("--run-dir", default="runs", help="where runs live (default runs/)")
     parser.add_argument("--nats-url", help="read from this NATS server instead of the run's own")
     parser.add_argument("--out", help="directory for the PNG and JSON (default: the run directory)")
+    parser.add_argument("--nats-auth", action="append", default=[], metavar="KEY=VALUE",
+                        help="a `nats_auth` setting for --nats-url, repeatable (e.g. user=observer, "
+                             "password_file=F, creds_file=F, tls_ca_file=F; docs/security.md)")
     args = parser.parse_args(argv)
+    auth = _auth(parser, args.nats_auth)
     path = run_directory(args.run, args.run_dir)
-    with run_nats(path, args.nats_url) as url:
-        view = asyncio.run(read_metrics(url, path.name))
+    try:
+        with run_nats(path, args.nats_url) as url:
+            view = asyncio.run(read_metrics(url, path.name, auth))
+    except ConnectionRefusedError as exc:  # credentials or TLS: the server's own words, no traceback
+        print(f"jetrl plot: {exc}; a secured bus needs --nats-auth (e.g. user=observer, password_file=F)", file=sys.stderr)
+        return 1
     out = Path(args.out) if args.out else path
     out.mkdir(parents=True, exist_ok=True)
     steps: list[dict[str, Any]] = view.steps
