@@ -26,6 +26,7 @@ from services.rollout.engine import InferenceClientSettings, InferenceEngine
 from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.status.groups import render_groups, trainer_groups
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
@@ -66,8 +67,10 @@ async def rollout_worker(nc: NATS, tiny_model: Path, engine: InferenceEngine) ->
         await asyncio.wait_for(task, 30)
 
 
-async def train(nc: NATS, settings: TrainerSettings, shared: Path, steps: int, logs: list[dict[str, Any]] | None = None) -> Trainer:
-    """A trainer as `jetrl trainer` runs it (feeder, disk weights through the publisher), `steps` steps."""
+async def train(nc: NATS, settings: TrainerSettings, shared: Path, steps: int,
+                logs: list[dict[str, Any]] | None = None) -> tuple[Trainer, list[dict[str, float]]]:
+    """A trainer as `jetrl trainer` runs it (feeder, disk weights through the publisher), `steps` steps;
+    returns it and each step's figures."""
     publisher = WeightPublisher(nc, RUN, shared_dir=shared)
     trainer = Trainer(settings, TrainEngine(settings), publish=functools.partial(publisher.publish_dir, consume=True))
     with capture_logs() as captured:
@@ -77,6 +80,7 @@ async def train(nc: NATS, settings: TrainerSettings, shared: Path, steps: int, l
     stopping = asyncio.Event()
     assert trainer.feeder is not None
     feeding = asyncio.create_task(trainer.feeder.feed_forever(stopping))
+    figures = []
     try:
         for _ in range(steps):
             try:
@@ -85,11 +89,12 @@ async def train(nc: NATS, settings: TrainerSettings, shared: Path, steps: int, l
                 pytest.fail(f"no step within {STEP_TIMEOUT_S} s at version {trainer.version}; "
                             f"the intake's verdicts: {dict(trainer.intake.counts)}")
             assert values is not None
+            figures.append(values)
     finally:
         stopping.set()
         await asyncio.wait_for(feeding, 30)
         await trainer.close()
-    return trainer
+    return trainer, figures
 
 
 @pytest.mark.timeout(900)
@@ -120,14 +125,14 @@ async def test_a_second_run_under_the_same_name_trains_past_the_first_runs_versi
         ):
             await wait_healthy(url, server, tmp_path / "server.log")
             async with rollout_worker(nc, tiny_model, engine):
-                first = await train(nc, settings("first"), shared, FIRST_STEPS)
+                first, _ = await train(nc, settings("first"), shared, FIRST_STEPS)
                 assert first.version == FIRST_STEPS
                 announced = await latest_published(nc, RUN)
                 assert announced is not None and announced.version == FIRST_STEPS
 
                 # the second run: same name, no checkpoint; the server still serves the first run's last version
                 logs: list[dict[str, Any]] = []
-                second = await train(nc, settings("second"), shared, 2, logs)
+                second, figures = await train(nc, settings("second"), shared, 2, logs)
             assert await server_version(url) in {str(v) for v in range(FIRST_STEPS + 1, second.version + 1)}
     finally:
         await engine.aclose()
@@ -138,6 +143,9 @@ async def test_a_second_run_under_the_same_name_trains_past_the_first_runs_versi
     assert second.version == base + 2  # its base weights were version 3; two steps made 4 and 5
     steps = trained_steps(tmp_path / "second")
     assert [s["version"] for s in steps] == [base + 1, base + 2]
+    assert all(0.0 <= f["reward_mean"] <= 1.0 and f["groups"] == 2 for f in figures), figures
+    status = await trainer_groups(nc, RUN, 5.0)  # what `jetrl status` shows: this run's steps, nothing terminated
+    assert status.step == base + 2 and status.outcomes["accepted"] >= 4 and not status.terminated, render_groups(status)
 
     # every group it trained was generated with its own weights, none with the first run's
     js = nc.jetstream()
