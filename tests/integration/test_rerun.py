@@ -84,6 +84,7 @@ async def test_a_fresh_start_after_version_n_starts_at_n_plus_1_and_trains_nothi
         values = await second.step()
         assert values is not None and values["stale_groups"] == 1 and values["total_stale_earlier_run"] == 1
         assert second.version == 3 and second.done  # total_steps=1 counts from version 2
+        assert values["feeder_bound"] == (100 + 1 + 1) * 2  # admission counts the steps since version 2: one
         assert second.feeder.ledger.counters.stale == 1 and second.feeder.ledger.counters.dropped == 0
         assert [t.prompt_id for t in new[1:3]] == trained_steps(tmp_path / "second")[0]["prompt_ids"]
 
