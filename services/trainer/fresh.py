@@ -87,14 +87,16 @@ async def _announced_version(js: JetStreamContext, subjects: Subjects) -> int | 
 
 
 def warn_served(found: Leftovers, run: str) -> None:
-    """The announced version stays served: this trainer publishes no weights (or cannot tell the version)."""
+    """The announced version stays served: this trainer publishes no weights, or cannot read the version."""
     log.warning(
         "weights of an earlier incarnation are announced for this run; inference serves them until this "
-        "trainer publishes version 1", run=run, announced_version=found.weights_version, version=0,
+        "trainer publishes a version (it continues the numbering past them only when it publishes weights and "
+        "can read the announced version)", run=run, announced_version=found.weights_version, version=0,
     )
 
 
 def log_continued(found: Leftovers, run: str) -> None:
+    """The trainer continues the numbering past the announced version (module doc)."""
     log.warning(
         f"run {run} was used before: last announced version {found.weights_version}; starting at {found.first_version} "
         "(its base weights are published as that version; groups generated with older weights are not trained)",
