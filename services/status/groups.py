@@ -14,6 +14,7 @@ from services.status.weights import _last_per_subject
 
 OUTCOMES = GROUP_OUTCOMES
 TERMINATED_PREFIX = "total_terminated_"
+STALE_PREFIX = "total_stale_"
 
 
 @dataclass
@@ -24,6 +25,8 @@ class TrainerGroups:
     """Groups read since the run started, by what became of them."""
     terminated: dict[str, int] = field(default_factory=dict)
     """Groups terminated (never trained, never redelivered), by cause."""
+    stale: dict[str, int] = field(default_factory=dict)
+    """Stale groups with a named cause (`earlier_run`: generated with an earlier run's weights)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -40,6 +43,7 @@ async def trainer_groups(nc: NATS, run: str, timeout_s: float) -> TrainerGroups:
         status.outcomes = {k: int(event.values.get(f"total_{k}", 0)) for k in OUTCOMES}
         status.terminated = {k[len(TERMINATED_PREFIX):]: int(v) for k, v in sorted(event.values.items())
                              if k.startswith(TERMINATED_PREFIX) and v}
+        status.stale = {k[len(STALE_PREFIX):]: int(v) for k, v in sorted(event.values.items()) if k.startswith(STALE_PREFIX) and v}
     return status
 
 
@@ -52,4 +56,6 @@ def render_groups(status: TrainerGroups) -> str:
     total = sum(status.terminated.values())
     causes = ", ".join(f"{k} {v}" for k, v in status.terminated.items())
     lines.append(f"  terminated: {total}" + (f" ({causes})" if causes else ""))
+    if status.stale:
+        lines.append("  stale by cause: " + ", ".join(f"{k} {v}" for k, v in status.stale.items()))
     return "\n".join(lines)

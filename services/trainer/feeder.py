@@ -85,6 +85,11 @@ class Feeder:
         """The run name was used before: set this incarnation's prompt ids apart from the earlier ones'."""
         self.ledger.tag = self.nonce
 
+    def continue_versions(self, first_version: int) -> None:
+        """This run's weight versions start at `first_version` (an earlier run of the name announced the
+        one before): admission counts steps from it and no prompt asks for an older version."""
+        self.ledger.first_version = first_version
+
     def wake(self) -> None:
         """A slot may have freed (an answer was judged, a step applied): admit prompts now, not at the next tick."""
         self._wake.set()

@@ -7,13 +7,21 @@ to the new prompts (same seed, same row order, so the same prompt ids).
 - its queued prompts (train and eval) are purged from the work queue;
 - the new prompt ids get a tag, so answers to its prompts still being worked on are told apart
   (`foreign`) and JetStream's de-duplication cannot drop our answers as repeats of theirs;
-- a weight version it announced is only warned about: agents serve it until this trainer publishes.
+- a weight version N it announced is served by the inference servers (their agents loaded it, and a
+  server started later loads it too): the new trainer continues the numbering past it. It publishes
+  its base weights (`model_path`, "version 0") as version N+1 and counts from there (`first_version`):
+  prompts ask for N+1 or newer, and a group generated with older weights is the earlier run's, never
+  trained (`stale`, cause `earlier_run`). Starting again at version 1 instead would train nothing:
+  every group would carry version N, newer than the trainer, and be terminated as impossible.
 A new run name avoids all of this.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -39,6 +47,12 @@ class Leftovers:
     def used_before(self) -> bool:
         return bool(self.trajectories or self.prompts or self.weights_version is not None)
 
+    @property
+    def first_version(self) -> int:
+        """The version this incarnation's base weights get: one past the announced one (0: none announced,
+        or one that does not decode, whose version is unknown)."""
+        return self.weights_version + 1 if self.weights_version is not None and self.weights_version >= 0 else 0
+
 
 async def clear_leftovers(js: JetStreamContext, subjects: Subjects) -> Leftovers:
     """Measure and drop what an earlier incarnation of the run left; warn about what cannot be dropped."""
@@ -52,11 +66,6 @@ async def clear_leftovers(js: JetStreamContext, subjects: Subjects) -> Leftovers
         log.warning(
             "run name used before; starting it afresh (a new run name avoids this)", run=subjects.run,
             recorded_trajectories_ignored=trajectories, queued_prompts_dropped=prompts,
-        )
-    if found.weights_version is not None:
-        log.warning(
-            "weights of an earlier incarnation are announced for this run; inference serves them until this "
-            "trainer publishes version 1", run=subjects.run, announced_version=found.weights_version, version=0,
         )
     return found
 
@@ -75,3 +84,46 @@ async def _announced_version(js: JetStreamContext, subjects: Subjects) -> int | 
     except MessageError as exc:  # something is announced; what, we cannot tell
         log.warning("weights announcement does not decode", error=str(exc))
         return -1
+
+
+def warn_served(found: Leftovers, run: str) -> None:
+    """The announced version stays served: this trainer publishes no weights, or cannot read the version."""
+    log.warning(
+        "weights of an earlier incarnation are announced for this run; inference serves them until this "
+        "trainer publishes a version (it continues the numbering past them only when it publishes weights and "
+        "can read the announced version)", run=run, announced_version=found.weights_version, version=0,
+    )
+
+
+def log_continued(found: Leftovers, run: str) -> None:
+    """The trainer continues the numbering past the announced version (module doc)."""
+    log.warning(
+        f"run {run} was used before: last announced version {found.weights_version}; starting at {found.first_version} "
+        "(its base weights are published as that version; groups generated with older weights are not trained)",
+        run=run, announced_version=found.weights_version, version=found.first_version,
+    )
+
+
+WEIGHT_SUFFIXES_SKIPPED = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
+"""Other formats of the same weights a model directory may also hold: the servers load safetensors."""
+
+
+def stage_base_weights(model_path: str | Path, dest: Path) -> Path:
+    """`model_path`'s checkpoint (config, safetensors, tokenizer files: version 0 of the weights) as a
+    fresh directory `dest` the publisher may take over. Files are hard-linked where the filesystem
+    allows (nothing writes a published file in place), else copied."""
+    src = Path(model_path)
+    files = [p for p in sorted(src.iterdir()) if p.is_file() and not p.name.startswith(".")
+             and p.suffix not in WEIGHT_SUFFIXES_SKIPPED] if src.is_dir() else []
+    if not any(p.suffix == ".safetensors" for p in files):
+        raise FileNotFoundError(
+            f"model_path {src}: no *.safetensors to publish as this run's base weights (needed to continue the "
+            "version numbering of a run name used before); use a new run name or a safetensors checkpoint")
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for p in files:
+        try:
+            os.link(p, dest / p.name)
+        except OSError:  # another filesystem, or links not allowed
+            shutil.copy2(p, dest / p.name)
+    return dest

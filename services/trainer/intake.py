@@ -10,6 +10,10 @@ in checkpoints, so answers to prompts issued before a restart still check out) o
 and a rollout worker copies it onto its answer. A group or rejection marker without a valid tag is
 terminated as `unissued_prompt` and never touches the feeder (it must not cost a real prompt a try).
 
+A trainer that continued the numbering of a run name used before (`fresh.py`: `first_version` N+1)
+never trains a group generated with older weights: they are the earlier run's. Such a group is judged
+`stale` (its row is re-issued, uncharged), counted as `stale_earlier_run`.
+
 An accepted group is `pending` until its step is applied (`commit`): only then is its prompt id
 `trained`. The checkpointed state is the state at the last commit, so a stop between judging and
 training leaves the group to be read and trained again after a resume."""
@@ -28,6 +32,7 @@ from schemas.messages import MessageError, RejectionMarker, decode
 from schemas.metric_names import GroupOutcome
 from schemas.subjects import HDR_PROMPT_ID
 from schemas.trajectory import DecodedGroup, TrajectoryError, decode_group
+from services.common.logging import get_logger
 from services.common.settings import SettingsError
 from services.common.signing import prompt_tag, prompt_tag_ok
 from services.trainer.feeder import Feeder
@@ -35,6 +40,8 @@ from services.trainer.validate import Limits, check_group
 
 if TYPE_CHECKING:
     from services.trainer.settings import TrainerSettings
+
+log = get_logger("trainer")
 
 
 @dataclass
@@ -53,7 +60,8 @@ class Verdict:
     group: Group | None = None
     error: str = ""
     cause: str = ""
-    """Why a malformed message is terminated: one of `validate.CAUSES`."""
+    """Why a malformed message is terminated: one of `validate.CAUSES`; for a stale group, `earlier_run`
+    when its weights are an earlier run's (empty: merely more than eta versions old)."""
     worker: str = ""
     """The rollout worker that sent the group, when its metadata could be read."""
 
@@ -66,6 +74,9 @@ class Intake:
     own_versions: bool = True
     """Versions on the groups are this trainer's (a live run): one newer than the trainer is an error.
     False for a replay, where they are the recorded run's."""
+    first_version: int = 0
+    """The version of this run's base weights (0, or one past an earlier run's last: `fresh.py`); a group
+    with a trained token older than it is the earlier run's (checkpointed)."""
     limits: Limits = field(default_factory=lambda: Limits(None, None))
     """Token ids and row lengths a group must stay within."""
     trained: set[str] = field(default_factory=set)
@@ -102,6 +113,11 @@ class Intake:
         self.counts[verdict.outcome] += 1
         if verdict.outcome == "malformed":
             self.counts[f"terminated_{verdict.cause}"] += 1
+        elif verdict.outcome == "stale" and verdict.cause:
+            self.counts[f"stale_{verdict.cause}"] += 1
+            log.warning("group generated with an earlier run's weights; not trained, its prompt re-issued",
+                        prompt_id=verdict.prompt_id, worker=verdict.worker, first_version=self.first_version,
+                        cause=verdict.cause)
         pid = verdict.prompt_id
         if verdict.cause == UNISSUED:
             pass  # not an answer to a prompt of ours: the feeder's real prompt keeps its tries
@@ -163,6 +179,8 @@ class Intake:
             name = group.meta.workflow or "(unnamed workflow)"
             return Verdict("malformed", pid, error=f"workflow {name}: trained tokens carry weight versions {head}..{tail}, "
                            f"but the trainer is at version {version}", cause="impossible_versions", worker=group.meta.worker)
+        if self.own_versions and head < self.first_version:
+            return Verdict("stale", pid, cause=EARLIER_RUN, worker=group.meta.worker)
         if version - head > self.eta:
             return Verdict("stale", pid)
         rewards = group.tensors["rewards"]
@@ -185,6 +203,8 @@ class Intake:
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"trained": sorted(self.trained), "counts": dict(self.committed)}
+        if self.first_version:
+            state["first_version"] = self.first_version
         if self.check_tags:
             state["prompt_key"] = self.run_key.hex()
         return state
@@ -192,6 +212,7 @@ class Intake:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("prompt_key"):  # a checkpoint from before prompt tags keeps this process's key
             self.run_key = bytes.fromhex(state["prompt_key"])
+        self.first_version = int(state.get("first_version", 0))  # a checkpoint from before: versions from 0
         self.trained = set(state["trained"])
         self.pending = set()
         self.counts = Counter(state["counts"])
@@ -199,6 +220,8 @@ class Intake:
 
 
 UNISSUED = "unissued_prompt"
+EARLIER_RUN = "earlier_run"
+"""The cause of a stale group generated with weights of an earlier run of the same name."""
 
 
 def _unissued(prompt_id: str, headers: dict[str, str] | None, worker: str) -> Verdict:

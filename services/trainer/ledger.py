@@ -18,6 +18,11 @@ the n-th in line (issued - rejected) is expected to be trained at step `(n - 1) 
 if its oldest token is at most eta versions older, so `min_version = (n - 1) // B - eta`, never above
 the current version (the admission rule guarantees that) nor below 0.
 
+Versions count from `first_version`: 0, or N+1 for a fresh start on a run name whose earlier trainer
+announced version N (`fresh.py`). The rules above then read `v - first_version` for `v` (the trainer's
+steps so far), and `min_version` is `first_version` plus the expression above: no prompt of this run
+is ever generated with the earlier run's weights.
+
 Prompt ids end in `.<tag>` when the trainer was given a tag (a fresh start on a run name that was used
 before): results of the earlier incarnation's prompts then never match ours, and JetStream's
 de-duplication by `Nats-Msg-Id` cannot drop our results as repeats of theirs.
@@ -85,6 +90,8 @@ class PromptLedger:
     gate_versions: bool = True
     """False: every prompt carries `min_version` 0 (a trainer that publishes no weights: no server will
     ever load a newer version, so nothing may wait for one)."""
+    first_version: int = 0
+    """The version of this run's base weights (module doc); saved in checkpoints."""
     counters: FeederCounters = field(default_factory=FeederCounters)
     epoch: int = 0
     index: int = 0
@@ -104,7 +111,7 @@ class PromptLedger:
     # -------------------------------------------------------------------------------- admission
 
     def bound(self, version: int) -> int:
-        return (self.eta + version + 1) * self.batch_groups
+        return (self.eta + version - self.first_version + 1) * self.batch_groups
 
     def admissible(self, version: int) -> bool:
         c = self.counters
@@ -166,7 +173,7 @@ class PromptLedger:
             return 0
         c = self.counters
         expected_step = (c.issued - c.rejected) // self.batch_groups
-        return max(0, min(version, expected_step - self.eta))
+        return self.first_version + max(0, min(version - self.first_version, expected_step - self.eta))
 
     def confirm(self, prompt_id: str) -> None:
         """The prompt's publish was acknowledged: it is in the work queue."""
@@ -284,6 +291,7 @@ class PromptLedger:
             "in_flight": saved.in_flight,
             "reissue": list(saved.reissue),
             "tag": self.tag,
+            "first_version": self.first_version,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -292,6 +300,7 @@ class PromptLedger:
         self.in_flight = {k: _entry(v) for k, v in state["in_flight"].items()}
         self.reissue = deque(_entry(x) for x in state["reissue"])
         self.tag = str(state.get("tag", ""))
+        self.first_version = int(state.get("first_version", 0))  # a checkpoint from before: versions from 0
         now = time.monotonic()
         self._issued_at = dict.fromkeys(self.in_flight, now)
         self._unconfirmed = set()

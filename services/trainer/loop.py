@@ -37,7 +37,7 @@ from services.trainer.collective import Command, execute, scatter
 from services.trainer.consumer import TrajectoryConsumer
 from services.trainer.engine import TrainEngine
 from services.trainer.feeder import Feeder
-from services.trainer.fresh import clear_leftovers
+from services.trainer.fresh import Leftovers, clear_leftovers, log_continued, stage_base_weights, warn_served
 from services.trainer.intake import Group, Intake, trust_prompts
 from services.trainer.settings import TrainerSettings
 from services.trainer.step_metrics import step_values
@@ -117,6 +117,28 @@ class Trainer:
         self.last_seq = left.start_seq
         if left.used_before:
             self.feeder.fresh_start()
+        if left.weights_version is not None:
+            await self._continue_versions(left)
+
+    async def _continue_versions(self, left: Leftovers) -> None:
+        """An earlier trainer of the run announced version N, which the inference servers serve (a server
+        started later loads it too). Starting at 0 would train nothing: every group would carry a version
+        newer than the trainer. So this run's base weights are published as N+1 (on the disk path: every
+        server loads them), and its versions count from there (`fresh.py`)."""
+        assert self.feeder is not None
+        first = left.first_version
+        if not first or self.publish is None or not self.settings.publish_weights:
+            warn_served(left, self.settings.run)
+            return
+        log_continued(left, self.settings.run)
+        staged = await asyncio.to_thread(stage_base_weights, self.settings.model_path, self.out / "weights" / f"v{first}")
+        try:
+            await self.publish(first, 0, staged)
+        finally:
+            await asyncio.to_thread(_remove, staged)
+        self.version = first
+        self.intake.first_version = first
+        self.feeder.continue_versions(first)
 
     def _all(self, cmd: Command) -> list[Command]:
         return [cmd] * self.engine.world_size
@@ -278,7 +300,7 @@ class Trainer:
 
     @property
     def done(self) -> bool:
-        if self.settings.total_steps and self.version >= self.settings.total_steps:
+        if self.settings.total_steps and self.version - self.intake.first_version >= self.settings.total_steps:
             return True
         return self.feeder is not None and self.feeder.exhausted
 

@@ -10,6 +10,10 @@ generation is always resumed; the next announcement is tried afresh. A report th
 acknowledge (a server restarting) is retried with capped backoff for `report_retry_s`, then logged and
 counted: a lost report never stops the agent.
 
+The latest announcement is loaded whatever its number, also one below the version served (a trainer
+resumed from an older checkpoint): logged, counted (`version_decreases`), and the cached copies of the
+higher versions are dropped with it.
+
 An announcement is acted on only if it is signed by the trainer (when `trust.announce_key` is set)
 and names weights under `weight_roots` (`services/weights/trust.py`); any other is refused before a
 file is read or the server paused: logged, counted (`announcements_refused`, `refused_<cause>`) and
@@ -144,6 +148,13 @@ class WeightsAgent:
             if target.version == self.loaded_version:
                 log.info("server already holds the announced version", version=target.version)
                 continue
+            if self.loaded_version is not None and target.version < self.loaded_version:
+                # The latest announcement wins, whatever its number: a trainer resumed from an older
+                # checkpoint publishes below what the servers serve, and refusing it would leave them
+                # on weights that trainer never made (its groups all impossible) for good.
+                log.warning("announced version is older than the one served; loading it (the latest announcement wins)",
+                            version=target.version, serving=self.loaded_version)
+                self.metrics.count("version_decreases")
             await self.load(target)
 
     async def catch_up_target(self, announced: WeightsPublished) -> WeightsPublished | None:
@@ -271,7 +282,10 @@ class WeightsAgent:
         """Drop local copies of old versions and partial fetches left by a crash."""
         dirs = version_dirs(self.cache_dir)
         protect = {self.loaded_version} if self.loaded_version is not None else set()
-        for v in versions_to_drop(set(dirs), self.settings.keep_local, protect=protect):
+        drop = set(versions_to_drop(set(dirs), self.settings.keep_local, protect=protect))
+        if self.loaded_version is not None:  # newer than what is served: left from before the version went down
+            drop |= {v for v in dirs if v > self.loaded_version}
+        for v in sorted(drop):
             remove_tree(dirs[v])
         if self.cache_dir.is_dir() and self._fetching is None:
             for p in self.cache_dir.glob(".v*.partial"):
