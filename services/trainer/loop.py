@@ -165,13 +165,15 @@ class Trainer:
         spec = self._stream_spec() if bcast is not None else None
         cmds = [Command("train", pieces=p, weights_dir=weights_dir, weights_state=bcast is not None and spec is None,
                         weights_stream=spec) for p in pieces]
-        stream = bcast.open_stream(self.version + 1) if spec is not None else None
+        stream = bcast.open_stream(self.version + 1) if bcast is not None and spec is not None else None
         try:
             res = await asyncio.to_thread(lambda: execute(self.engine, self.actor, scatter(cmds), sink=stream))
         except BaseException as exc:
-            if stream is not None:
+            if bcast is not None and stream is not None:
                 bcast.abandon_stream(stream, exc)
             raise
+        if bcast is not None and stream is not None:  # its checkpoint dir, before anything else can fail
+            await bcast.hand_over(stream, res.weights_dir)
         applied = self._commit(groups)
         self.version += 1
         if self.consumer is not None:
@@ -181,7 +183,7 @@ class Trainer:
         if bcast is not None and (res.state is not None or stream is not None):
             try:
                 if stream is not None:
-                    await bcast.publish_stream(self.version, stream, res.weights_dir)
+                    await bcast.publish_stream()
                 else:
                     await bcast.publish(self.version, res.state, res.weights_dir)
             finally:

@@ -14,9 +14,9 @@ before `publish` returns: the trainer deletes its checkpoint directory right aft
 
 Streamed (the trainer's default, `services/trainer/gather.py`): `open_stream(v)` before the training
 call returns the `BucketStream` rank 0's gather fills bucket by bucket inside that call; a task sends
-each bucket as it comes (once the version before is done). After the call, `publish_stream(v, stream,
-hf_dir)` hands over the checkpoint directory (disk versions) and waits for the version before, as
-`publish` does; `abandon_stream` when the call failed.
+each bucket as it comes (once the version before is done). Right after the call `hand_over(stream,
+hf_dir)` gives it the checkpoint directory (disk versions; `abandon_stream` instead when the call
+failed); later in the step `publish_stream()` waits for the version before, as `publish` does.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ class BroadcastPublisher:
         """The version being sent in the background, if any."""
         self._opened: tuple[BucketStream, asyncio.Task[WeightsPublished], asyncio.Future[Path | None]] | None = None
         """The stream opened for the training call under way, its sending task, and its checkpoint dir to come."""
+        self._before: asyncio.Task[WeightsPublished] | None = None
+        """The version before the one handed over last, for `publish_stream` to wait for."""
         self.metrics: MetricsPublisher | None = MetricsPublisher(nc, run, "weights_broadcast")
 
     def wants_disk(self, version: int) -> bool:
@@ -106,17 +108,22 @@ class BroadcastPublisher:
         self._opened = (stream, task, handed)
         return stream
 
-    async def publish_stream(self, version: int, stream: BucketStream, hf_dir: Path | None) -> WeightsPublished | None:
-        """After the training call: hand over `hf_dir` (the version's checkpoint, on disk versions) and
-        wait for the version before (raising what it raised), as `publish` does; without `background`
-        also for this one."""
+    async def hand_over(self, stream: BucketStream, hf_dir: Path | None) -> None:
+        """Right after the training call: the version's checkpoint directory (disk versions), taken
+        over at once since the trainer deletes it afterwards; the sending task publishes it after
+        the broadcast."""
         task, handed = self._take(stream)
+        self._before, self._pending = self._pending, task
         owned: Path | None = None
-        try:  # the trainer deletes hf_dir once this returns: the sending task takes it over first
+        try:
             owned = await asyncio.to_thread(_take_over, hf_dir) if hf_dir is not None else None
         finally:
             handed.set_result(owned)
-        prev, self._pending = self._pending, task
+
+    async def publish_stream(self) -> WeightsPublished | None:
+        """After `hand_over`: wait for the version before (raising what it raised), as `publish` does;
+        without `background` also for this one."""
+        prev, self._before = self._before, None
         if prev is not None:
             await prev
         return await self.wait() if not self.background else None
@@ -129,7 +136,7 @@ class BroadcastPublisher:
         if not handed.done():
             handed.set_result(None)
         prev, self._pending = self._pending, task
-        if prev is not None:  # still awaited by this version's task; its error was the step's to raise
+        if prev is not None:  # awaited by this version's task; its error, if any, is logged there
             prev.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _take(self, stream: BucketStream) -> tuple[asyncio.Task[WeightsPublished], asyncio.Future[Path | None]]:
