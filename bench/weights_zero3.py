@@ -66,7 +66,7 @@ async def rank0(engine: object, url: str, rounds: int, bucket_mb: float, out: Pa
     finally:
         await asyncio.to_thread(_barrier)  # releases rank 1's last round
         await sender.aclose()
-    out.write_text(json.dumps(rows))
+    await asyncio.to_thread(out.write_text, json.dumps(rows))
 
 
 def _barrier() -> None:
@@ -97,7 +97,8 @@ def worker(model: str, url: str, rounds: int, bucket_mb: float, out: Path) -> No
 
 
 def main() -> None:
-    from bench.weights import build_model
+    from weights import build_model  # bench/weights.py, beside this script
+
     from services.common.nats_server import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -118,12 +119,13 @@ def main() -> None:
         log = open(work / "server.log", "wb")
         procs.append(subprocess.Popen([sys.executable, "-m", "services.inference", f"model_path={model}", f"port={port}"],
                                       cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-        from bench.weights import wait_healthy
+        from weights import wait_healthy
 
         asyncio.run(wait_healthy(url, procs[0]))
         out = work / "rows.json"
+        worker_args = ["--worker", str(model), url, str(args.rounds), str(args.bucket_mb), str(out)]
         trainer = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-                                  __file__, "--worker", str(model), url, str(args.rounds), str(args.bucket_mb), str(out)], cwd=ROOT, env=env)
+                                  __file__, *worker_args], cwd=ROOT, env=env)
         if trainer.returncode != 0:
             raise SystemExit(f"trainer ranks failed ({trainer.returncode})")
         rows = json.loads(out.read_text())
