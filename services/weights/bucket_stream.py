@@ -11,7 +11,10 @@
 
 The sender steers the gather: `restart` (a member died mid-version: the group is rebuilt and the
 version sent again from bucket 0, gathered again on every rank) and `finish` (the last bucket went
-out, or nothing more is to be sent): the gather stops once it asks for its next bucket.
+out, or nothing more is to be sent): the gather stops once it asks for its next bucket. So the
+training call ends once the last bucket is on the wire. A version of at most `held` buckets fits the
+budget whole: it is kept until finished, the gather (and the call) ends as soon as it is all put, and
+a restart sends it again from memory (the demo's model: one bucket, the send wholly in the background).
 """
 
 from __future__ import annotations
@@ -92,6 +95,10 @@ class BucketStream:
         """Buckets of the current pass the sender took."""
         self._stale = False
         """The bucket being gathered belongs to a pass that was restarted or finished: drop it."""
+        self._kept: list[Bucket] = []
+        """A small version (at most `held` buckets): every bucket put in this pass, kept for a replay."""
+        self._whole = False
+        """A small version is all gathered and kept: the gather has ended, a restart replays `_kept`."""
         self._started = False
         self._finished = False
         self._closed = False
@@ -108,6 +115,9 @@ class BucketStream:
         """The bucket to gather next, once fewer than `held` are out; -1: stop gathering."""
         with self._cond:
             while not self._finished and (self._next >= self.count or self._held >= self.held_max):
+                if self._small and len(self._kept) == self.count:
+                    self._whole = True
+                    return -1
                 self._cond.wait()
             if self._finished:
                 return -1
@@ -125,13 +135,16 @@ class BucketStream:
             self.held_bytes += bucket.nbytes
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
             self._ready.append(bucket)
+            if self._small:
+                self._kept.append(bucket)
         self._signal()
 
     def close(self, error: BaseException | None = None) -> None:
         """The gather is over (`error`: it failed); the sender stops waiting for buckets."""
         with self._cond:
             self._closed, self._error = True, error
-            self._finished = True
+            if error is not None or not self._whole:
+                self._finished = True
             self._cond.notify_all()
         self._signal()
 
@@ -146,7 +159,7 @@ class BucketStream:
                 if self._ready:
                     self._taken += 1
                     return self._ready.popleft()
-                if self._closed or self._finished:
+                if self._finished or self._error is not None or (self._closed and not self._whole):
                     why = f"the weights gather failed: {self._error!r}" if self._error else "the weights gather ended early"
                     raise StreamClosed(why)
                 self._wake.clear()
@@ -154,6 +167,8 @@ class BucketStream:
 
     def release(self, bucket: Bucket) -> None:
         with self._cond:
+            if self._small:  # kept until finished (counted as held)
+                return
             self._held -= 1
             self.held_bytes -= bucket.nbytes
             self._cond.notify_all()
@@ -163,8 +178,15 @@ class BucketStream:
         with self._cond:
             if self._finished:
                 return
+            self._taken = 0
+            if self._whole:  # gathered whole and kept: sent again from memory
+                self._ready = deque(self._kept)
+                return
             self._drop_ready()
-            self._next = self._taken = 0
+            if self._small:
+                self._kept.clear()
+                self._held = self.held_bytes = 0
+            self._next = 0
             self._stale = True
             self._cond.notify_all()
 
@@ -174,8 +196,13 @@ class BucketStream:
             self._finished = True
             self._stale = True
             self._drop_ready()
+            self._kept.clear()
             self._cond.notify_all()
         self._signal()
+
+    @property
+    def _small(self) -> bool:
+        return self._started and self.count <= self.held_max
 
     def _drop_ready(self) -> None:
         while self._ready:
