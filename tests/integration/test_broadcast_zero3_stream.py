@@ -2,7 +2,8 @@
 in place of the trainer's gather (`services/trainer/gather.py` drives a `BucketStream` the same way:
 `start`, `next_index`/`put` until -1, `close`). A server SIGKILLed in the middle of a streamed version
 restarts the stream (the version is gathered again from bucket 0) and the survivor gets it whole; a
-gather that fails mid-version leaves every server on its old weights, and the next version lands."""
+gather that fails mid-version leaves every server on its old weights, and the next version lands; a
+version of at most two buckets is gathered without waiting for the sender."""
 
 from __future__ import annotations
 
@@ -102,5 +103,16 @@ async def test_a_server_killed_mid_stream_restarts_the_gather_and_a_failed_gathe
             assert version_of(a.url) == "4"
             for name in v4:
                 assert torch.equal(served(a.url, name), v4[name]), name
+
+            # a version of at most two buckets is kept whole: its gather ends without waiting for the
+            # sender (the training call does not wait for the wire), and it is then sent from memory
+            v5 = model_state(tiny_model, 0.05)
+            whole = make_buckets(v5, torch.float32, 1 << 30, checksum=False)
+            assert len(whole) == 1
+            stream = BucketStream(asyncio.get_running_loop())
+            assert await asyncio.wait_for(asyncio.to_thread(produce, stream, whole, lambda i: None), 60) == [0]
+            result = await sender.send(5, stream)
+            assert result.loaded == [a.url] and result.held_peak_bytes == whole[0].nbytes
+            assert version_of(a.url) == "5" and torch.equal(served(a.url, "model.norm.weight"), v5["model.norm.weight"])
         finally:
             await sender.aclose()
