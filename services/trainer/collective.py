@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from services.trainer.actor import PPOActor
 from services.trainer.engine import TrainEngine
+from services.trainer.gather import StreamSpec, gather_stream
+from services.weights.bucket_stream import BucketStream
 
 
 @dataclass
@@ -25,6 +27,9 @@ class Command:
     """train: after the update, gather the weights and write a HF dir here (rank 0)."""
     weights_state: bool = False
     """train: after the update, gather the weights into memory for the broadcast (rank 0)."""
+    weights_stream: StreamSpec | None = None
+    """train: after the update, gather the weights bucket by bucket into rank 0's stream (the sink
+    `execute` is given there), each handed to the broadcast as it is gathered."""
     directory: str = ""
     tag: str | None = None
     client_state: dict[str, Any] = field(default_factory=dict)
@@ -54,14 +59,18 @@ def receive() -> Command:
     return out[0]
 
 
-def execute(engine: TrainEngine, actor: PPOActor, cmd: Command) -> Result:
-    """The collective work of one command; identical on every rank."""
+def execute(engine: TrainEngine, actor: PPOActor, cmd: Command, sink: BucketStream | None = None) -> Result:
+    """The collective work of one command; identical on every rank. `sink`: rank 0's stream of the
+    broadcast when `cmd.weights_stream` (a thread-safe object of this process: it cannot travel in
+    the command, which is pickled to every rank)."""
     if cmd.op == "train":
         stats = actor.ppo_update(cmd.pieces)
         t0 = time.perf_counter()
+        if cmd.weights_stream is not None:  # first: the servers get the version before the disk copy
+            gather_stream(engine, cmd.weights_stream, sink)
         weights = engine.upload_weights(cmd.weights_dir) if cmd.weights_dir else None
         state = engine.full_state_dict() if cmd.weights_state else None
-        if cmd.weights_dir or cmd.weights_state:  # part of what publishing costs the step
+        if cmd.weights_dir or cmd.weights_state or cmd.weights_stream:  # part of what publishing costs the step
             stats = {**stats, "weights_gather_s": time.perf_counter() - t0}
         return Result(stats=stats, weights_dir=weights, state=state)
     if cmd.op == "save":

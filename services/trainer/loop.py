@@ -38,6 +38,7 @@ from services.trainer.consumer import TrajectoryConsumer
 from services.trainer.engine import TrainEngine
 from services.trainer.feeder import Feeder
 from services.trainer.fresh import Leftovers, clear_leftovers, log_continued, stage_base_weights, warn_served
+from services.trainer.gather import StreamSpec, streamable
 from services.trainer.intake import Group, Intake, trust_prompts
 from services.trainer.settings import TrainerSettings
 from services.trainer.step_metrics import step_values
@@ -181,17 +182,32 @@ class Trainer:
         bcast = self.broadcast if self.settings.publish_weights else None
         to_disk = self.publish is not None if bcast is None else bcast.wants_disk(self.version + 1)
         weights_dir = str(self.out / "weights" / f"v{self.version + 1}") if to_disk and self.settings.publish_weights else None
-        cmds = [Command("train", pieces=p, weights_dir=weights_dir, weights_state=bcast is not None) for p in pieces]
-        res = await asyncio.to_thread(lambda: execute(self.engine, self.actor, scatter(cmds)))
+        # Streamed: rank 0's gather hands each bucket to the broadcast as it is gathered (bucket n+1
+        # is gathered while bucket n is on the wire), so no full copy of the weights is held.
+        spec = self._stream_spec() if bcast is not None else None
+        cmds = [Command("train", pieces=p, weights_dir=weights_dir, weights_state=bcast is not None and spec is None,
+                        weights_stream=spec) for p in pieces]
+        stream = bcast.open_stream(self.version + 1) if bcast is not None and spec is not None else None
+        try:
+            res = await asyncio.to_thread(lambda: execute(self.engine, self.actor, scatter(cmds), sink=stream))
+        except BaseException as exc:
+            if bcast is not None and stream is not None:
+                bcast.abandon_stream(stream, exc)
+            raise
+        if bcast is not None and stream is not None:  # its checkpoint dir, before anything else can fail
+            await bcast.hand_over(stream, res.weights_dir)
         applied = self._commit(groups)
         self.version += 1
         if self.consumer is not None:
             await self.consumer.acknowledge(applied)
         self._wake_feeder()
         t_train = time.monotonic()
-        if bcast is not None and res.state is not None:
+        if bcast is not None and (res.state is not None or stream is not None):
             try:
-                await bcast.publish(self.version, res.state, res.weights_dir)
+                if stream is not None:
+                    await bcast.publish_stream()
+                else:
+                    await bcast.publish(self.version, res.state, res.weights_dir)
             finally:
                 if res.weights_dir is not None:
                     _remove(res.weights_dir)
@@ -212,6 +228,13 @@ class Trainer:
         if self.feeder is not None and self.settings.feeder.eval_every and self.version % self.settings.feeder.eval_every == 0:
             await self.feeder.issue_eval()
         return values
+
+    def _stream_spec(self) -> StreamSpec | None:
+        """How the training call gathers the weights bucket by bucket for the broadcast, if it can."""
+        if not streamable(self.settings):
+            return None
+        b = self.settings.weights_broadcast
+        return StreamSpec(dtype=b.dtype, bucket_bytes=self.broadcast.broadcaster.bucket_bytes)
 
     async def _collect(self, stopping: asyncio.Event | None) -> list[Group] | None:
         if self.source is not None:

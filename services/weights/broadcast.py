@@ -28,6 +28,7 @@ import torch.distributed as dist
 from services.common.logging import get_logger
 from services.common.stores import listening_store
 from services.common.trust import InferenceAuth
+from services.weights.bucket_stream import BucketSource, ListSource
 from services.weights.buckets import Bucket, ensure_checksum, make_buckets
 
 log = get_logger("weights.broadcast")
@@ -58,6 +59,9 @@ class VersionResult:
     stages: dict[str, float] = field(default_factory=dict)
     """Where the sender's time went: `bucketing_s` (cast and cut), `checksum_s` (all buckets,
     overlapped with sending), `send_s` (the broadcasts themselves, in the sending thread)."""
+    held_peak_bytes: int = 0
+    """The most gathered bytes rank 0 held at once for this version: the whole version when it was
+    gathered in full, at most two buckets when streamed (`BucketStream`)."""
 
 
 class GroupBroken(RuntimeError):
@@ -105,51 +109,77 @@ class WeightBroadcaster:
     # ------------------------------------------------------------------------------ one version
 
     async def send_version(self, version: int, state: dict[str, torch.Tensor]) -> VersionResult:
+        """Send a version gathered in full (`state`)."""
         t0 = time.perf_counter()
         buckets = await asyncio.to_thread(make_buckets, state, self.dtype, self.bucket_bytes, checksum=False)
-        result = VersionResult(version, buckets=len(buckets), bytes=sum(b.nbytes for b in buckets))
-        result.stages["bucketing_s"] = time.perf_counter() - t0
-        self._send_s = 0.0
-        for attempt in range(ATTEMPTS):
-            # The members of an intact group are not asked for /health: a member that died fails the
-            # broadcast itself (and the retry asks everyone). That saves a request per version through
-            # each server's busy event loop; only servers outside the group are polled, to let them in.
-            assumed = set(self.members) if self._pg is not None and attempt == 0 else set()
-            live, down = await self._live(version, assumed)
-            result.failed = dict(down)
-            if not live:
-                break
-            if live != self.members or self._pg is None:
-                live = await self._rebuild(live, result.failed, version)
-                result.rebuilds += 1
-                if not live:
-                    break
-            refused: dict[str, str] = {}
-            try:
-                refused = await self._send_buckets(buckets, version)
-            except GroupBroken as exc:
-                # Who is gone is decided by /health on the next attempt: a member that merely did not
-                # answer in time (its receive was cut short by the failure) gets the version again.
-                log.warning("broadcast failed; rebuilding the group from the members still alive",
-                            version=version, attempt=attempt + 1, error=str(exc))
-                result.failed.update({s: f"broadcast failed: {exc}" for s in self.members})
-                await self._destroy_group()
-                continue
-            result.loaded = [s for s in self.members if s not in refused]
-            result.failed.update(refused)
-            if refused:
-                # A member that refused a bucket may not have taken its bytes off the wire (a request
-                # it could not parse): the group may be out of step, so the next version builds anew.
-                await self._destroy_group()
-            break
-        result.seconds = time.perf_counter() - t0
-        result.stages.update(checksum_s=sum(b.checksum_s for b in buckets), send_s=self._send_s)
+        bucketing_s = time.perf_counter() - t0
+        result = await self.send(version, ListSource(buckets))
+        result.stages["bucketing_s"] = bucketing_s
+        result.seconds += bucketing_s
         return result
 
-    async def _send_buckets(self, buckets: list[Bucket], version: int) -> dict[str, str]:
-        """Every bucket in order, the last with `weight_version`. Pipelined: bucket n+1's checksum is
-        computed while bucket n is on the wire, and bucket n+1 goes out while the members still check
-        bucket n (up to WINDOW buckets unanswered). Returns the members that refused any (with why)."""
+    async def send(self, version: int, source: BucketSource) -> VersionResult:
+        """Send a version's buckets as `source` gives them (`BucketStream`: as the trainer gathers them).
+        A failed broadcast restarts the source on the rebuilt group; the source is finished on return."""
+        t0 = time.perf_counter()
+        result = VersionResult(version)
+        self._send_s = 0.0
+        try:
+            for attempt in range(ATTEMPTS):
+                if attempt:
+                    source.restart()  # gathered again meanwhile, from the first bucket
+                # The members of an intact group are not asked for /health: a member that died fails the
+                # broadcast itself (and the retry asks everyone). That saves a request per version through
+                # each server's busy event loop; only servers outside the group are polled, to let them in.
+                assumed = set(self.members) if self._pg is not None and attempt == 0 else set()
+                live, down = await self._live(version, assumed)
+                result.failed = dict(down)
+                if not live:
+                    break
+                if live != self.members or self._pg is None:
+                    live = await self._rebuild(live, result.failed, version)
+                    result.rebuilds += 1
+                    if not live:
+                        break
+                refused: dict[str, str] = {}
+                try:
+                    refused = await self._send_buckets(source, version, result)
+                except GroupBroken as exc:
+                    # Who is gone is decided by /health on the next attempt: a member that merely did not
+                    # answer in time (its receive was cut short by the failure) gets the version again.
+                    log.warning("broadcast failed; rebuilding the group from the members still alive",
+                                version=version, attempt=attempt + 1, error=str(exc))
+                    result.failed.update({s: f"broadcast failed: {exc}" for s in self.members})
+                    await self._destroy_group()
+                    continue
+                except BaseException:
+                    # the source ended early (the gather failed): members hold part of a version; a new
+                    # group makes them drop it
+                    await self._destroy_group()
+                    raise
+                result.loaded = [s for s in self.members if s not in refused]
+                result.failed.update(refused)
+                if refused:
+                    # A member that refused a bucket may not have taken its bytes off the wire (a request
+                    # it could not parse): the group may be out of step, so the next version builds anew.
+                    await self._destroy_group()
+                break
+        finally:
+            source.finish()
+        result.seconds = time.perf_counter() - t0
+        result.stages.update(send_s=self._send_s)
+        result.held_peak_bytes = source.peak_bytes
+        return result
+
+    async def _send_buckets(self, source: BucketSource | list[Bucket], version: int,
+                            result: VersionResult | None = None) -> dict[str, str]:
+        """Every bucket in order, the last with `weight_version`. Pipelined: bucket n+1 is taken (gathered,
+        when streamed) and its checksum computed while bucket n is on the wire, and bucket n+1 goes out
+        while the members still check bucket n (up to WINDOW buckets unanswered); a bucket is given back
+        to the source once broadcast. Returns the members that refused any (with why)."""
+        if isinstance(source, list):
+            source = ListSource(source)
+        result = result if result is not None else VersionResult(version)
         refused: dict[str, str] = {}
         unanswered: deque[list[asyncio.Future[str | None]]] = deque()
 
@@ -158,24 +188,45 @@ class WeightBroadcaster:
                 if why is not None:
                     refused.setdefault(server, why)
 
-        async def no_checksum(bucket: Bucket) -> None:
-            return None
+        async def take() -> Bucket | None:
+            assert not isinstance(source, list)
+            bucket = await source.next()
+            if bucket is not None and self.checksum:
+                try:
+                    await ensure_checksum(bucket)
+                except BaseException:  # cancelled (the broadcast failed): the bucket is not sent
+                    source.release(bucket)
+                    raise
+            return bucket
 
-        checksum = ensure_checksum if self.checksum else no_checksum
-        ahead = asyncio.ensure_future(checksum(buckets[0]))
+        result.buckets = result.bytes = 0
+        ahead: asyncio.Future[Bucket | None] = asyncio.ensure_future(take())
+        fresh = True  # `ahead` holds a bucket the loop has not taken yet
         try:
-            for i, bucket in enumerate(buckets):
-                await ahead
-                if i + 1 < len(buckets):
-                    ahead = asyncio.ensure_future(checksum(buckets[i + 1]))
+            while (bucket := await ahead) is not None:
+                fresh = False
+                last = result.buckets == source.count - 1
+                if not last:
+                    ahead, fresh = asyncio.ensure_future(take()), True
                 if len(unanswered) >= WINDOW:
                     await collect(unanswered.popleft())
-                last = i == len(buckets) - 1
-                unanswered.append(await self._put_bucket(bucket, str(version) if last else None))
+                try:
+                    unanswered.append(await self._put_bucket(bucket, str(version) if last else None))
+                finally:
+                    source.release(bucket)
+                result.buckets += 1
+                result.bytes += bucket.nbytes
+                result.stages["checksum_s"] = result.stages.get("checksum_s", 0.0) + bucket.checksum_s
+                if last:
+                    source.finish()  # all on the wire: the gather (the training call) may end now
+                    break
             while unanswered:
                 await collect(unanswered.popleft())
         finally:
-            ahead.cancel()
+            if fresh and not ahead.done():
+                ahead.cancel()
+            elif fresh and not ahead.cancelled() and ahead.exception() is None and (taken := ahead.result()) is not None:
+                source.release(taken)  # taken ahead, never sent
             for calls in unanswered:
                 for c in calls:
                     c.cancel()

@@ -11,6 +11,12 @@ with its next step: `publish` returns at once and the next `publish` (or `wait`,
 waits for it to be done, so versions still go out one at a time, in order, and a failure (NATS
 away past the retry deadline) is raised there. A version with a disk copy is published in full
 before `publish` returns: the trainer deletes its checkpoint directory right after.
+
+Streamed (the trainer's default, `services/trainer/gather.py`): `open_stream(v)` before the training
+call returns the `BucketStream` rank 0's gather fills bucket by bucket inside that call; a task sends
+each bucket as it comes (once the version before is done). Right after the call `hand_over(stream,
+hf_dir)` gives it the checkpoint directory (disk versions; `abandon_stream` instead when the call
+failed); later in the step `publish_stream()` waits for the version before, as `publish` does.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.weights.broadcast import VersionResult, WeightBroadcaster
+from services.weights.bucket_stream import BucketStream, StreamClosed
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
 from services.weights.trust import sign
 
@@ -57,6 +64,10 @@ class BroadcastPublisher:
         self.background = background
         self._pending: asyncio.Task[WeightsPublished] | None = None
         """The version being sent in the background, if any."""
+        self._opened: tuple[BucketStream, asyncio.Task[WeightsPublished], asyncio.Future[Path | None]] | None = None
+        """The stream opened for the training call under way, its sending task, and its checkpoint dir to come."""
+        self._before: asyncio.Task[WeightsPublished] | None = None
+        """The version before the one handed over last, for `publish_stream` to wait for."""
         self.metrics: MetricsPublisher | None = MetricsPublisher(nc, run, "weights_broadcast")
 
     def wants_disk(self, version: int) -> bool:
@@ -86,13 +97,88 @@ class BroadcastPublisher:
         task, self._pending = self._pending, None
         return await task if task is not None else None
 
-    async def _publish(self, version: int, state: dict[str, torch.Tensor], hf_dir: Path | None) -> WeightsPublished:
+    # ---- streamed: the trainer's gather hands each bucket over as it is gathered ----------------
+    def open_stream(self, version: int) -> BucketStream:
+        """Before the training call of `version`: the stream its gather fills (rank 0's sink). Its
+        buckets are sent as they come, once the version before is done."""
+        loop = asyncio.get_running_loop()
+        stream = BucketStream(loop)
+        handed: asyncio.Future[Path | None] = loop.create_future()
+        task = asyncio.create_task(self._send_stream(self._pending, version, stream, handed), name=f"broadcast v{version}")
+        self._opened = (stream, task, handed)
+        return stream
+
+    async def hand_over(self, stream: BucketStream, hf_dir: Path | None) -> None:
+        """Right after the training call: the version's checkpoint directory (disk versions), taken
+        over at once since the trainer deletes it afterwards; the sending task publishes it after
+        the broadcast."""
+        task, handed = self._take(stream)
+        self._before, self._pending = self._pending, task
+        owned: Path | None = None
+        try:
+            owned = await asyncio.to_thread(_take_over, hf_dir) if hf_dir is not None else None
+        finally:
+            handed.set_result(owned)
+
+    async def publish_stream(self) -> WeightsPublished | None:
+        """After `hand_over`: wait for the version before (raising what it raised), as `publish` does;
+        without `background` also for this one."""
+        prev, self._before = self._before, None
+        if prev is not None:
+            await prev
+        return await self.wait() if not self.background else None
+
+    def abandon_stream(self, stream: BucketStream, error: BaseException) -> None:
+        """The training call failed: nothing more of this version comes (what was sent is dropped by
+        the members when the group is rebuilt)."""
+        task, handed = self._take(stream)
+        stream.close(error)
+        if not handed.done():
+            handed.set_result(None)
+        prev, self._pending = self._pending, task
+        if prev is not None:  # awaited by this version's task; its error, if any, is logged there
+            prev.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def _take(self, stream: BucketStream) -> tuple[asyncio.Task[WeightsPublished], asyncio.Future[Path | None]]:
+        if self._opened is None or self._opened[0] is not stream:
+            raise RuntimeError("publish_stream / abandon_stream without the matching open_stream")
+        _, task, handed = self._opened
+        self._opened = None
+        return task, handed
+
+    async def _send_stream(self, prev: asyncio.Task[WeightsPublished] | None, version: int, stream: BucketStream,
+                           handed: asyncio.Future[Path | None]) -> WeightsPublished:
+        hf_dir: Path | None = None
+        try:
+            await self._prepare()
+            if prev is not None:
+                await asyncio.wait([prev])  # its error is raised to the trainer by publish_stream
+                if prev.cancelled() or prev.exception() is not None:
+                    raise StreamClosed(f"version {version} not sent: the version before failed")
+            result = await self.broadcaster.send(version, stream)
+            hf_dir = await handed
+            return await self._announce(version, result, hf_dir)
+        finally:
+            stream.finish()  # the gather never waits for a sender that is gone
+            hf_dir = hf_dir or await handed
+            if hf_dir is not None:
+                await asyncio.to_thread(shutil.rmtree, hf_dir, True)
+
+    # ---- one version ---------------------------------------------------------------------------
+    async def _prepare(self) -> None:
         if not self._ready:
             await ensure_weight_sync_stream(self.nc)
             if self.last_disk is None and self.disk is not None:
                 self.last_disk = await self._latest_disk()
             self._ready = True
+
+    async def _publish(self, version: int, state: dict[str, torch.Tensor], hf_dir: Path | None) -> WeightsPublished:
+        await self._prepare()
         result = await self.broadcaster.send_version(version, state)
+        return await self._announce(version, result, hf_dir)
+
+    async def _announce(self, version: int, result: VersionResult, hf_dir: Path | None) -> WeightsPublished:
+        """Report every server's outcome, announce the version, publish its disk copy (`hf_dir`)."""
         self.history.append(result)
         reports = [self._report(self.subjects.weights_loaded(server), WeightsLoaded(
             run=self.run, server=server, version=version, seconds=result.seconds, transport="broadcast")) for server in result.loaded]
@@ -115,7 +201,7 @@ class BroadcastPublisher:
             await self.metrics.emit({
                 "broadcast_seconds": result.seconds, "broadcast_bytes": float(result.bytes), "broadcast_buckets": float(result.buckets),
                 "broadcast_members": float(len(result.loaded)), "broadcast_failed": float(len(result.failed)),
-                "broadcast_rebuilds": float(result.rebuilds),
+                "broadcast_rebuilds": float(result.rebuilds), "broadcast_held_peak_bytes": float(result.held_peak_bytes),
             }, step=version, version=version)
         log.info("weights broadcast", version=version, members=result.loaded, failed=list(result.failed),
                  seconds=round(result.seconds, 3), bytes=result.bytes, buckets=result.buckets, rebuilds=result.rebuilds)

@@ -21,7 +21,8 @@ class BroadcastSettings(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """The dtype the parameters are sent in: the one the servers serve (bf16 on GPUs; fp32 on CPUs)."""
     bucket_mb: float = Field(64.0, gt=0)
-    """Parameters per bucket (MB); each bucket is one request to every server and one checksum."""
+    """Parameters per bucket (MB); each bucket is one request to every server and one checksum, and
+    the unit the trainer gathers in: its sending rank holds at most two gathered buckets at a time."""
     timeout_s: float = Field(30.0, gt=0)
     """Deadline of the group: building it, and each bucket's broadcast. A server that dies or stalls
     mid-broadcast is dropped after at most this, the group rebuilt, and the version sent again."""
@@ -29,8 +30,9 @@ class BroadcastSettings(Section):
     """Also write the version to disk / the object store every this many versions (late joiners and
     restarted servers catch up from the latest copy); 0: never."""
     checksum: bool = True
-    """Send each bucket's CRC-32 (the `checksum` field jetrl adds to SGLang's request) for the server
-    to check; off only for a server that refuses unknown request fields (then nothing is checked)."""
+    """Send each bucket's checksum (XXH3-64, or CRC-32 where `xxhash` is not installed: the `checksum`
+    field jetrl adds to SGLang's request) for the server to check; off only for a server that refuses
+    unknown request fields (then nothing is checked)."""
     background: bool = True
     """Send a version (one without a disk copy) while the trainer goes on with its next step; the
     next version waits for it. Off: the step waits until every server answered and the version was

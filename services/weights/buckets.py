@@ -25,25 +25,37 @@ class Bucket:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
-def make_buckets(state: dict[str, torch.Tensor], dtype: torch.dtype, bucket_bytes: int, *, checksum: bool = True) -> list[Bucket]:
-    """The parameters in `dtype`, in order, cut into buckets of about `bucket_bytes` (a larger tensor
-    is a bucket of its own). checksum=False leaves each bucket's checksum to be computed later
-    (`WeightBroadcaster` computes bucket n+1's while bucket n is on the wire)."""
-    buckets: list[Bucket] = []
-    names: list[str] = []
-    tensors: list[torch.Tensor] = []
+def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """The indices of `sizes` (bytes per tensor, in order) cut into buckets of about `bucket_bytes`: a
+    tensor that would make a bucket larger starts the next one; a larger tensor is a bucket of its own.
+    The one rule of both the in-memory bucketing and the trainer's bucket-by-bucket gather, which every
+    rank computes for itself."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
     size = 0
-    for name, t in state.items():
-        t = t.detach().to(dtype).contiguous()
-        if tensors and size + t.numel() * t.element_size() > bucket_bytes:
-            buckets.append(Bucket(names, tensors, bucket_checksum(tensors) if checksum else ""))
-            names, tensors, size = [], [], 0
-        names.append(name)
-        tensors.append(t)
-        size += t.numel() * t.element_size()
-    if tensors:
-        buckets.append(Bucket(names, tensors, bucket_checksum(tensors) if checksum else ""))
+    for i, n in enumerate(sizes):
+        if current and size + n > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        buckets.append(current)
     return buckets
+
+
+def make_buckets(state: dict[str, torch.Tensor], dtype: torch.dtype, bucket_bytes: int, *, checksum: bool = True) -> list[Bucket]:
+    """The parameters in `dtype`, in order, cut into buckets of about `bucket_bytes` (`plan_buckets`).
+    checksum=False leaves each bucket's checksum to be computed later (`WeightBroadcaster` computes
+    bucket n+1's while bucket n is on the wire)."""
+    names = list(state)
+    tensors = [state[n].detach().to(dtype).contiguous() for n in names]
+    plan = plan_buckets([t.numel() * t.element_size() for t in tensors], bucket_bytes)
+    out = []
+    for idx in plan:
+        part = [tensors[i] for i in idx]
+        out.append(Bucket([names[i] for i in idx], part, bucket_checksum(part) if checksum else ""))
+    return out
 
 
 async def ensure_checksum(bucket: Bucket) -> None:
