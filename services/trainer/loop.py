@@ -221,7 +221,9 @@ class Trainer:
         self._record({"version": self.version, "prompt_ids": [g.prompt_id for g in groups],
                       "seqs": [g.seq for g in groups], "last_seq": self.last_seq})
         if self.metrics is not None:
-            await self.metrics.emit(values, step=self.version, version=self.version)
+            # the run's step count: the version, less the first one when this run continued an earlier
+            # run's numbering (so `jetrl up` shows step k/total_steps, not the version)
+            await self.metrics.emit(values, step=self.version - self.intake.first_version, version=self.version)
         log.info("step", version=self.version, loss=round(values["loss"], 4), reward=round(values["reward_mean"], 4))
         if self.settings.checkpoint_every and self.version % self.settings.checkpoint_every == 0:
             await self.checkpoint()
