@@ -3,6 +3,12 @@ configured algorithm (`ppo.algorithm`, default the settings-driven `Standard`).
 
 Each rank calls `ppo_update` with its own pieces of the step's mini-batches (see `batch.shard`).
 Losses are each rank's share of the global mean, so the update does not depend on the world size.
+
+The proximal policy (decoupled PPO) is the policy before the update's first optimizer step. For the
+first mini-batch that is the live policy itself: its training forward's log-probs, detached, are the
+proximal ones, so no separate no-grad forward runs for it. That holds only while the training forward
+is the no-grad forward's function (no active dropout: `stochastic_forward`); otherwise, or with
+`ppo.recompute_proximal`, every micro-batch gets its own no-grad forward before the first step.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from services.common.logging import get_logger
 from services.trainer.algorithms.calls import attach_advantages, checked_loss, loss_input
 from services.trainer.algorithms.kl import kl_estimate
 from services.trainer.algorithms.registry import load_algorithm
@@ -23,6 +30,8 @@ from services.trainer.logprobs import lean_logp_entropy
 from services.trainer.packing import target_ids, unpack
 from services.trainer.ppo import aggregate, entropy_from_logits, logp_from_logits
 from services.trainer.settings import PPOSettings
+
+log = get_logger("trainer.actor")
 
 # Stats summed over mini-batch pieces and ranks; the global means are formed after the all-reduce.
 _SUMS = ("loss", "pg_loss", "entropy", "kl", "tokens", "clipped", "capped", "imp_weight")
@@ -36,6 +45,14 @@ class PPOActor:
         self.cfg = cfg
         # Loaded on every rank at start-up: a bad `ppo.algorithm` fails before any step.
         self.algorithm = load_algorithm(cfg)
+        # Why the first mini-batch's proximal log-probs need their own forward (None: they are the
+        # training forward's). Decided once, from the model: the same on every rank, so ZeRO-3's
+        # collective forward passes stay matched.
+        self.recompute_reason: str | None = None
+        if cfg.decoupled:
+            self.recompute_reason = "ppo.recompute_proximal" if cfg.recompute_proximal else stochastic_forward(engine.engine.module)
+            log.info("proximal log-probs", first_minibatch="recomputed" if self.recompute_reason else "reused from the training forward",
+                     reason=self.recompute_reason)
 
     def compute_logp(self, batch: dict[str, Any], *, reference: bool = False) -> torch.Tensor:
         """Per-token log-probs (rows x length, the padded layout even when `batch` is packed)."""
@@ -81,11 +98,14 @@ class PPOActor:
     def ppo_update(self, pieces: list[dict[str, Any]]) -> dict[str, float]:
         """Train on this rank's pieces (one per mini-batch). Returns global stats (same on every rank)."""
         mbs = [self.engine.micro_batches(to_tensors(p)) for p in pieces]
-        # The proximal policy is the current one BEFORE any mini-batch step of this update.
+        # The proximal policy is the current one BEFORE any mini-batch step of this update: computed
+        # now for the mini-batches after the first; the first one's is its own training forward's
+        # (None here, filled in by `_loss`) unless that forward is stochastic.
         flat = [m for micros in mbs for m in micros]
         if self.cfg.decoupled:
-            for mb in flat:
-                mb["proximal_logp"] = self.compute_logp(mb)
+            for i, micros in enumerate(mbs):
+                for mb in micros:
+                    mb["proximal_logp"] = None if i == 0 and self.recompute_reason is None else self.compute_logp(mb)
         ref = self.engine.ref_model
         if ref is not None and self.cfg.kl_in == "loss":
             with ref.on_device():  # reference_placement cpu: moved to the device once for these passes
@@ -98,6 +118,9 @@ class PPOActor:
         cfg = self.cfg
         logp, entropy = self._logp_entropy(logits, mb)
         assert entropy is not None
+        if cfg.decoupled and mb["proximal_logp"] is None:
+            # No optimizer step yet: the policy of this forward is the proximal one (see ppo_update).
+            mb = {**mb, "proximal_logp": logp.detach()}
         inp = loss_input(mb, logp, cfg)
         out = checked_loss(self.algorithm, inp)
         mask = inp.loss_mask
@@ -157,3 +180,36 @@ class PPOActor:
             "imp_weight_max": float(top.item()),
             "grad_norm": sum(finite) / len(finite) if finite else float("nan"),
         }
+
+
+def stochastic_forward(module: torch.nn.Module) -> str | None:
+    """Why `module`'s training forward may differ from its no-grad (eval) forward, or None when it is
+    the same function: dropout (a dropout module with p > 0, LoRA's included, or a dropout / drop
+    probability in the model config, which attention kernels read in training mode), router jitter,
+    batch statistics. Conservative: a named probability > 0 counts even if this model ignores it."""
+    configs: dict[int, Any] = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return f"{name or 'model'} is {type(sub).__name__}(p={sub.p})"
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+            return f"{name or 'model'} is {type(sub).__name__} (batch statistics in training)"
+        config = getattr(sub, "config", None)
+        if hasattr(config, "to_dict"):
+            configs.setdefault(id(config), config)
+    for config in configs.values():
+        found = _random_config(config.to_dict())
+        if found is not None:
+            return found
+    return None
+
+
+def _random_config(config: dict[str, Any], prefix: str = "config.") -> str | None:
+    for key, value in config.items():
+        if isinstance(value, dict):
+            found = _random_config(value, f"{prefix}{key}.")
+            if found is not None:
+                return found
+        elif (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+              and any(word in key.lower() for word in ("dropout", "pdrop", "layerdrop", "drop_path", "jitter"))):
+            return f"{prefix}{key}={value}"
+    return None
