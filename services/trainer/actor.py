@@ -26,9 +26,9 @@ from services.trainer.algorithms.kl import kl_estimate
 from services.trainer.algorithms.registry import load_algorithm
 from services.trainer.batch import to_tensors
 from services.trainer.engine import TrainEngine
-from services.trainer.logprobs import lean_logp_entropy
+from services.trainer.logprobs import lean_logp_entropy, logp_entropy_from_logits
 from services.trainer.packing import target_ids, unpack
-from services.trainer.ppo import aggregate, entropy_from_logits, logp_from_logits
+from services.trainer.ppo import aggregate
 from services.trainer.settings import PPOSettings
 
 log = get_logger("trainer.actor")
@@ -55,9 +55,13 @@ class PPOActor:
                      reason=self.recompute_reason)
 
     def compute_logp(self, batch: dict[str, Any], *, reference: bool = False) -> torch.Tensor:
-        """Per-token log-probs (rows x length, the padded layout even when `batch` is packed)."""
+        """Per-token log-probs (rows x length, the padded layout even when `batch` is packed), on the CPU."""
+        return self._device_logp(batch, reference=reference).cpu()
+
+    def _device_logp(self, batch: dict[str, Any], *, reference: bool = False) -> torch.Tensor:
+        """`compute_logp` left on the engine's device, where the loss reads it (no round trip)."""
         logits = self.engine.forward(batch, reference=reference)
-        return self._logp_entropy(logits, batch, entropy=False)[0].cpu()
+        return self._logp_entropy(logits, batch, entropy=False)[0]
 
     def _logp_entropy(self, logits: torch.Tensor, mb: dict[str, Any], *, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logp, entropy or None) in `mb`'s padded layout: chunked with `logp_chunk_tokens`, else the
@@ -68,7 +72,7 @@ class PPOActor:
         if chunk > 0:
             logp, ent = lean_logp_entropy(logits, ids, temp, chunk)
         else:
-            logp, ent = logp_from_logits(logits, ids, temp), entropy_from_logits(logits, temp) if entropy else None
+            logp, ent = logp_entropy_from_logits(logits, ids, temp, entropy=entropy)
         return unpack(logp, mb), unpack(ent, mb) if ent is not None and entropy else None
 
     def compute_advantages(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -105,16 +109,16 @@ class PPOActor:
         if self.cfg.decoupled:
             for i, micros in enumerate(mbs):
                 for mb in micros:
-                    mb["proximal_logp"] = None if i == 0 and self.recompute_reason is None else self.compute_logp(mb)
+                    mb["proximal_logp"] = None if i == 0 and self.recompute_reason is None else self._device_logp(mb)
         ref = self.engine.ref_model
         if ref is not None and self.cfg.kl_in == "loss":
             with ref.on_device():  # reference_placement cpu: moved to the device once for these passes
                 for mb in flat:
-                    mb["ref_logp"] = self.compute_logp(mb, reference=True)
+                    mb["ref_logp"] = self._device_logp(mb, reference=True)
         stats, norms = self.engine.train_batch(mbs, self._loss)
         return self._reduce(stats, norms, len(mbs))
 
-    def _loss(self, logits: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, logits: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
         logp, entropy = self._logp_entropy(logits, mb)
         assert entropy is not None
@@ -128,29 +132,32 @@ class PPOActor:
         pg = aggregate(out.loss, mask, cfg.loss_agg, n_tok, n_seq, norm)
         ent = aggregate(entropy, mask, cfg.loss_agg, n_tok, n_seq, norm)
         loss = pg - cfg.entropy_coef * ent
-        kl = torch.zeros(())
+        kl = torch.zeros((), device=mask.device)
         if inp.ref_logp is not None:
             kl = aggregate(kl_estimate(cfg.kl_estimator, logp, inp.ref_logp), mask, cfg.loss_agg, n_tok, n_seq, norm)
             loss = loss + cfg.kl_coef * kl
-        weight = out.imp_weight if out.imp_weight is not None else mask.float()
+        weight = (out.imp_weight if out.imp_weight is not None else mask.float()).detach()
+        none = torch.zeros((), dtype=torch.float64, device=mask.device)
+        # Float64 scalars left on the device: reading each (float(), .item(), a boolean index) would
+        # wait for the device once per stat and micro-batch; `_reduce` reads them all at once.
         stats = {
-            "loss": float(loss.detach()),
-            "pg_loss": float(pg.detach()),
-            "entropy": float(ent.detach()),
-            "kl": float(kl.detach()),
-            "tokens": float(mask.sum()),
-            "clipped": float((out.clipped & mask).sum()) if out.clipped is not None else 0.0,
-            "capped": float((out.capped & mask).sum()) if out.capped is not None else 0.0,
-            "imp_weight": float(weight[mask].sum()),
-            "imp_weight_max": float(weight[mask].max()) if mask.any() else 0.0,
+            "loss": loss.detach().double(),
+            "pg_loss": pg.detach().double(),
+            "entropy": ent.detach().double(),
+            "kl": kl.detach().double(),
+            "tokens": mask.sum().double(),
+            "clipped": (out.clipped & mask).sum().double() if out.clipped is not None else none,
+            "capped": (out.capped & mask).sum().double() if out.capped is not None else none,
+            "imp_weight": _masked_sum(weight, mask),
+            "imp_weight_max": torch.where(mask.any(), torch.where(mask, weight, -math.inf).amax().double(), none),
         }
         for name, value in sorted(out.extra.items()):
-            stats[f"algo_{name}"] = float(value.detach()[mask].float().sum())
+            stats[f"algo_{name}"] = _masked_sum(value.detach(), mask)
         # DeepSpeed averages gradients over data-parallel ranks; this rank's loss is its share of the
         # global mean, so scale it back up by the world size.
         return loss * self.engine.world_size, stats
 
-    def _reduce(self, stats: list[dict[str, float]], norms: list[float], n_mb: int) -> dict[str, float]:
+    def _reduce(self, stats: list[dict[str, torch.Tensor]], norms: list[float], n_mb: int) -> dict[str, float]:
         # The algorithm's own per-token stats; ranks agree on the names first, so an algorithm that
         # reports a stat on some pieces only cannot make the all-reduce shapes differ.
         names: set[str] = {k for s in stats for k in s if k.startswith("algo_")}
@@ -159,12 +166,16 @@ class PPOActor:
             dist.all_gather_object(everyone, sorted(names))
             names = set().union(*everyone)
         keys = (*_SUMS, *sorted(names))
-        sums = torch.tensor([[s.get(k, 0.0) for k in keys] for s in stats], dtype=torch.float64).sum(0)
-        top = torch.tensor([max(s["imp_weight_max"] for s in stats)], dtype=torch.float64)
+        # On the device (NCCL reduces device tensors only); read back once, after the reductions.
+        dev = self.engine.device
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        sums = torch.stack([torch.stack([s.get(k, zero).to(dev) for k in keys]) for s in stats]).sum(0)
+        top = torch.stack([s["imp_weight_max"].to(dev) for s in stats]).amax().reshape(1)
         if self.engine.world_size > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        total = dict(zip(keys, sums.tolist(), strict=True))
+        *values, top_value = torch.cat([sums, top]).tolist()
+        total = dict(zip(keys, values, strict=True))
         tokens = max(total["tokens"], 1.0)
         finite = [n for n in norms if math.isfinite(n)]
         algo = {k: v / tokens for k, v in total.items() if k.startswith("algo_")}
@@ -177,9 +188,14 @@ class PPOActor:
             "clip_fraction": total["clipped"] / tokens,
             "imp_weight_capped_fraction": total["capped"] / tokens,
             "imp_weight_mean": total["imp_weight"] / tokens,
-            "imp_weight_max": float(top.item()),
+            "imp_weight_max": top_value,
             "grad_norm": sum(finite) / len(finite) if finite else float("nan"),
         }
+
+
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of `values` on the mask, in float64, without a boolean index (which reads the mask back)."""
+    return torch.where(mask, values.float(), 0.0).double().sum()
 
 
 def stochastic_forward(module: torch.nn.Module) -> str | None:
