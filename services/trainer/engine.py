@@ -156,8 +156,8 @@ class TrainEngine:
     def train_batch(
         self,
         minibatches: list[list[dict[str, Any]]],
-        loss_fn: Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]],
-    ) -> tuple[list[dict[str, float]], list[float]]:
+        loss_fn: Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]],
+    ) -> tuple[list[dict[str, Any]], list[float]]:
         """One optimizer step per mini-batch, given as its micro-batches (`micro_batches`): for each,
         forward, `loss_fn(logits, micro) -> (loss, stats)`, backward (gradients accumulate); then step.
         Returns the per-mini-batch stats (micro-batch stats merged) and the global grad norms (before

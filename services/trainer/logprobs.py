@@ -57,6 +57,18 @@ class _LogpEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
+def logp_entropy_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, *,
+                             entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`logp_from_logits` and `entropy_from_logits` (services.trainer.ppo), the same values, from one
+    whole-vocabulary float32 log-softmax instead of one each (and one scaled copy of the logits):
+    one (tokens x vocabulary) tensor fewer kept for the backward pass. Entropy None unless asked."""
+    logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    picked = F.pad(logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1), (1, 0), value=0.0)
+    if not entropy:
+        return picked, None
+    return picked, F.pad(-(logp.exp() * logp).sum(-1), (1, 0), value=0.0)
+
+
 def lean_logp_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
                       chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, entropy), each (B, T) float32 aligned with `input_ids` like `logp_from_logits` /

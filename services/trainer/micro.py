@@ -71,11 +71,17 @@ def split(mb: dict[str, Any], groups: list[list[int]]) -> list[dict[str, Any]]:
     return out
 
 
-def merge_stats(stats: list[dict[str, float]]) -> dict[str, float]:
+def merge_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """One mini-batch's stats from its micro-batches': sums (each loss is already a share of the
-    mini-batch's), maxima for `*_max`."""
-    out: dict[str, float] = {}
+    mini-batch's), maxima for `*_max`. Floats or scalar tensors (left on their device: merged without
+    reading them back)."""
+    out: dict[str, Any] = {}
     for s in stats:
         for k, v in s.items():
-            out[k] = max(out[k], v) if k in out and k.endswith("_max") else out.get(k, 0.0) + v
+            if k not in out:
+                out[k] = v
+            elif k.endswith("_max"):
+                out[k] = torch.maximum(out[k], v) if isinstance(v, torch.Tensor) else max(out[k], v)
+            else:
+                out[k] = out[k] + v
     return out

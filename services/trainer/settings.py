@@ -69,6 +69,11 @@ class PPOSettings(Section):
     decoupled: bool = True
     """Decoupled objective (AReaL): recompute the proximal policy's log-probs before the update and weight
     each token by proximal/behaviour; False is plain PPO against the behaviour log-probs."""
+    recompute_proximal: bool = False
+    """Give every micro-batch its own no-grad forward for the proximal log-probs before the update.
+    False: the first mini-batch (all of them with n_minibatches=1) reuses its training forward's
+    log-probs, which are the proximal policy's (no optimizer step yet), one forward per micro-batch
+    fewer; done only when the forward is deterministic (no dropout), else recomputed anyway."""
     behav_imp_weight_cap: float | None = Field(5.0, gt=0)
     """Tokens whose importance weight proximal/behaviour exceeds this are masked (weight 0); None: no cap."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean"] = "token-mean"

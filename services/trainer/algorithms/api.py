@@ -58,7 +58,8 @@ class LossInput:
     """(N, T) float32, with gradients: log-probs under the policy being trained."""
     proximal_logp: torch.Tensor | None
     """(N, T): log-probs under the policy before this update's first optimizer step (decoupled PPO),
-    or None with `ppo.decoupled=false`."""
+    or None with `ppo.decoupled=false`. Without gradients; on the first mini-batch they are `logp`'s
+    own values, detached (that forward's policy is the proximal one), unless the forward has dropout."""
     behaviour_logp: torch.Tensor
     """(N, T): log-probs of the policy versions that generated the tokens."""
     advantages: torch.Tensor
