@@ -6,8 +6,9 @@ error shape (HTTP 400 `{"error": {"message": ...}}`) with a message that names t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -94,16 +95,33 @@ def _float(name: str, v: Any) -> float:
     return float(v)
 
 
-def parse_sampling(raw: Any) -> SamplingParams:
+_KNOWN = (set(SamplingParams.__dataclass_fields__) - {"seed", "top_logprobs_num"}) | {"sampling_seed", "n"} | set(_NEUTRAL) | _IGNORED
+"""Every `sampling_params` field the server knows (computed once: a batch parses one object per input)."""
+
+
+def parse_sampling(raw: Any, top_logprobs_num: int = 0) -> SamplingParams:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
-    known = set(SamplingParams.__dataclass_fields__) - {"seed", "top_logprobs_num"} | {"sampling_seed", "n"} | set(_NEUTRAL) | _IGNORED
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise RequestError(f"sampling_params: unknown field(s) {', '.join(unknown)}")
-    for name, neutral in _NEUTRAL.items():
-        if raw.get(name) not in (None, neutral):
+    try:
+        key = tuple(sorted(raw.items()))
+        hash(key)
+    except TypeError:  # a list value (stop, stop_token_ids): parsed each time
+        return _parse_sampling(raw, top_logprobs_num)
+    return _parse_cached(key, top_logprobs_num)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(key: tuple[tuple[str, Any], ...], top_logprobs_num: int) -> SamplingParams:
+    """Every pass of a run sends the same few sampling settings: parse each once (the result is frozen)."""
+    return _parse_sampling(dict(key), top_logprobs_num)
+
+
+def _parse_sampling(raw: dict[str, Any], top_logprobs_num: int) -> SamplingParams:
+    if not _KNOWN.issuperset(raw):
+        raise RequestError(f"sampling_params: unknown field(s) {', '.join(sorted(set(raw) - _KNOWN))}")
+    for name in _NEUTRAL.keys() & raw.keys():
+        if raw[name] not in (None, _NEUTRAL[name]):
             raise RequestError(f"sampling_params.{name}={raw[name]!r} is not supported by the CPU server")
     max_new = _int("max_new_tokens", raw.get("max_new_tokens", 128))
     if max_new < 0:
@@ -137,6 +155,7 @@ def parse_sampling(raw: Any) -> SamplingParams:
         seed=None if seed is None else _int("sampling_seed", seed),
         skip_special_tokens=bool(raw.get("skip_special_tokens", True)),
         no_stop_trim=bool(raw.get("no_stop_trim", False)),
+        top_logprobs_num=top_logprobs_num,
     )
 
 
@@ -216,16 +235,16 @@ def parse_generate(
     if n < 1:
         raise RequestError(f"n must be >= 1, got {n}")
     # as in SGLang, top log-probs come only with `return_logprob`
-    params = [replace(parse_sampling(raw), top_logprobs_num=top if flag else 0)
-              for raw, flag, top in zip(samplings, flags, tops, strict=True)]
+    params = [parse_sampling(raw, top if flag else 0) for raw, flag, top in zip(samplings, flags, tops, strict=True)]
 
     for i, prompt in enumerate(prompts):
         where = f"input_ids[{i}]" if batched else "input_ids"
         if not prompt:
             raise RequestError(f"{where} is empty")
-        for tok in prompt:
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
-                raise RequestError(f"{where}: token id {tok!r} is out of vocabulary (vocab size {vocab_size})")
+        if not (all(type(tok) is int for tok in prompt) and 0 <= min(prompt) and max(prompt) < vocab_size):
+            for tok in prompt:  # name the first bad one
+                if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+                    raise RequestError(f"{where}: token id {tok!r} is out of vocabulary (vocab size {vocab_size})")
         total = len(prompt) + params[i].max_new_tokens
         if total > context_length:
             raise RequestError(

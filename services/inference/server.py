@@ -153,9 +153,10 @@ class InferenceServer:
         return web.json_response(outs if gen.batched else outs[0])
 
     def _out(self, seq: Seq, return_logprob: bool) -> dict[str, Any]:
-        body = output_body(seq, self.sched.backend, return_logprob=return_logprob, server_version=self.sched.backend.version)
-        if self.settings.skip_tokenizer_init:
-            body.pop("text", None)
+        skip = self.settings.skip_tokenizer_init
+        body = output_body(seq, self.sched.backend, return_logprob=return_logprob, server_version=self.sched.backend.version, text=not skip)
+        if skip:
+            body.pop("text", None)  # the empty text of an abort before prefill too
         return body
 
     async def _stream(self, request: web.Request, seq: Seq, return_logprob: bool) -> web.StreamResponse:
