@@ -257,7 +257,8 @@ class InferenceServer:
         info.update(version=self.settings.sglang_version, frontend="jetrl-cpu", context_length=self.context_length,
                     vocab_size=self.sched.backend.vocab_size,
                     weight_version=self.sched.backend.version, tokens_generated=self.sched.tokens_generated,
-                    requests_finished=self.sched.requests_finished, generate_calls=self.generate_calls, paused=self.sched.paused)
+                    requests_finished=self.sched.requests_finished, generate_calls=self.generate_calls,
+                    model_steps=self.sched.model_steps, paused=self.sched.paused)
         return web.json_response(info)
 
     async def models(self, request: web.Request) -> web.Response:

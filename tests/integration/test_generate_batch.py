@@ -127,3 +127,12 @@ async def test_samples_aborted_by_a_weight_update_are_continued_together(
     passes = sum(r.passes for r in out)
     assert passes >= 2 * GROUP  # every sample was aborted and continued ...
     assert await generate_calls(server.url) - before < passes  # ... in batches, not one request per pass
+
+
+async def test_a_cancelled_sample_leaves_the_rest_of_its_batch_running(server: ServerProcess, engine: InferenceEngine) -> None:
+    tasks = [asyncio.create_task(engine.agenerate(r)) for r in group(seed=300)]
+    await asyncio.sleep(0)  # every pass is queued in the batcher (one event-loop turn)
+    tasks[5].cancel()
+    out = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(out[5], asyncio.CancelledError)
+    assert all(isinstance(r, ModelResponse) and len(r.output_ids) == 6 for i, r in enumerate(out) if i != 5)
