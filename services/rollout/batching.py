@@ -94,8 +94,10 @@ class GenerateBatcher:
         except BadRequestError as exc:
             # SGLang refuses a whole batch for one bad input: find out which, one pass per request
             self.split += 1
-            log.warning("batched /generate refused; sending its passes one by one", server=server, size=len(items), error=str(exc))
-            await asyncio.gather(*(self._one(server, i) for i in items))
+            if self.split & (self.split - 1) == 0:  # 1st, 2nd, 4th, ...: a server refusing every batch does not flood the log
+                log.warning("batched /generate refused; sending its passes one by one", server=server, size=len(items),
+                            refused_batches=self.split, error=str(exc))
+            await asyncio.gather(*(self._one(server, i) for i in items if not i.future.done()))
             return
         except ProtocolError as exc:
             _fail(items, InferenceError(f"{server}: {exc}"))
