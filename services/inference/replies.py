@@ -29,9 +29,10 @@ def top_rows(seq: Seq) -> list[list[list[Any]]]:
     return rows
 
 
-def output_body(seq: Seq, backend: Any, *, return_logprob: bool, server_version: str) -> dict[str, Any]:
+def output_body(seq: Seq, backend: Any, *, return_logprob: bool, server_version: str, text: bool = True) -> dict[str, Any]:
     """One output object of `/generate`. A request aborted before prefill gets SGLang's exact shape:
-    empty text and ids, zero token counts and no `output_token_logprobs` key."""
+    empty text and ids, zero token counts and no `output_token_logprobs` key. `text=False` (a
+    `skip_tokenizer_init` server): no `text`, and no decoding spent on it."""
     before_prefill = not seq.prefilled and seq.finish is not None and seq.finish.get("type") == "abort"
     ids = list(seq.output_ids)
     meta: dict[str, Any] = {
@@ -52,9 +53,9 @@ def output_body(seq: Seq, backend: Any, *, return_logprob: bool, server_version:
         meta["output_token_logprobs_length"] = len(ids)
         meta["output_top_logprobs"] = top_rows(seq) if seq.params.top_logprobs_num > 0 else None
     body: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
-    text = backend.decode_text(ids, seq.params.skip_special_tokens)
-    if text is not None:
-        body["text"] = text
+    decoded = backend.decode_text(ids, seq.params.skip_special_tokens) if text else None
+    if decoded is not None:
+        body["text"] = decoded
     return body
 
 

@@ -6,8 +6,9 @@ error shape (HTTP 400 `{"error": {"message": ...}}`) with a message that names t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -63,10 +64,21 @@ class GenerateInput:
     """One prompt per output (a batch input and `n` > 1 expand here)."""
     batched: bool
     """Answer with a JSON list (batch input or n > 1)."""
-    params: SamplingParams
-    return_logprob: bool = False
+    param_list: list[SamplingParams]
+    """Each prompt's sampling parameters (a batch may give one object for all or one per input)."""
+    return_logprobs: list[bool]
+    """Each prompt's `return_logprob` (a batch may give one flag for all or one per input)."""
     stream: bool = False
     rids: list[str] = field(default_factory=list)
+
+    @property
+    def params(self) -> SamplingParams:
+        """The first prompt's parameters (all of them, for a single request)."""
+        return self.param_list[0]
+
+    @property
+    def return_logprob(self) -> bool:
+        return self.return_logprobs[0]
 
 
 def _int(name: str, v: Any) -> int:
@@ -83,16 +95,33 @@ def _float(name: str, v: Any) -> float:
     return float(v)
 
 
-def parse_sampling(raw: Any) -> SamplingParams:
+_KNOWN = (set(SamplingParams.__dataclass_fields__) - {"seed", "top_logprobs_num"}) | {"sampling_seed", "n"} | set(_NEUTRAL) | _IGNORED
+"""Every `sampling_params` field the server knows (computed once: a batch parses one object per input)."""
+
+
+def parse_sampling(raw: Any, top_logprobs_num: int = 0) -> SamplingParams:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise RequestError(f"sampling_params must be an object, got {type(raw).__name__}")
-    known = set(SamplingParams.__dataclass_fields__) - {"seed", "top_logprobs_num"} | {"sampling_seed", "n"} | set(_NEUTRAL) | _IGNORED
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise RequestError(f"sampling_params: unknown field(s) {', '.join(unknown)}")
-    for name, neutral in _NEUTRAL.items():
-        if raw.get(name) not in (None, neutral):
+    try:
+        key = tuple(sorted(raw.items()))
+        hash(key)
+    except TypeError:  # a list value (stop, stop_token_ids): parsed each time
+        return _parse_sampling(raw, top_logprobs_num)
+    return _parse_cached(key, top_logprobs_num)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(key: tuple[tuple[str, Any], ...], top_logprobs_num: int) -> SamplingParams:
+    """Every pass of a run sends the same few sampling settings: parse each once (the result is frozen)."""
+    return _parse_sampling(dict(key), top_logprobs_num)
+
+
+def _parse_sampling(raw: dict[str, Any], top_logprobs_num: int) -> SamplingParams:
+    if not _KNOWN.issuperset(raw):
+        raise RequestError(f"sampling_params: unknown field(s) {', '.join(sorted(set(raw) - _KNOWN))}")
+    for name in _NEUTRAL.keys() & raw.keys():
+        if raw[name] not in (None, _NEUTRAL[name]):
             raise RequestError(f"sampling_params.{name}={raw[name]!r} is not supported by the CPU server")
     max_new = _int("max_new_tokens", raw.get("max_new_tokens", 128))
     if max_new < 0:
@@ -126,7 +155,30 @@ def parse_sampling(raw: Any) -> SamplingParams:
         seed=None if seed is None else _int("sampling_seed", seed),
         skip_special_tokens=bool(raw.get("skip_special_tokens", True)),
         no_stop_trim=bool(raw.get("no_stop_trim", False)),
+        top_logprobs_num=top_logprobs_num,
     )
+
+
+def _scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int))
+
+
+def _per_input(raw: Any, count: int, batched: bool, name: str, valid: Callable[[Any], bool]) -> list[Any]:
+    """A field a batch may give once for all inputs or as a list of one value per input (SGLang's
+    batch normalization); a single request takes one value."""
+    if isinstance(raw, list):
+        if not batched:
+            raise RequestError(f"{name} is a list, but the request is not a batch (input_ids is one prompt)")
+        if len(raw) != count:
+            raise RequestError(f"{name} has {len(raw)} entries for a batch of {count} inputs")
+        values = raw
+    else:
+        values = [raw] * count
+    for i, v in enumerate(values):
+        if not valid(v):
+            where = f"{name}[{i}]" if isinstance(raw, list) else name
+            raise RequestError(f"{where} has the wrong type: {type(v).__name__}")
+    return values
 
 
 def parse_generate(
@@ -149,12 +201,6 @@ def parse_generate(
         raise RequestError("Either text or input_ids should be provided (exactly one of them).")
     if body.get("input_embeds") is not None or body.get("lora_path") is not None:
         raise RequestError("input_embeds and lora_path are not supported by the CPU server")
-    top_n = _int("top_logprobs_num", body.get("top_logprobs_num", 0) or 0)
-    if not 0 <= top_n <= MAX_TOP_LOGPROBS:
-        raise RequestError(f"top_logprobs_num must be in 0..{MAX_TOP_LOGPROBS} on the CPU server, got {top_n}")
-    if body.get("logprob_start_len") not in (None, -1):
-        raise RequestError("input logprobs (logprob_start_len >= 0) are not supported by the CPU server")
-
     if has_text:
         if tokenize is None:
             raise RequestError("text input needs a tokenizer; this server has none: send input_ids")
@@ -170,25 +216,40 @@ def parse_generate(
             raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
         batched = isinstance(ids[0], list)
         prompts = [list(p) for p in ids] if batched else [ids]
-    return_logprob = bool(body.get("return_logprob", False))
-    # as in SGLang, top log-probs come only with `return_logprob`
-    params = replace(parse_sampling(body.get("sampling_params")), top_logprobs_num=top_n if return_logprob else 0)
-    n = _int("n", (body.get("sampling_params") or {}).get("n", 1))
+    if body.get("logprob_start_len") not in (None, -1) and not (
+        isinstance(body.get("logprob_start_len"), list) and all(v in (None, -1) for v in body["logprob_start_len"])
+    ):
+        raise RequestError("input logprobs (logprob_start_len >= 0) are not supported by the CPU server")
+    count = len(prompts)
+    samplings = _per_input(body.get("sampling_params"), count, batched, "sampling_params", lambda v: isinstance(v, dict) or v is None)
+    flags = [bool(f) for f in _per_input(body.get("return_logprob", False), count, batched, "return_logprob", _scalar)]
+    raw_tops = _per_input(body.get("top_logprobs_num", 0), count, batched, "top_logprobs_num", _scalar)
+    tops = [_int("top_logprobs_num", t or 0) for t in raw_tops]
+    for top_n in tops:
+        if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs_num must be in 0..{MAX_TOP_LOGPROBS} on the CPU server, got {top_n}")
+    ns = {_int("n", (raw or {}).get("n", 1)) for raw in samplings}
+    if len(ns) > 1:  # SGLang's own check, word for word
+        raise RequestError("The parallel_sample_num should be the same for all samples in sample params.")
+    n = ns.pop()
     if n < 1:
         raise RequestError(f"n must be >= 1, got {n}")
+    # as in SGLang, top log-probs come only with `return_logprob`
+    params = [parse_sampling(raw, top if flag else 0) for raw, flag, top in zip(samplings, flags, tops, strict=True)]
 
     for i, prompt in enumerate(prompts):
         where = f"input_ids[{i}]" if batched else "input_ids"
         if not prompt:
             raise RequestError(f"{where} is empty")
-        for tok in prompt:
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
-                raise RequestError(f"{where}: token id {tok!r} is out of vocabulary (vocab size {vocab_size})")
-        total = len(prompt) + params.max_new_tokens
+        if not (all(type(tok) is int for tok in prompt) and 0 <= min(prompt) and max(prompt) < vocab_size):
+            for tok in prompt:  # name the first bad one
+                if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+                    raise RequestError(f"{where}: token id {tok!r} is out of vocabulary (vocab size {vocab_size})")
+        total = len(prompt) + params[i].max_new_tokens
         if total > context_length:
             raise RequestError(
                 f"Requested token count exceeds the model's maximum context length of {context_length} tokens: "
-                f"{len(prompt)} prompt tokens + max_new_tokens {params.max_new_tokens} = {total}"
+                f"{len(prompt)} prompt tokens + max_new_tokens {params[i].max_new_tokens} = {total}"
             )
     rid = body.get("rid")
     expanded = [p for p in prompts for _ in range(n)]
@@ -197,15 +258,18 @@ def parse_generate(
         if len(rids) != len(prompts):
             raise RequestError(f"rid has {len(rids)} entries for {len(prompts)} inputs")
         rids = [f"{r}-{k}" if n > 1 else r for r in rids for k in range(n)]
-    elif rid is not None:
-        rids = [str(rid)] if len(expanded) == 1 else [f"{rid}-{i}" for i in range(len(expanded))]
+    elif rid is not None:  # SGLang names a batch's requests `<rid>_<i>`
+        rids = [str(rid)] if not (batched or n > 1) else [f"{rid}_{i}" for i in range(len(expanded))]
     else:
         rids = []
+    if len(set(rids)) != len(rids):  # SGLang's own check, word for word
+        duplicates = sorted({r for r in rids if rids.count(r) > 1})
+        raise RequestError(f"Duplicate request IDs detected within the request: {duplicates}")
     return GenerateInput(
         prompts=expanded,
         batched=batched or n > 1,
-        params=params,
-        return_logprob=return_logprob,
+        param_list=[p for p in params for _ in range(n)],
+        return_logprobs=[f for f in flags for _ in range(n)],
         stream=bool(body.get("stream", False)),
         rids=rids,
     )

@@ -63,6 +63,8 @@ class Scheduler:
         self._holding = False  # paused in_place / retract: running requests kept but not stepped
         self.tokens_generated = 0
         self.requests_finished = 0
+        self.model_steps = 0
+        """Batch steps run (`tokens_generated / model_steps`: the mean rows of a step)."""
 
     @property
     def paused(self) -> bool:
@@ -171,6 +173,7 @@ class Scheduler:
         out, version = await self.in_model_thread(
             self.backend.step, leaving, [Joining(s.sid, s.prompt, s.params) for s in joining]
         )
+        self.model_steps += 1
         self._apply(out, version)
 
     def _apply(self, out: list[tuple[Any, ...]], version: str) -> None:

@@ -60,6 +60,8 @@ class InferenceServer:
         self.settings = settings
         self.scheduler: Scheduler | None = None
         self.stopping = False
+        self.generate_calls = 0
+        """`/generate` HTTP requests received (a batch is one), in `/server_info`."""
         self.dist_weights = DistWeights(self, settings.weights_group_timeout_s)
 
     @property
@@ -119,6 +121,7 @@ class InferenceServer:
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        self.generate_calls += 1
         backend = self.sched.backend
         try:
             gen = parse_generate(
@@ -128,13 +131,14 @@ class InferenceServer:
                 tokenize=backend.tokenize if backend.tokenizer is not None and not self.settings.skip_tokenizer_init else None,
             )
             if self.settings.skip_tokenizer_init:
-                _refuse_tokenizer_features(gen.params.stop, gen.params.min_new_tokens)
+                for params in gen.param_list:
+                    _refuse_tokenizer_features(params.stop, params.min_new_tokens)
             if gen.stream and len(gen.prompts) > 1:
                 raise RequestError("stream: true with a batch input or n > 1 is not supported by the CPU server")
         except RequestError as exc:
             return web.json_response(error_body(str(exc)), status=400)
         rids: list[str | None] = [*gen.rids] if gen.rids else [None] * len(gen.prompts)
-        seqs = [await self.sched.submit(p, gen.params, rid) for p, rid in zip(gen.prompts, rids, strict=True)]
+        seqs = [await self.sched.submit(p, params, rid) for p, params, rid in zip(gen.prompts, gen.param_list, rids, strict=True)]
         try:
             if gen.stream:
                 return await self._stream(request, seqs[0], gen.return_logprob)
@@ -145,13 +149,14 @@ class InferenceServer:
             for s in seqs:
                 if s.finish is None:
                     self.sched.abort_soon(s.rid)
-        outs = [self._out(s, gen.return_logprob) for s in seqs]
+        outs = [self._out(s, flag) for s, flag in zip(seqs, gen.return_logprobs, strict=True)]
         return web.json_response(outs if gen.batched else outs[0])
 
     def _out(self, seq: Seq, return_logprob: bool) -> dict[str, Any]:
-        body = output_body(seq, self.sched.backend, return_logprob=return_logprob, server_version=self.sched.backend.version)
-        if self.settings.skip_tokenizer_init:
-            body.pop("text", None)
+        skip = self.settings.skip_tokenizer_init
+        body = output_body(seq, self.sched.backend, return_logprob=return_logprob, server_version=self.sched.backend.version, text=not skip)
+        if skip:
+            body.pop("text", None)  # the empty text of an abort before prefill too
         return body
 
     async def _stream(self, request: web.Request, seq: Seq, return_logprob: bool) -> web.StreamResponse:
@@ -252,7 +257,8 @@ class InferenceServer:
         info.update(version=self.settings.sglang_version, frontend="jetrl-cpu", context_length=self.context_length,
                     vocab_size=self.sched.backend.vocab_size,
                     weight_version=self.sched.backend.version, tokens_generated=self.sched.tokens_generated,
-                    requests_finished=self.sched.requests_finished, paused=self.sched.paused)
+                    requests_finished=self.sched.requests_finished, generate_calls=self.generate_calls,
+                    model_steps=self.sched.model_steps, paused=self.sched.paused)
         return web.json_response(info)
 
     async def models(self, request: web.Request) -> web.Response:

@@ -55,8 +55,10 @@ class InferenceSettings(ServiceSettings):
     """Port to listen on (0 picks a free one; the chosen port is logged)."""
     weight_version: str = "0"
     """Weight version the loaded model serves until the first /update_weights_from_disk."""
-    max_batch_size: int = 64
-    """Most requests decoded together in one step; more wait in the queue."""
+    max_batch_size: int = 256
+    """Most requests decoded together in one step; more wait in the queue. A step's fixed cost (the
+    model's Python, the thread hand-off) is shared by its rows: the demo's 256 samples a trainer step
+    take 4 steps at 256 rows, against 16 at 64 (measured: about 25% less server CPU per sample)."""
     seed: int = 0
     """Seed of the server's sampler for requests without `sampling_seed`."""
     torch_threads: int = 1

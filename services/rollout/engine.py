@@ -4,7 +4,8 @@ Interruptible generation (AReaL's `agenerate`): a pass that ends in `abort` (a w
 server) is continued with prompt + tokens so far and the remaining budget, so one completion can carry
 tokens of several weight versions. Transport failures (timeouts, connection errors, 408/429/5xx) are
 retried with capped jittered backoff, then the next server takes over; a 400 is the caller's bug and
-raises at once. Payloads and replies are handled by the pure functions in `sglang_protocol.py`.
+raises at once. Payloads and replies are handled by the pure functions in `sglang_protocol.py`. Passes that
+start together are sent as one batched `/generate` (`batching.py`).
 
 Stop strings are applied here, not by the server: SGLang started with `--skip-tokenizer-init` (as jetrl
 starts it) refuses `stop` with a 400, and older versions silently ignored it. Each server's SGLang version
@@ -27,6 +28,7 @@ import aiohttp
 from services.common.logging import get_logger
 from services.common.settings import Section
 from services.common.trust import bearer_for
+from services.rollout.batching import GenerateBatcher
 from services.rollout.io_struct import (
     BadRequestError,
     InferenceError,
@@ -73,6 +75,13 @@ class InferenceClientSettings(Section):
     """A server that failed all its retries is skipped by new choices for this long."""
     max_passes: int = 1000
     """Abort continuations allowed for one request before it is an error (a server stuck aborting)."""
+    batch_generate: bool = True
+    """Send the `/generate` passes that start together (a group's samples, their continuations after a
+    pause) to one server as one batched request (SGLang's list-of-`input_ids` form) instead of one
+    request each: far less HTTP and JSON work on both sides. False: one request per pass (for a router
+    in front of the servers that refuses the batch form)."""
+    batch_max_size: int = 256
+    """The most passes one batched `/generate` carries; more that arrive together go in further batches."""
     tokenizer_path: str = ""
     """Tokenizer (HF name or directory) that decodes outputs to apply stop strings client-side; empty:
     the `tokenizer_path` the first server reports in its model info, loaded on the first request with
@@ -93,10 +102,12 @@ class InferenceEngine:
         self._rr = itertools.count()
         self._episodes: dict[str, str] = {}
         self._versions: dict[str, tuple[int, ...] | None] = {}  # each server's SGLang version, read once
+        self._connecting: dict[str, asyncio.Future[tuple[int, ...] | None]] = {}
         self._decode: Callable[[list[int]], str] | None = None
         # aiohttp rather than httpx: httpx's pool slows down sharply with many requests in flight
         # (measured: 64 concurrent generations ran slower than 16). Created on first use, in the loop.
         self._session: aiohttp.ClientSession | None = None
+        self.batcher = GenerateBatcher(self._post_generate, settings.batch_max_size)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -167,10 +178,14 @@ class InferenceEngine:
             return body
         raise _Unavailable(f"{server}{path}: {last}")
 
-    async def _post(self, server: str, path: str, payload: dict[str, Any], episode: str | None) -> tuple[Any, str]:
+    async def _post(
+        self, server: str, path: str, payload: dict[str, Any], episode: str | None, samples: int = 1
+    ) -> tuple[Any, str]:
+        """POST with retries, then failover to the next server; `samples`: how many requests the body
+        carries (a batch counts each of its passes toward the server's load)."""
         errors = []
         for candidate in self._order(server):
-            self._inflight[candidate] += 1
+            self._inflight[candidate] += samples
             try:
                 return await self._post_once(candidate, path, payload, None), candidate
             except _Unavailable as exc:
@@ -180,10 +195,34 @@ class InferenceEngine:
                 if episode is not None:
                     self._episodes.pop(episode, None)
             finally:
-                self._inflight[candidate] -= 1
+                self._inflight[candidate] -= samples
         raise ServersUnavailableError("every inference server failed: " + "; ".join(errors))
 
     # ---- generation ----------------------------------------------------------------------------
+    async def _connected(self, server: str, episode: str | None) -> str:
+        """`server` once its version is read, or the next server that answers when it does not."""
+        errors = []
+        for candidate in self._order(server):
+            try:
+                await self.connect(candidate)
+            except ServersUnavailableError as exc:
+                errors.append(str(exc))
+                self._down_until[candidate] = time.monotonic() + self.settings.down_cooldown_s
+                log.warning("inference server unavailable; failing over", server=candidate, error=str(exc))
+                continue
+            if episode is not None and candidate != server:
+                self._episodes[episode] = candidate
+            return candidate
+        raise ServersUnavailableError("every inference server failed: " + "; ".join(errors))
+
+    async def _post_generate(self, server: str, payload: dict[str, Any], episode: str | None, samples: int) -> tuple[Any, str]:
+        return await self._post(server, "/generate", payload, episode, samples)
+
+    async def _generate_pass(self, server: str, payload: dict[str, Any], episode: str | None) -> tuple[Any, str]:
+        if self.settings.batch_generate:
+            return await self.batcher.generate(server, payload, episode)
+        return await self._post(server, "/generate", payload, episode)
+
     async def agenerate(self, req: ModelRequest, *, episode: str | None = None) -> ModelResponse:
         """Generate until `stop`/`length`, continuing across aborts; tokens carry their versions."""
         if req.max_new_tokens < 0:
@@ -191,8 +230,7 @@ class InferenceEngine:
         if req.top_logprobs < 0:
             raise BadRequestError(f"top_logprobs must be >= 0, got {req.top_logprobs}")
         start = time.monotonic()
-        server = self._choose(episode)
-        await self.connect(server)
+        server = await self._connected(self._choose(episode), episode)
         decode = await self._decoder() if req.stop else None
         matched: str | None = None
         ids: list[int] = []
@@ -217,7 +255,7 @@ class InferenceEngine:
                 rid=f"{req.rid}-p{passes}" if req.rid else None,
                 top_logprobs_num=req.top_logprobs,
             )
-            body, server = await self._post(server, "/generate", payload, episode)
+            body, server = await self._generate_pass(server, payload, episode)
             if episode is not None:
                 self._episodes[episode] = server
             try:
@@ -320,6 +358,15 @@ class InferenceEngine:
         server = server.rstrip("/")
         if server in self._versions:
             return self._versions[server]
+        # One read per server however many requests start at once: they all wait on it and so go on
+        # in the same event-loop turn, where their passes are batched together.
+        reading = self._connecting.get(server)
+        if reading is None:
+            reading = self._connecting[server] = asyncio.ensure_future(self._read_version(server))
+            reading.add_done_callback(lambda _: self._connecting.pop(server, None))
+        return await asyncio.shield(reading)
+
+    async def _read_version(self, server: str) -> tuple[int, ...] | None:
         version = None
         for path in ("/server_info", "/get_server_info"):  # /server_info is the newer name
             status, body, _ = await self._get(server + path)

@@ -153,6 +153,46 @@ def build_generate_payload(
     return payload
 
 
+BATCHED = ("input_ids", "sampling_params", "rid")
+"""The fields of a `/generate` payload that a batch carries as one list entry per input; every other
+field must be equal across the batch (`batch_key`)."""
+
+
+def batch_key(payload: dict[str, Any]) -> tuple[Any, ...]:
+    """Payloads with equal keys can share one batched `/generate`: the same scalar fields (logprob
+    settings, streaming), and either all or none carrying a `rid` (SGLang wants a list of one per input
+    or none)."""
+    return (*sorted((k, v) for k, v in payload.items() if k not in BATCHED), "rid" in payload)
+
+
+def build_batch_payload(payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """One `/generate` body for several passes (SGLang's batch form): `input_ids` a list of prompts,
+    `sampling_params` and `rid` one entry per prompt, the shared fields once. The reply is a list of
+    outputs in the same order (`split_batch_reply`)."""
+    if not payloads:
+        raise ValueError("build_batch_payload needs at least one payload")
+    first = payloads[0]
+    key = batch_key(first)
+    for p in payloads[1:]:
+        if batch_key(p) != key:
+            raise ValueError(f"payloads differ beyond {BATCHED}: cannot batch them")
+    body = {k: v for k, v in first.items() if k not in BATCHED}
+    body["input_ids"] = [p["input_ids"] for p in payloads]
+    body["sampling_params"] = [p["sampling_params"] for p in payloads]
+    if "rid" in first:
+        body["rid"] = [p["rid"] for p in payloads]
+    return body
+
+
+def split_batch_reply(body: Any, count: int) -> list[Any]:
+    """A batched `/generate` answer: a list of `count` outputs, each parsed by `parse_generate_reply`."""
+    if not isinstance(body, list):
+        raise ProtocolError(f"batched /generate answered {type(body).__name__}, expected a list of {count} outputs")
+    if len(body) != count:
+        raise ProtocolError(f"batched /generate answered {len(body)} outputs for {count} inputs")
+    return body
+
+
 @dataclass
 class GeneratePass:
     """What one `/generate` answer contributed."""

@@ -72,22 +72,29 @@ class StandIn:
     async def generate_request(self, obj: Any, request: Any = None) -> Any:
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        # What TokenizerManager does before tokenizing: normalize, then SGLang's sampling checks.
+        # What TokenizerManager does before tokenizing: normalize, then SGLang's sampling checks (per
+        # input of a batch). A batch goes upstream as one batch, where SGLang's scheduler would get its
+        # inputs together; like TokenizerManager's batch path, it answers a list or fails as a whole.
         obj.normalize_batch_and_arguments()
-        raw = dict(obj.sampling_params or {})
-        params = SamplingParams(**raw)
-        params.normalize(self.tokenizer)
-        params.verify(self.vocab_size)
-        body = {"input_ids": obj.input_ids, "sampling_params": raw, "return_logprob": obj.return_logprob,
-                "logprob_start_len": obj.logprob_start_len, "rid": obj.rid, "stream": False}
+        raws = [dict(r or {}) for r in obj.sampling_params] if not obj.is_single else [dict(obj.sampling_params or {})]
+        for raw in raws:
+            params = SamplingParams(**raw)
+            params.normalize(self.tokenizer)
+            params.verify(self.vocab_size)
+        body = {"input_ids": obj.input_ids, "sampling_params": raws if not obj.is_single else raws[0],
+                "return_logprob": obj.return_logprob, "logprob_start_len": obj.logprob_start_len, "rid": obj.rid,
+                "stream": False}
+        if not obj.is_single:
+            body["top_logprobs_num"] = obj.top_logprobs_num
         resp = await self.http.post("/generate", json=body)
         self.last_receive_tstamp = time.time()
         out = resp.json()
         if resp.status_code != 200:
             raise ValueError(out.get("error", {}).get("message", resp.text))
-        self._set_version(out["meta_info"].get("weight_version", self.weight_version))
-        if not self.spans:
-            out["meta_info"].pop("weight_versions", None)
+        for one in out if isinstance(out, list) else [out]:
+            self._set_version(one["meta_info"].get("weight_version", self.weight_version))
+            if not self.spans:
+                one["meta_info"].pop("weight_versions", None)
         yield out
 
     def create_abort_task(self, obj: Any) -> None:

@@ -37,7 +37,9 @@ def judges() -> dict[str, Any]:
             raise ValueError(f"strict request check: {err}")
         obj = TypeAdapter(io_struct.GenerateReqInput).validate_python(body)
         obj.normalize_batch_and_arguments()
-        _sampling(obj.sampling_params or {})
+        raw = obj.sampling_params or {}
+        for one in raw if isinstance(raw, list) else [raw]:  # a batch: one entry per input
+            _sampling(one)
 
     out: dict[str, Any] = {"/generate": generate,
                            "/pause_generation": model(io_struct.PauseGenerationReqInput),
