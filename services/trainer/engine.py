@@ -54,7 +54,7 @@ def import_deepspeed() -> Any:
     import deepspeed.runtime.zero.stage3 as stage3
     import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
 
-    stage_1_and_2.get_norm_dtype = stage3.get_norm_dtype = lambda: torch.float32  # type: ignore[attr-defined]
+    stage_1_and_2.get_norm_dtype = stage3.get_norm_dtype = lambda: torch.float32
     return deepspeed
 
 
@@ -106,8 +106,8 @@ def ds_config(settings: TrainerSettings, n_params: int = 0) -> dict[str, Any]:
     return cfg
 
 
-def sparse_tied_lookup(model: torch.nn.Module) -> None:
-    """With tied input and output embeddings, make the input lookup's gradient sparse (the rows the
+def sparse_tied_lookup(model: Any) -> None:
+    """With tied input and output embeddings (`model` a HF PreTrainedModel), make the input lookup's gradient sparse (the rows the
     batch used). autograd sums the output projection's dense (vocabulary x hidden) gradient with the
     lookup's before the parameter's gradient is written, so the sum is dense and identical; the
     lookup's own dense vocabulary-sized gradient (a transient as large as the embedding) is never
