@@ -1,7 +1,7 @@
 """The optimizer step's memory on a real DeepSpeed ZeRO-2 engine: what the step adds on top of the
 weights, the Adam states and the accumulated gradients is about one flat gradient (ZeRO's fp32
-partition of it), not DeepSpeed's float64 copy of each gradient for the norm plus AdamW's
-partition-sized temporaries (three gradients' worth more).
+partition of it): not DeepSpeed's float64 copy of each gradient for the norm (twice a float32
+gradient; the step added 2.0 gradients with it), nor AdamW's partition-sized temporaries.
 
 The file doubles as the worker script (`python test_trainer_memory.py --worker MODEL OUT`): a process
 of its own, so its resident high-water mark is the step's."""
@@ -66,8 +66,8 @@ def test_optimizer_step_adds_about_one_gradient(tmp_path: Path) -> None:
                           capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     r = json.loads(result.read_text())
-    # ZeRO's flat fp32 gradient partition is one gradient; before, the float64 norm copy of the
-    # embedding's gradient (two) and AdamW's sqrt / denominator temporaries came on top of it.
+    # ZeRO's flat fp32 gradient partition is one gradient (measured 1.0); the float64 norm copy of
+    # the embedding's gradient alone is two.
     assert r["step_added"] < 1.6 * r["grad_bytes"], r
 
 
