@@ -23,7 +23,9 @@ PPOActor with the default decoupled PPO update, so the proximal forward is inclu
 the process's resident high-water mark (VmHWM, reset before the last update; ru_maxrss where /proc has
 no reset) over the last update, model and Adam states included ("added": that peak minus the resident
 size before the update, i.e. what the update itself needs); tokens/s is over the last update (the
-first allocates the optimizer states). Prints a table, then a JSON line whose `score` is new peak / old peak
+first allocates the optimizer states). A thread samples the resident size every 5 ms and keeps its peak
+per phase of the update (proximal forward, forward, log-probs and loss, backward, ZeRO's gradient
+reduction at the end of each backward, optimizer step). Prints the tables, then a JSON line whose `score` is new peak / old peak
 (target <= 0.4 with tokens/s no more than 10% lower).
 """
 
@@ -105,6 +107,47 @@ def _peak_bytes(reset: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+PHASES = ("proximal", "forward", "logp+loss", "backward", "zero-reduce", "step")
+
+
+class PhasePeaks:
+    """The resident size sampled every few ms on a thread, its maximum kept per phase of the update
+    (the innermost running one of `PHASES`, the proximal pass's forward counted as "proximal"): where the peak is, not only how high."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.phase = "other"
+        self.peaks: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            phase = self.phase
+            self.peaks[phase] = max(self.peaks.get(phase, 0), _rss_bytes())
+
+    def wrap(self, obj: Any, attr: str, phase: str) -> None:
+        inner = getattr(obj, attr)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            outer = self.phase
+            if outer != "proximal":  # the proximal pass's forward counts as the proximal pass
+                self.phase = phase
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.phase = outer
+
+        setattr(obj, attr, wrapped)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return dict(self.peaks)
+
+
 def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, steps: int, lengths: str, budget: int,
            result: str) -> None:
     from services.trainer.actor import PPOActor
@@ -120,16 +163,25 @@ def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, s
     actor = PPOActor(engine, s.ppo)
     b = batch(samples, seq_len, vocab, lengths)
     tokens = int(b["attention_mask"].sum())
+    phases = PhasePeaks()
+    ds = engine.engine
+    for obj, attr, phase in ((actor, "compute_logp", "proximal"), (ds, "forward", "forward"), (actor, "_loss", "logp+loss"),
+                             (ds, "backward", "backward"), (ds.optimizer, "independent_gradient_partition_epilogue", "zero-reduce"),
+                             (ds, "step", "step")):
+        phases.wrap(obj, attr, phase)
     elapsed, before, reset = 0.0, 0, False
     for i in range(steps):
         if i == steps - 1:  # the last update: its peak, and what it adds over the model and Adam states
             reset = _reset_peak()
             before = _rss_bytes()
+            phases.peaks.clear()
         t0 = time.perf_counter()
         actor.ppo_update(shard(b, 1, 1)[0])
         elapsed = time.perf_counter() - t0
     peak = _peak_bytes(reset)
-    Path(result).write_text(json.dumps({"peak_bytes": peak, "added_bytes": peak - before, "tokens_per_s": tokens / elapsed}))
+    by_phase = phases.stop()
+    Path(result).write_text(json.dumps({"peak_bytes": peak, "added_bytes": peak - before, "tokens_per_s": tokens / elapsed,
+                                        "base_bytes": before, "phase_peak_bytes": {p: by_phase.get(p, 0) for p in PHASES}}))
     sys.stdout.flush()
     os._exit(0)
 
@@ -168,6 +220,10 @@ def main() -> None:
     print(f"{'path':<8}{'peak GiB':>10}{'added GiB':>11}{'tokens/s':>11}")
     for name, r in rows.items():
         print(f"{name:<8}{r['peak_bytes'] / gib:>10.2f}{r['added_bytes'] / gib:>11.2f}{r['tokens_per_s']:>11.1f}")
+    print("peak GiB by phase of the update (resident size sampled every 5 ms; before it: the weights, ZeRO's fp32 copy, Adam)")
+    print(f"{'path':<8}{'before':>8}" + "".join(f"{p:>12}" for p in PHASES))
+    for name, r in rows.items():
+        print(f"{name:<8}{r['base_bytes'] / gib:>8.2f}" + "".join(f"{r['phase_peak_bytes'][p] / gib:>12.2f}" for p in PHASES))
     old, new = rows["today"], rows["new"]
     print(json.dumps({
         "score": new["peak_bytes"] / old["peak_bytes"],
@@ -175,6 +231,8 @@ def main() -> None:
         "old_tokens_per_s": old["tokens_per_s"], "new_tokens_per_s": new["tokens_per_s"],
         "tokens_per_s_ratio": new["tokens_per_s"] / old["tokens_per_s"],
         "added_ratio": new["added_bytes"] / max(old["added_bytes"], 1),
+        "old_phase_peak_gib": {p: round(v / gib, 3) for p, v in old["phase_peak_bytes"].items()},
+        "new_phase_peak_gib": {p: round(v / gib, 3) for p, v in new["phase_peak_bytes"].items()},
         "layers": args.layers, "vocab": args.vocab, "samples": args.samples, "seq_len": args.seq_len,
         "lengths": args.lengths, "budget": args.budget or args.seq_len,
     }))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.nats_auth import inbox_prefix
 from schemas.subjects import (
     METRICS_STREAM,
     PROMPTS_STREAM,
@@ -28,6 +27,7 @@ from schemas.subjects import (
     check_run,
     stream_specs,
 )
+from services.common.nats_auth import inbox_prefix
 
 API = "$JS.API"
 REWARD_SERVICE = "jetrl-reward"

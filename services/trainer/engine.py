@@ -48,6 +48,13 @@ def import_deepspeed() -> Any:
 
     comm_torch: Any = sys.modules["deepspeed.comm.torch"]
     comm_torch.build_shm_op = lambda: None
+    # Gradient norms in float32: DeepSpeed casts each gradient to float64 before its norm, a transient
+    # copy twice the size of the largest float32 gradient (the vocabulary x hidden embedding's: 1.1 GB
+    # for a Qwen2-0.5B on the step's peak). float32 norms differ in the 7th digit.
+    import deepspeed.runtime.zero.stage3 as stage3
+    import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
+
+    stage_1_and_2.get_norm_dtype = stage3.get_norm_dtype = lambda: torch.float32
     return deepspeed
 
 
@@ -65,14 +72,31 @@ def init_distributed() -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def ds_config(settings: TrainerSettings) -> dict[str, Any]:
+BUCKET_ELEMENTS_MAX = 500_000_000
+"""DeepSpeed's default reduce / all-gather bucket (elements)."""
+
+
+def bucket_elements(n_params: int) -> int:
+    """ZeRO's reduce and all-gather bucket sizes, in elements, scaled to the model: a sixteenth of its
+    trainable parameters (at least 1M, at most DeepSpeed's default 5e8). The default bucket is larger
+    than a sub-2B model's whole gradient, so every gradient goes through it and is then copied again
+    into the rank's partition: a second whole gradient at the end of each backward pass. A
+    parameter larger than the bucket (the embedding) is reduced in place, without a bucket copy."""
+    return max(1_000_000, min(BUCKET_ELEMENTS_MAX, n_params // 16))
+
+
+def ds_config(settings: TrainerSettings, n_params: int = 0) -> dict[str, Any]:
+    """DeepSpeed's config; `n_params` (the trainable parameters) sizes the ZeRO buckets (0: defaults)."""
+    zero: dict[str, Any] = {"stage": settings.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
+    if n_params:
+        zero["reduce_bucket_size"] = zero["allgather_bucket_size"] = bucket_elements(n_params)
     cfg: dict[str, Any] = {
         # Mini-batches are formed by the trainer, one optimizer step each: DeepSpeed's own batch
         # bookkeeping is nominal here.
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": settings.grad_clip,
-        "zero_optimization": {"stage": settings.zero_stage, "stage3_gather_16bit_weights_on_model_save": True},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -80,6 +104,17 @@ def ds_config(settings: TrainerSettings) -> dict[str, Any]:
     if settings.dtype == "bfloat16":
         cfg["bf16"] = {"enabled": True}
     return cfg
+
+
+def sparse_tied_lookup(model: Any) -> None:
+    """With tied input and output embeddings (`model` a HF PreTrainedModel), make the input lookup's gradient sparse (the rows the
+    batch used). autograd sums the output projection's dense (vocabulary x hidden) gradient with the
+    lookup's before the parameter's gradient is written, so the sum is dense and identical; the
+    lookup's own dense vocabulary-sized gradient (a transient as large as the embedding) is never
+    built. Untied embeddings are left alone: their gradient would reach ZeRO sparse."""
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if isinstance(inp, torch.nn.Embedding) and out is not None and out.weight is inp.weight:
+        inp.sparse = True
 
 
 class TrainEngine:
@@ -102,13 +137,16 @@ class TrainEngine:
             # non-reentrant: works with inputs that need no grad and under ZeRO-3's parameter hooks
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
+        sparse_tied_lookup(model)
         if settings.lora.enabled:
             model = lora.apply(model, settings.lora)
         # Frozen parameters (the base weights under LoRA) get no Adam states.
         params = [p for p in model.parameters() if p.requires_grad]
+        # fused: one kernel over ZeRO's flat fp32 partition; the unfused AdamW builds partition-sized
+        # temporaries (sqrt of the second moment, the denominator) on top of the states in every step.
         optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay,
-                                      betas=settings.adam_betas, eps=settings.adam_eps)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(settings),
+                                      betas=settings.adam_betas, eps=settings.adam_eps, fused=True)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(settings, sum(p.numel() for p in params)),
                                                lr_scheduler=scheduler(settings, optimizer))
         self.ref_model: Reference | None = None
         if settings.ppo.kl_coef > 0:  # no KL term, no reference model on any rank
