@@ -163,8 +163,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             )
             weights = {**common, **signed, "server": url, "cache_dir": str(run_dir / f"weights-cache-{i}")}
             stack.start(f"weights-{i}", "services.weights", to_env("weights", deep_merge(weights, sec("weights"))))
-        # Rollout workers only once the servers answer: an episode sent to a server still loading fails.
-        await _wait_healthy(servers, stack, s.ready_timeout_s, stop)
+        # The rollout workers start beside the servers too: their start (imports, the tokenizer) overlaps
+        # the servers' model load, and each takes no prompt before a server serves (version_gate.py).
         for i in range(s.rollout_workers):
             rollout = {**common, "model_path": s.model_path, "worker": f"rollout-{i}", "inference": {"servers": servers}}
             # replicas: one dying is survivable (its prompts are redelivered); all of them is not
@@ -174,6 +174,9 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             config.write_text(json.dumps({"up": s.model_dump(), **{n: sec(n) for n in SERVICE_SECTIONS if n != "track"}}, default=str))
             track = {**common, "config_path": str(config)}
             stack.start("track", "services.track", to_env("track", deep_merge(track, sections["track"])), required=False)
+
+        # A server that dies or never loads is reported here, with its log, before the live display.
+        await _wait_healthy(servers, stack, s.ready_timeout_s, stop)
 
         target = stop_at_reward(s)
         with display:
