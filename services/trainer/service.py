@@ -11,6 +11,7 @@ import asyncio
 import functools
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,8 +36,11 @@ async def run_service(settings: TrainerSettings) -> None:
 async def run_ranks(settings: TrainerSettings, rank0: Callable[[Any, TrainEngine], Awaitable[None]]) -> None:
     """Every rank builds the engine; rank 0 runs `rank0(settings, engine)`, the others follow its
     commands. Shared by `jetrl trainer` and `jetrl replay`."""
+    t0 = time.perf_counter()
     engine = await asyncio.to_thread(TrainEngine, settings)
     bind_context(rank=engine.rank)
+    # the engine (DeepSpeed's init, the model) is most of a trainer's start: its time, for start-up reports
+    log.info("engine ready", seconds=round(time.perf_counter() - t0, 2))
     if engine.rank != 0:
         await asyncio.to_thread(follow, engine, PPOActor(engine, settings.ppo))
         dist.barrier()
