@@ -129,7 +129,8 @@ class VersionGate:
         answers = await asyncio.gather(*(self.engine.get_weight_version(s) for s in servers), return_exceptions=True)
         versions = [a for a in answers if isinstance(a, int)]
         for server, answer in zip(servers, answers, strict=True):
-            if isinstance(answer, BaseException):
+            # before any server has answered (a start beside loading servers) `wait_servable` warns instead
+            if isinstance(answer, BaseException) and self.version is not None:
                 log.info("server did not say its weight version; left out of the gate", server=server, error=repr(answer))
         if versions:
             self.version, self._read_at = min(versions), time.monotonic()
