@@ -1,13 +1,12 @@
-"""How `jetrl up` spreads its processes over this machine's cores: how many rollout worker processes,
-and how many torch intra-op threads the trainer and each inference server get. Unset settings are
-derived from the core count; a setting (or a `--config` section) always wins.
+"""How `jetrl up` spreads its processes over this machine's cores: how many torch intra-op threads the
+trainer and each inference server get (derived from the core count unless set), and how many rollout
+worker processes run (`rollout_workers`). A setting (or a `--config` section) always wins.
 
-Why these rules (docs/up.md "Processes and threads"): a rollout worker is an asyncio client that
-drives `max_concurrent` episodes at once and spends its CPU on HTTP and JSON, never on tensors, so
-on a small machine a second one only adds its start (imports, the tokenizer: ~3.5 CPU-s) and its
-scheduling to the cores the server and the trainer need. The trainer and the inference servers do the
-tensor work; the other processes (reward, weights agents, rollout workers, nats-server) stay at one
-thread each.
+Why (docs/up.md "Processes and threads", measured on 2 cores): the trainer and the inference servers
+do the tensor work and share the cores, so each gets an equal share; a second OpenMP thread per
+process on 2 cores made a step 6-10 times slower. Two rollout workers stay the default even on 2
+cores: one worker started ~2 CPU-s sooner, but its steps were slower (0.39-0.61 s against 0.37-0.42 s
+with two) and the time to 0.9 no better.
 """
 
 from __future__ import annotations
@@ -16,12 +15,6 @@ import os
 from dataclasses import dataclass
 
 from services.up.settings import UpSettings
-
-CORES_PER_ROLLOUT_WORKER = 4
-"""A rollout worker process per this many cores (at least one): one drives its episodes concurrently
-and is far from a core's worth of work at the demo's rates."""
-MAX_DERIVED_ROLLOUT_WORKERS = 2
-"""More than two is a choice for a real cluster (`rollout_workers`), not a default."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +35,6 @@ def cores() -> int:
 
 def layout(s: UpSettings, n_cores: int | None = None) -> Layout:
     n = n_cores or cores()
-    workers = s.rollout_workers or max(1, min(MAX_DERIVED_ROLLOUT_WORKERS, n // CORES_PER_ROLLOUT_WORKER))
     # The trainer and the servers share the cores; each gets an equal share, at least one thread.
     threads = s.torch_threads or max(1, n // (1 + s.inference_servers))
-    return Layout(cores=n, rollout_workers=workers, torch_threads=threads)
+    return Layout(cores=n, rollout_workers=s.rollout_workers, torch_threads=threads)

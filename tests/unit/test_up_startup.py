@@ -1,5 +1,5 @@
-"""`jetrl up`'s process layout: rollout workers and torch threads derived from the cores unless set,
-and what the layout hands each process."""
+"""`jetrl up`'s process layout: torch threads derived from the cores unless set; two rollout workers
+unless set."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from services.up.settings import UpSettings
 
 @pytest.mark.parametrize(
     ("cores", "servers", "workers", "threads"),
-    [(1, 1, 1, 1), (2, 1, 1, 1), (4, 1, 1, 2), (8, 1, 2, 4), (8, 3, 2, 2), (64, 1, 2, 32)],
+    [(1, 1, 2, 1), (2, 1, 2, 1), (4, 1, 2, 2), (8, 1, 2, 4), (8, 3, 2, 2), (64, 1, 2, 32)],
 )
 def test_unset_settings_are_derived_from_the_cores(cores: int, servers: int, workers: int, threads: int) -> None:
     shape = layout(UpSettings(inference_servers=servers), cores)
