@@ -6,7 +6,10 @@ The worker asks each of its servers (`InferenceEngine.get_weight_version`, from 
 cached; it is read again when a prompt needs more than the cache says, at once when any server of the
 run reports a load on `jetrl.<run>.weights.loaded.*`, else every `poll_s` while a prompt waits. One read
 serves every waiting prompt. A server that does not answer is left out (the engine fails over from it
-too); if none answers, prompts keep waiting. Versions only grow, except when a server restarts on
+too); if none answers, prompts keep waiting. Before it pulls its first prompt the worker waits until
+at least one server answers at all (`wait_servable`): in a deployment that starts every service at
+once, a worker is ready long before a server has loaded its model, and an episode sent meanwhile can
+only fail. Versions only grow, except when a server restarts on
 older weights: a cached answer older than `max_age_s` is read again before it lets a prompt through.
 """
 
@@ -89,6 +92,32 @@ class VersionGate:
             self.waited_s += waited
         return waited
 
+    async def wait_servable(self, stopping: asyncio.Event) -> float:
+        """Return once at least one server answers with its weight version (it has loaded a model and
+        serves), or `stopping` is set; the seconds waited. A load report wakes it at once."""
+        if not self.enabled:
+            return 0.0
+        t0 = time.monotonic()
+        warned = False
+        while not stopping.is_set():
+            self._loaded.clear()
+            await self._read()
+            if self.version is not None:
+                break
+            waited = time.monotonic() - t0
+            if not warned and waited >= self.warn_after_s:
+                warned = True
+                log.warning("no inference server serves yet; not pulling prompts", servers=list(self.engine.servers),
+                            waited_s=round(waited, 1))
+            stop = asyncio.ensure_future(stopping.wait())
+            loaded = asyncio.ensure_future(self._loaded.wait())
+            try:
+                await asyncio.wait({stop, loaded}, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+                loaded.cancel()
+        return time.monotonic() - t0
+
     async def _read(self) -> None:
         """One read of every server's version, shared by every prompt waiting meanwhile."""
         if self._reading is None or self._reading.done():
@@ -100,7 +129,8 @@ class VersionGate:
         answers = await asyncio.gather(*(self.engine.get_weight_version(s) for s in servers), return_exceptions=True)
         versions = [a for a in answers if isinstance(a, int)]
         for server, answer in zip(servers, answers, strict=True):
-            if isinstance(answer, BaseException):
+            # before any server has answered (a start beside loading servers) `wait_servable` warns instead
+            if isinstance(answer, BaseException) and self.version is not None:
                 log.info("server did not say its weight version; left out of the gate", server=server, error=repr(answer))
         if versions:
             self.version, self._read_at = min(versions), time.monotonic()

@@ -129,6 +129,13 @@ class RolloutWorker:
         await self.declare()
         if self.gate.enabled:
             await self.gate.follow_loads(self.nc, self.run_name)
+            # No prompt is taken before a server can run it: a worker started beside its servers (as
+            # compose, k8s and `jetrl up` start them) would otherwise fail its first episodes.
+            waited = await self.gate.wait_servable(stopping)
+            if stopping.is_set():
+                await self.gate.close()
+                return
+            log.info("inference servers serving", version=self.gate.version, waited_s=round(waited, 2))
         sub = await self.js.pull_subscribe_bind(self.subjects.rollout_consumer, stream=PROMPTS_STREAM)
         log.info("rollout worker pulling", consumer=self.subjects.rollout_consumer, max_deliver=self.max_deliver)
         stop_wait = asyncio.create_task(stopping.wait(), name="stop-wait")

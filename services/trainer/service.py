@@ -11,9 +11,11 @@ import asyncio
 import functools
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from services.common.bus import connect
@@ -35,8 +37,11 @@ async def run_service(settings: TrainerSettings) -> None:
 async def run_ranks(settings: TrainerSettings, rank0: Callable[[Any, TrainEngine], Awaitable[None]]) -> None:
     """Every rank builds the engine; rank 0 runs `rank0(settings, engine)`, the others follow its
     commands. Shared by `jetrl trainer` and `jetrl replay`."""
+    t0 = time.perf_counter()
     engine = await asyncio.to_thread(TrainEngine, settings)
     bind_context(rank=engine.rank)
+    # the engine (DeepSpeed's init, the model) is most of a trainer's start: its time, for start-up reports
+    log.info("engine ready", seconds=round(time.perf_counter() - t0, 2), torch_threads=torch.get_num_threads())
     if engine.rank != 0:
         await asyncio.to_thread(follow, engine, PPOActor(engine, settings.ppo))
         dist.barrier()

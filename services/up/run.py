@@ -22,6 +22,7 @@ from services.runs import URL_FILE
 from services.up import SERVICE_SECTIONS
 from services.up.curves import plot_curves
 from services.up.display import Display
+from services.up.layout import layout
 from services.up.monitor import REWARD_KEYS, RunView, watch
 from services.up.report import summary_lines, write_metrics
 from services.up.rundir import RunDirInUse, prepare_run_dir
@@ -126,6 +127,9 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         await declare_streams(nc.jetstream(), replicas=s.nats_replicas)
         await watch(nc, s.run, view)
 
+        shape = layout(s)
+        log.info("process layout", cores=shape.cores, rollout_workers=shape.rollout_workers, torch_threads=shape.torch_threads)
+        threads = {"OMP_NUM_THREADS": str(shape.torch_threads)}  # the trainer's and the servers' tensor work
         common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json"}
         sec = lambda name: deep_merge(DEMO_DEFAULTS.get(name, {}), sections.get(name, {}))  # noqa: E731
         # Ports first, so that every service is told where the servers will be before any of them is up.
@@ -149,7 +153,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         # The trainer first: its start (DeepSpeed's import and init, the model) is the longest of all and
         # needs no inference server, so it overlaps the servers' start instead of following it. Its
         # prompts wait in the PROMPTS stream until a rollout worker is up.
-        trainer_proc = stack.start("trainer", "services.trainer", to_env("trainer", deep_merge(trainer, sec("trainer"))))
+        trainer_proc = stack.start("trainer", "services.trainer", to_env("trainer", deep_merge(trainer, sec("trainer"))) | threads)
         stack.start("reward", "services.reward", to_env("reward", deep_merge(common, sec("reward"))))
         for i, url in enumerate(servers):
             port = int(url.rsplit(":", 1)[1])
@@ -158,14 +162,16 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
                 "services.inference",
                 to_env(
                     "inference",
-                    deep_merge({**common, "model_path": s.model_path, "port": port, "seed": i}, sec("inference")),
-                ),
+                    deep_merge({**common, "model_path": s.model_path, "port": port, "seed": i,
+                                "torch_threads": shape.torch_threads}, sec("inference")),
+                )
+                | threads,
             )
             weights = {**common, **signed, "server": url, "cache_dir": str(run_dir / f"weights-cache-{i}")}
             stack.start(f"weights-{i}", "services.weights", to_env("weights", deep_merge(weights, sec("weights"))))
-        # Rollout workers only once the servers answer: an episode sent to a server still loading fails.
-        await _wait_healthy(servers, stack, s.ready_timeout_s, stop)
-        for i in range(s.rollout_workers):
+        # The rollout workers start beside the servers too: their start (imports, the tokenizer) overlaps
+        # the servers' model load, and each takes no prompt before a server serves (version_gate.py).
+        for i in range(shape.rollout_workers):
             rollout = {**common, "model_path": s.model_path, "worker": f"rollout-{i}", "inference": {"servers": servers}}
             # replicas: one dying is survivable (its prompts are redelivered); all of them is not
             stack.start(f"rollout-{i}", "services.rollout", to_env("rollout", deep_merge(rollout, sec("rollout"))), required=False)
@@ -174,6 +180,9 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             config.write_text(json.dumps({"up": s.model_dump(), **{n: sec(n) for n in SERVICE_SECTIONS if n != "track"}}, default=str))
             track = {**common, "config_path": str(config)}
             stack.start("track", "services.track", to_env("track", deep_merge(track, sections["track"])), required=False)
+
+        # A server that dies or never loads is reported here, with its log, before the live display.
+        await _wait_healthy(servers, stack, s.ready_timeout_s, stop)
 
         target = stop_at_reward(s)
         with display:

@@ -25,7 +25,11 @@ class UpSettings(ServiceSettings):
     dataset_size: int = Field(4096, ge=1)
     """Number of demo prompts generated when dataset_path is empty."""
     rollout_workers: int = Field(2, ge=1, json_schema_extra=flag("--rollout-workers"))
-    """Rollout worker processes."""
+    """Rollout worker processes (two on 2 cores too: docs/up.md "Processes and threads")."""
+    torch_threads: int | None = Field(None, ge=1)
+    """torch intra-op threads (OMP_NUM_THREADS) of the trainer and of each inference server (an
+    `inference: {torch_threads}` section overrides the servers'). Unset: the cores shared equally
+    among the trainer and the servers, at least 1. Every other process runs one thread."""
     inference_servers: int = Field(1, ge=1)
     """CPU inference servers (each with its own weights agent)."""
     total_steps: int = Field(500, ge=1, json_schema_extra=flag("--steps"))

@@ -80,11 +80,13 @@ def _step_of(line: str) -> int:
     return int(line.split()[1].split("/")[0])
 
 
-def status_shows_workers(status: dict[str, Any] | None) -> bool:
+def status_shows_workers(status: dict[str, Any] | None, run_dir: Path) -> bool:
+    """Every rollout worker `jetrl up` started (as many as its layout chose: procs.json) and the trainer alive."""
     if status is None:
         return False
+    started = {("rollout", name) for name in json.loads((run_dir / "procs.json").read_text()) if name.startswith("rollout-")}
     alive = {(w["service"], w["worker"]) for w in status["bus"]["workers"] if w["alive"]}
-    return {("rollout", "rollout-0"), ("rollout", "rollout-1")} <= alive and "trainer" in {svc for svc, _ in alive}
+    return bool(started) and started <= alive and "trainer" in {svc for svc, _ in alive}
 
 
 def jetrl_status(run: str, run_dir: Path) -> dict[str, Any]:
@@ -107,7 +109,9 @@ def finish(proc: subprocess.Popen[str], timeout: float) -> str:
 
 
 # The short runs of the fault tests: a fixed eta and batch (they count steps x 16 trained prompts).
-DEMO = {"trainer": {"eta": ETA, "batch_groups": 16, "checkpoint_every": 0}, "rollout": {"ack_wait_s": 15}}
+# Two rollout workers (the default, said here because the kill test kills one and the run must go on).
+DEMO = {"up": {"rollout_workers": 2}, "trainer": {"eta": ETA, "batch_groups": 16, "checkpoint_every": 0},
+        "rollout": {"ack_wait_s": 15}}
 
 
 @pytest.mark.timeout(1500)
@@ -127,15 +131,15 @@ def test_default_up_learns_copy3_to_0_9_publishes_versions_and_leaves_nothing_be
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
-        # poll `jetrl status` on the live run until it shows both rollout workers and the trainer
-        if not status_shows_workers(status) and _step_of(line) >= 8:
+        # poll `jetrl status` on the live run until it shows every rollout worker and the trainer
+        if not status_shows_workers(status, run_dir) and _step_of(line) >= 8:
             status = jetrl_status("e2e", tmp_path)
     out = "".join(lines) + finish(proc, timeout=1400)
     assert proc.returncode == 0, out[-4000:]
 
-    # `jetrl status` on the live run: both rollout workers and the trainer alive, the server loaded
+    # `jetrl status` on the live run: every rollout worker and the trainer alive, the server loaded
     assert status is not None, out[-3000:]
-    assert status_shows_workers(status), status["bus"]["workers"]
+    assert status_shows_workers(status, run_dir), status["bus"]["workers"]
     assert status["weights"]["published_version"] >= 1
     assert status["weights"]["servers"][0]["loaded_version"] >= 1
     assert status["weights"]["servers"][0]["transport"] == "broadcast"  # the default: weights in memory

@@ -218,21 +218,31 @@ async def test_sigkilled_worker_loses_nothing_and_duplicates_nothing(
     assert (await js.stream_info(PROMPTS_STREAM)).state.messages == 0
 
 
-async def test_unreachable_inference_server_is_retried_then_rejected_with_the_error(nc: NATS, tiny_model: Path) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    engine = InferenceEngine(InferenceClientSettings(servers=[dead], max_retries=0, connect_timeout_s=0.5))
+async def test_unreachable_inference_server_is_retried_then_rejected_with_the_error(nc: NATS, tiny_model: Path, tmp_path: Path) -> None:
+    from tests.support.inference import spawn_server, wait_ready
+
+    # The server serves when the worker starts (a worker takes no prompt before that), then goes away.
+    server = await asyncio.to_thread(lambda: wait_ready(spawn_server(None, tmp_path, "simulate=true")))
+    engine = InferenceEngine(InferenceClientSettings(servers=[server.url], max_retries=0, connect_timeout_s=0.5))
     wf = RLVRWorkflow(str(tiny_model), RewardClient(nc), group_size=2)
     w = RolloutWorker(nc, RUN, wf, engine, WorkerConfig(worker="w", max_deliver=2, nak_delay_s=0.05, fetch_timeout_s=0.2))
     await w.declare()
     stopping = asyncio.Event()
     task = asyncio.create_task(w.run(stopping))
     try:
+        for _ in range(600):  # until it has seen the server serve
+            if w.gate.version is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert w.gate.version is not None, "the worker never saw its server serve"
+        await asyncio.to_thread(server.stop, signal.SIGKILL)
         await push_prompts(nc.jetstream(), 2)
         msgs = await collect(nc.jetstream(), S.trajectories, 2)
     finally:
         stopping.set()
         await asyncio.wait_for(task, 15)
         await engine.aclose()
+        server.stop(signal.SIGKILL)
     assert len(msgs) == 2 and all(is_rejection(m.headers) for m in msgs)
     reason = decode(RejectionMarker, msgs[0].data).reason
     assert "ServersUnavailableError" in reason and "attempt 2 of 2" in reason
