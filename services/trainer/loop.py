@@ -53,14 +53,18 @@ publisher may take it over."""
 
 
 class Trainer:
-    def __init__(self, settings: TrainerSettings, engine: TrainEngine, *, publish: Publish | None = None,
+    def __init__(self, settings: TrainerSettings, engine: TrainEngine | None, *, publish: Publish | None = None,
                  source: Any = None, broadcast: Any = None) -> None:
+        """`engine` None: built meanwhile (`jetrl trainer` starts the feeder and the consumer during
+        DeepSpeed's init on a fresh start); `attach_engine` before the first step."""
         self.settings = settings
         # A group source (`jetrl replay`: `collect(trainer, stopping) -> list[Group] | None`) replaces
         # the durable consumer: same steps, different origin of the groups.
         self.source = source
-        self.engine = engine
-        self.actor = PPOActor(engine, settings.ppo)
+        self._engine: TrainEngine | None = None
+        self._actor: PPOActor | None = None
+        if engine is not None:
+            self.attach_engine(engine)
         self.subjects = Subjects(settings.run)
         self.publish = publish
         self.broadcast = broadcast
@@ -84,6 +88,22 @@ class Trainer:
         self.nc: NATS | None = None
         self.metrics: MetricsPublisher | None = None
 
+    def attach_engine(self, engine: TrainEngine) -> None:
+        self._engine = engine
+        self._actor = PPOActor(engine, self.settings.ppo)
+
+    @property
+    def engine(self) -> TrainEngine:
+        if self._engine is None:
+            raise RuntimeError("the trainer's engine is not built yet: attach_engine() first")
+        return self._engine
+
+    @property
+    def actor(self) -> PPOActor:
+        if self._actor is None:
+            raise RuntimeError("the trainer's engine is not built yet: attach_engine() first")
+        return self._actor
+
     async def start(self, nc: NATS) -> None:
         """Declare streams, restore the latest checkpoint if asked, position the consumer after its
         sequence, open the feeder's subscriptions."""
@@ -93,7 +113,7 @@ class Trainer:
         await declare_streams(js)
         self.out.mkdir(parents=True, exist_ok=True)
         found = ckpt.resolve_resume(self.settings.resume, self.settings.output_dir)
-        if found is not None:
+        if found is not None:  # (the engine is needed: `jetrl trainer` builds it first when resuming)
             root, tag = found
             res = await asyncio.to_thread(
                 execute, self.engine, self.actor, scatter(self._all(Command("load", directory=str(root), tag=tag)))

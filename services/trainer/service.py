@@ -21,6 +21,7 @@ import torch.distributed as dist
 from services.common.bus import connect
 from services.common.logging import bind_context, get_logger
 from services.common.runner import Supervisor, supervise
+from services.trainer import checkpoint as ckpt
 from services.trainer.actor import PPOActor
 from services.trainer.collective import follow
 from services.trainer.engine import TrainEngine
@@ -31,27 +32,62 @@ log = get_logger("trainer")
 
 
 async def run_service(settings: TrainerSettings) -> None:
-    await run_ranks(settings, _run_rank0)
+    await run_ranks(settings, _run_rank0, early=ckpt.resolve_resume(settings.resume, settings.output_dir) is None)
 
 
-async def run_ranks(settings: TrainerSettings, rank0: Callable[[Any, TrainEngine], Awaitable[None]]) -> None:
+async def run_ranks(settings: TrainerSettings, rank0: Callable[[Any, Any], Awaitable[None]], *, early: bool = False) -> None:
     """Every rank builds the engine; rank 0 runs `rank0(settings, engine)`, the others follow its
-    commands. Shared by `jetrl trainer` and `jetrl replay`."""
+    commands. Shared by `jetrl trainer` and `jetrl replay`. `early`: rank 0 gets the engine's build
+    as a task instead and starts before it is done (a fresh start needs no engine to begin feeding)."""
+    if early:
+        _import_heavy()
+    building = asyncio.ensure_future(_build_engine(settings))
+    if early and _rank() == 0:
+        await _rank0(settings, building, rank0)
+        return
+    engine = await building
+    if engine.rank != 0:
+        await asyncio.to_thread(follow, engine, PPOActor(engine, settings.ppo))
+        dist.barrier()
+        _exit(0)
+    await _rank0(settings, engine, rank0)
+
+
+async def _build_engine(settings: TrainerSettings) -> TrainEngine:
     t0 = time.perf_counter()
     engine = await asyncio.to_thread(TrainEngine, settings)
     bind_context(rank=engine.rank)
     # the engine (DeepSpeed's init, the model) is most of a trainer's start: its time, for start-up reports
     log.info("engine ready", seconds=round(time.perf_counter() - t0, 2), torch_threads=torch.get_num_threads())
-    if engine.rank != 0:
-        await asyncio.to_thread(follow, engine, PPOActor(engine, settings.ppo))
-        dist.barrier()
-        _exit(0)
+    return engine
+
+
+def _import_heavy() -> None:
+    """DeepSpeed and transformers' auto classes, imported before the engine's thread starts: the
+    event loop's side (`model_limits`, ...) and the build would otherwise import transformers' lazy
+    modules from two threads at once, which fails ("cannot import name 'AutoConfig'")."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+
+    from services.trainer.engine import import_deepspeed
+
+    import_deepspeed()
+
+
+def _rank() -> int:
+    """This process's rank before the process group exists (torchrun's RANK; 0 alone)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+async def _rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Future[TrainEngine],
+                 rank0: Callable[[Any, Any], Awaitable[None]]) -> None:
     failed = True
     try:
         await rank0(settings, engine)
         failed = False
     finally:
-        if engine.world_size > 1:
+        built = engine if isinstance(engine, TrainEngine) else (engine.result() if engine.done() and not engine.cancelled()
+                                                                 and engine.exception() is None else None)
+        if built is not None and built.world_size > 1:
             # Ending with barrier + os._exit avoids the ZeRO-3 abort at interpreter exit
             # (docs/reference/deepspeed-cpu.md). On failure the other ranks lose rank 0 and die.
             if not failed:
@@ -59,7 +95,10 @@ async def run_ranks(settings: TrainerSettings, rank0: Callable[[Any, TrainEngine
             _exit(1 if failed else 0)
 
 
-async def _run_rank0(settings: TrainerSettings, engine: TrainEngine) -> None:
+async def _run_rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Future[TrainEngine]) -> None:
+    """`engine` still being built (a fresh start): the trainer starts (leftovers cleared, consumer and
+    feeder open, the first prompts issued) while DeepSpeed initialises, so the rollout workers generate
+    the first batch meanwhile; training starts once the engine is there."""
     from services.weights.publisher import WeightPublisher
 
     nc = await connect(settings.nats_url, f"jetrl-trainer-{settings.run}")
@@ -68,7 +107,8 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine) -> None:
                                     bus_retry_timeout_s=settings.bus_retry_timeout_s, announce_key=settings.trust.announce())
         publish = functools.partial(publisher.publish_dir, consume=True)  # the trainer hands each dir over
         broadcast = _broadcast_publisher(settings, nc, publisher)
-        trainer = Trainer(settings, engine, publish=publish if settings.publish_weights else None, broadcast=broadcast)
+        ready = engine if isinstance(engine, TrainEngine) else None
+        trainer = Trainer(settings, ready, publish=publish if settings.publish_weights else None, broadcast=broadcast)
 
         async def main(sup: Supervisor) -> None:
             if broadcast is not None:
@@ -77,7 +117,7 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine) -> None:
             sup.stack.push_async_callback(trainer.close)
             if trainer.feeder is not None:
                 sup.spawn("feeder", trainer.feeder.feed_forever(sup.stopping))
-            sup.spawn("train", _train(trainer, sup))
+            sup.spawn("train", _train(trainer, sup, None if isinstance(engine, TrainEngine) else engine))
 
         await supervise("trainer", main, settings.shutdown_timeout_s)
     finally:
@@ -102,8 +142,10 @@ def _broadcast_publisher(settings: TrainerSettings, nc: Any, disk: Any) -> Any:
                               background=b.background)
 
 
-async def _train(trainer: Trainer, sup: Supervisor) -> None:
+async def _train(trainer: Trainer, sup: Supervisor, building: asyncio.Future[TrainEngine] | None = None) -> None:
     try:
+        if building is not None:  # the feeder and the consumer are at work meanwhile
+            trainer.attach_engine(await building)
         await trainer.run(sup.stopping)
         # Only on success: after a failure inside a collective the other ranks cannot take a command;
         # rank 0 exits and they die with the broken process group.
