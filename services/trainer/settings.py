@@ -67,8 +67,9 @@ class PPOSettings(Section):
     overlong_penalty: float = Field(1.0, ge=0)
     """Size of the full overlong penalty."""
     decoupled: bool = True
-    """Decoupled objective (AReaL): recompute the proximal policy's log-probs before the update and weight
-    each token by proximal/behaviour; False is plain PPO against the behaviour log-probs."""
+    """Decoupled objective (AReaL): the ratio is to the proximal policy (the one before the update's
+    first optimizer step), each token weighted by proximal/behaviour; False is plain PPO against the
+    behaviour log-probs."""
     recompute_proximal: bool = False
     """Give every micro-batch its own no-grad forward for the proximal log-probs before the update.
     False: the first mini-batch (all of them with n_minibatches=1) reuses its training forward's
