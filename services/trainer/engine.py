@@ -185,7 +185,7 @@ class TrainEngine:
             return [packing.pack(piece)] if packed else [piece]
         groups = micro.plan(packing.lengths(piece), budget, packed=packed)
         if self.world_size > 1:
-            count = torch.tensor([len(groups)], dtype=torch.int64)
+            count = torch.tensor([len(groups)], dtype=torch.int64, device=self.device)  # NCCL reduces GPU tensors only
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
             groups = micro.widen(groups, int(count.item()))
         micros = micro.split(piece, groups)

@@ -58,7 +58,7 @@ def gather_stream(engine: Any, spec: StreamSpec, sink: BucketStream | None) -> N
         while True:
             i = sink.next_index() if sink is not None else -1
             if collective:
-                i = _follow(i)
+                i = _follow(i, engine.device)
             if i < 0:
                 return
             part = [params[j] for j in plan[i]]
@@ -77,9 +77,10 @@ def _numel(p: torch.nn.Parameter) -> int:
     return int(getattr(p, "ds_numel", p.numel()))  # a ZeRO-3 partitioned parameter is empty here
 
 
-def _follow(index: int) -> int:
-    """Rank 0's choice of the next bucket, on every rank."""
-    t = torch.tensor([index], dtype=torch.int64)
+def _follow(index: int, device: torch.device) -> int:
+    """Rank 0's choice of the next bucket, on every rank (on the engine's device: NCCL broadcasts
+    GPU tensors only)."""
+    t = torch.tensor([index], dtype=torch.int64, device=device)
     dist.broadcast(t, src=0)
     return int(t.item())
 
