@@ -14,7 +14,7 @@ import psutil
 
 from schemas.headers import is_rejection
 from schemas.trajectory import decode_group
-from tests.e2e.test_up import DEMO, _step_of, finish, read_recording, start_up
+from tests.support.up import DEMO, finish, read_recording, start_up, step_of
 
 OUTAGE_S = 60
 
@@ -37,7 +37,7 @@ def test_up_rides_out_a_60s_nats_server_outage(tmp_path: Path) -> None:
     try:
         for line in proc.stdout:
             lines.append(line)
-            if restarted is None and _step_of(line) >= 6:
+            if restarted is None and step_of(line) >= 6:
                 server = nats_server_of(run_dir)
                 cmdline = server.cmdline()
                 server.kill()

@@ -13,71 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from schemas.headers import is_rejection
-from schemas.subjects import HDR_HEAD_VERSION, TRAJECTORIES_STREAM, Subjects
+from schemas.subjects import HDR_HEAD_VERSION
 from schemas.trajectory import decode_group
-from services.common.bus import connect
-from services.runs import run_nats
-
-ROOT = Path(__file__).resolve().parents[2]
-ETA = 4
-
-
-def start_up(tmp_path: Path, run: str, steps: int | None, config: dict[str, Any]) -> subprocess.Popen[str]:
-    """`jetrl up` on a run of its own under `tmp_path`; `steps` None: its default step budget."""
-    import yaml
-
-    cfg = tmp_path / "up.yaml"
-    cfg.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    budget = [] if steps is None else [f"total_steps={steps}"]
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.up", "--config", str(cfg), f"run={run}", f"run_dir={tmp_path}",
-         *budget, "display=lines", "model_path=" + str(tmp_path / "model")],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-
-
-def processes_of(run_dir: Path) -> list[psutil.Process]:
-    """Every live process of runs under `run_dir` (jetrl up marks them, children included, with JETRL_RUN_DIR)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            env = proc.environ()
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-        if env.get("JETRL_RUN_DIR", "").startswith(str(run_dir)):
-            found.append(proc)
-    return found
-
-
-async def read_recording(run_dir: Path, run: str) -> list[tuple[dict[str, str], bytes]]:
-    with run_nats(run_dir) as url:
-        nc = await connect(url, "e2e-check", connect_timeout_s=10)
-        js = nc.jetstream()
-        last = (await js.stream_info(TRAJECTORIES_STREAM)).state.last_seq
-        sub = await js.subscribe(Subjects(run).trajectories, ordered_consumer=True, stream=TRAJECTORIES_STREAM)
-        out = []
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=3)
-            except Exception:
-                break
-            out.append((msg.headers or {}, msg.data))
-            if msg.metadata.sequence.stream >= last:
-                break
-        await nc.close()
-        return out
-
-
-def _step_of(line: str) -> int:
-    """The trainer step of a `jetrl up` progress line ("step 12/150 ..."), else -1."""
-    if not line.startswith("step "):
-        return -1
-    return int(line.split()[1].split("/")[0])
+from tests.support.up import DEMO, ROOT, finish, processes_of, read_recording, start_up, step_of
 
 
 def status_shows_workers(status: dict[str, Any] | None, run_dir: Path) -> bool:
@@ -98,22 +39,6 @@ def jetrl_status(run: str, run_dir: Path) -> dict[str, Any]:
     return json.loads(out.stdout)
 
 
-def finish(proc: subprocess.Popen[str], timeout: float) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"jetrl up did not finish within {timeout}s:\n{out[-4000:]}")
-    return out
-
-
-# The short runs of the fault tests: a fixed eta and batch (they count steps x 16 trained prompts).
-# Two rollout workers (the default, said here because the kill test kills one and the run must go on).
-DEMO = {"up": {"rollout_workers": 2}, "trainer": {"eta": ETA, "batch_groups": 16, "checkpoint_every": 0},
-        "rollout": {"ack_wait_s": 15}}
-
-
 @pytest.mark.timeout(1500)
 def test_default_up_learns_copy3_to_0_9_publishes_versions_and_leaves_nothing_behind(tmp_path: Path) -> None:
     """`jetrl up` as a new user runs it: every setting at its default (the step budget, the batch, eta,
@@ -132,7 +57,7 @@ def test_default_up_learns_copy3_to_0_9_publishes_versions_and_leaves_nothing_be
     for line in proc.stdout:
         lines.append(line)
         # poll `jetrl status` on the live run until it shows every rollout worker and the trainer
-        if not status_shows_workers(status, run_dir) and _step_of(line) >= 8:
+        if not status_shows_workers(status, run_dir) and step_of(line) >= 8:
             status = jetrl_status("e2e", tmp_path)
     out = "".join(lines) + finish(proc, timeout=1400)
     assert proc.returncode == 0, out[-4000:]
@@ -189,7 +114,7 @@ def test_up_survives_a_rollout_worker_killed_mid_run(tmp_path: Path) -> None:
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if not killed and _step_of(line) >= 3:
+        if not killed and step_of(line) >= 3:
             pids = json.loads((run_dir / "procs.json").read_text())
             os.kill(pids["rollout-0"], signal.SIGKILL)
             killed = True

@@ -18,7 +18,7 @@ from schemas.trajectory import decode_group
 from services.common.bus import connect
 from services.common.nats_cluster import NatsCluster
 from services.common.nats_server import NatsServer
-from tests.e2e.test_up import DEMO, _step_of, finish, start_up
+from tests.support.up import DEMO, finish, start_up, step_of
 
 RUN = "e2e-cluster"
 STEPS = 16
@@ -70,7 +70,7 @@ def test_up_on_a_three_node_cluster_survives_losing_the_stream_leaders(tmp_path:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            step = _step_of(line)
+            step = step_of(line)
             if down is None and plan and step >= plan[0][0]:
                 stream = plan.pop(0)[1]
                 name = asyncio.run(leaders(cluster.url))[stream]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.e2e.test_up import DEMO, _step_of, finish, processes_of, start_up
+from tests.support.up import DEMO, finish, processes_of, start_up, step_of
 
 
 def _listeners(procs: list[psutil.Process]) -> dict[str, list[str]]:
@@ -37,7 +37,7 @@ def test_every_listener_of_jetrl_up_is_on_loopback(tmp_path: Path) -> None:
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if _step_of(line) >= 3 and not seen:  # the whole stack is up and has trained and published
+        if step_of(line) >= 3 and not seen:  # the whole stack is up and has trained and published
             family = {p.pid: p for p in [*processes_of(tmp_path), *psutil.Process(proc.pid).children(recursive=True)]}
             seen = _listeners(list(family.values()))
     out = "".join(lines) + finish(proc, timeout=600)

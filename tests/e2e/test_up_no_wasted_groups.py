@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_up import _step_of, finish, start_up
+from tests.support.up import finish, start_up, step_of
 
 STEPS = 14
 STALL_AT_STEP = 4
@@ -38,7 +38,7 @@ def test_eta0_wastes_under_2_percent_and_drops_no_row_when_an_agent_stalls(tmp_p
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
-        if not stalled and _step_of(line) >= STALL_AT_STEP:
+        if not stalled and step_of(line) >= STALL_AT_STEP:
             stalled = True
             agent = json.loads((run_dir / "procs.json").read_text())["weights-0"]
             os.kill(agent, signal.SIGSTOP)  # the agent hears no announcement meanwhile

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import nats
 import pytest
@@ -20,43 +19,15 @@ import pytest
 from schemas.headers import prompt_headers
 from schemas.messages import PromptTask, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
-from services.bus.secrets import new_password
 from services.common.bus import connect, publish_acked
 from services.common.nats_auth import NatsAuth
 from services.common.nats_server import NatsServer
-from services.common.permissions import ADMIN, authorization_block, users
-from tests.e2e.test_up import ROOT, finish, start_up
-from tests.integration.test_nats_auth import make_pki
+from services.common.permissions import authorization_block
+from tests.support.bus_users import as_user, bus_init, make_pki, write_secrets
+from tests.support.up import ROOT, finish, start_up
 
 RUN = "perm"
 STEPS = 4
-
-
-def write_secrets(root: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """A random password per user, each in its own file; returns (passwords, files)."""
-    root.mkdir(parents=True, exist_ok=True)
-    passwords = {u: new_password() for u in users()}
-    files = {}
-    for user, pw in passwords.items():
-        path = root / user
-        path.write_text(pw + "\n")
-        files[user] = str(path)
-    return passwords, files
-
-
-def as_user(files: dict[str, str], user: str, ca: Path | None = None) -> dict[str, Any]:
-    """A service section running as `user` (over TLS when `ca` is given), declaring nothing."""
-    auth = {"user": user, "password_file": files[user], **({"tls_ca_file": str(ca)} if ca else {})}
-    return {"nats_auth": auth, "bus_declare": False}
-
-
-def bus_init(url: str, files: dict[str, str], ca: Path | None = None) -> subprocess.CompletedProcess[str]:
-    tls = [f"nats_auth.tls_ca_file={ca}"] if ca else []
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", "bus", "init", f"run={RUN}", f"nats_url={url}",
-         f"nats_auth.user={ADMIN}", f"nats_auth.password_file={files[ADMIN]}", *tls, "connect_timeout_s=10"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
-    )
 
 
 async def push_prompts(url: str, password_file: str, n: int, ca: Path) -> None:

@@ -231,7 +231,7 @@ async def test_rollout_worker_process_trains_on_the_example_agent(
     from schemas.headers import is_rejection
     from schemas.trajectory import decode_group
     from services.common.bus import declare_streams
-    from tests.integration.test_rollout_worker import RUN, S, collect, push_prompts
+    from tests.support.rollout import RUN, S, collect, push_prompts
 
     section = yaml.safe_load((ROOT / "examples" / "agent_tool_use.yaml").read_text())["rollout"]
     section.update(run=RUN, nats_url=nats_url, model_path=str(tiny_model), group_size=2, worker="agent-w",

@@ -20,7 +20,7 @@ from services.common.nats_auth import NatsAuth
 from services.common.nats_server import NatsServer, find_binary
 from services.common.permissions import authorization_block, password_env
 from services.weights.objstore import open_bucket
-from tests.e2e.test_up_permissions import ROOT, write_secrets
+from tests.support.bus_users import ROOT, write_secrets
 
 RUN = "init"
 

@@ -17,6 +17,7 @@ import pytest
 from services.common.bus import connect
 from services.common.nats_auth import NatsAuth
 from services.common.nats_server import NatsServer
+from tests.support.bus_users import make_pki
 
 REPO = Path(__file__).resolve().parents[2]
 USERS = """
@@ -27,23 +28,6 @@ authorization {
   ]
 }
 """
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def make_pki(d: Path) -> dict[str, Path]:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, all signed by the CA."""
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=jetrl-test-ca", cwd=d)
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for who in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN={who}", cwd=d)
-        extra = ["-extfile", "san.cnf"] if who == "server" else []
-        _openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{who}.pem", "-days", "2", *extra, cwd=d)
-    return {name: d / name for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
 
 
 @pytest.fixture

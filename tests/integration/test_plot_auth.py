@@ -17,7 +17,7 @@ from services.common.bus import connect, publish_acked
 from services.common.nats_auth import NatsAuth
 from services.common.nats_server import NatsServer
 from services.common.permissions import authorization_block
-from tests.e2e.test_up_permissions import ROOT, bus_init, write_secrets
+from tests.support.bus_users import ROOT, bus_init, write_secrets
 
 RUN = "plotted"
 

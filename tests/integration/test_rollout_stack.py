@@ -32,7 +32,7 @@ from services.rollout.engine import InferenceClientSettings, InferenceEngine
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflows.multi_turn import MultiTurnWorkflow
 from services.rollout.workflows.rlvr import RLVRWorkflow
-from tests.integration.test_rollout_worker import RUN, collect, push_prompts
+from tests.support.rollout import RUN, collect, push_prompts
 from tests.support.waiting import wait_http_ok
 
 S = Subjects(RUN)

@@ -23,8 +23,8 @@ from services.common.bus import declare_streams
 from services.rollout.engine import InferenceClientSettings, InferenceEngine, ModelRequest
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflow import RolloutWorkflow
-from tests.integration.test_rollout_worker import RUN, collect
 from tests.support.inference import spawn_server, wait_ready
+from tests.support.rollout import RUN, collect
 
 S = Subjects(RUN)
 ACK_WAIT_S = 1.0

@@ -11,11 +11,10 @@ from typing import Any
 import msgpack
 import nats
 import pytest
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from schemas.headers import is_rejection
-from schemas.messages import MetricsEvent, PromptTask, RejectionMarker, decode, encode
-from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
+from schemas.messages import MetricsEvent, PromptTask, RejectionMarker, decode
+from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM
 from schemas.trajectory import decode_group
 from services.common.bus import declare_streams
 from services.common.metrics import MetricsPublisher
@@ -23,9 +22,7 @@ from services.rollout.engine import BadRequestError
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflow import RolloutWorkflow, workflow_context
 from services.rollout.workflows.synthetic import SyntheticWorkflow
-
-RUN = "rt"
-S = Subjects(RUN)
+from tests.support.rollout import RUN, S, collect, push_prompts
 
 
 class CountingWorkflow(SyntheticWorkflow):
@@ -41,39 +38,6 @@ class CountingWorkflow(SyntheticWorkflow):
         self.starts[task_id] = self.starts.get(task_id, 0) + 1
         self.scopes[task_id] = workflow_context.stat_scope()
         return await super().arun_episode(engine, data)
-
-
-async def push_prompts(js: Any, n: int, *, subject: str = S.prompts_train, prefix: str = "p") -> list[str]:
-    ids = []
-    for i in range(n):
-        pid = f"{prefix}{i}"
-        task = PromptTask(run=RUN, prompt_id=pid, data={"id": pid, "prompt": f"{i:03d}=", "answer": f"{i:03d}"})
-        await js.publish(subject, encode(task), headers={"Nats-Msg-Id": f"{RUN}/prompt/{pid}"})
-        ids.append(pid)
-    return ids
-
-
-async def collect(js: Any, subject: str, n: int, timeout_s: float = 20.0) -> list[Any]:
-    """Read `n` messages from the TRAJECTORIES stream on `subject` (as the trainer's consumer would),
-    then check for a little longer that nothing more arrives."""
-    sub = await js.pull_subscribe(
-        subject, durable=None, stream=TRAJECTORIES_STREAM, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
-    )
-    got: list[Any] = []
-    deadline = asyncio.get_running_loop().time() + timeout_s
-
-
-    async def fetch(batch: int) -> None:
-        with contextlib.suppress(asyncio.TimeoutError, nats.errors.TimeoutError):
-            for m in await sub.fetch(batch, timeout=0.3):
-                await m.ack()  # at once: an unacked message would come back after ack_wait
-                got.append(m)
-
-    while len(got) < n and asyncio.get_running_loop().time() < deadline:
-        await fetch(n - len(got))
-    await fetch(10)
-    await sub.unsubscribe()
-    return got
 
 
 @contextlib.asynccontextmanager

@@ -30,8 +30,8 @@ from services.rollout.versions import CheckedWorkflow
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow
 from tests.integration.test_rollout_stack import inference
-from tests.integration.test_rollout_worker import collect
 from tests.seed_workflows.rewards import copy3_reward_fn
+from tests.support.rollout import collect
 
 RUN = "seeds"
 S = Subjects(RUN)

@@ -20,8 +20,8 @@ from services.trainer.batch import collate, shard
 from services.trainer.collective import Command, execute
 from services.trainer.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
-from tests.e2e.test_up import finish, processes_of, start_up
 from tests.support.trainer import make_group
+from tests.support.up import finish, processes_of, start_up
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,6 @@ from services.trainer.actor import PPOActor
 from services.trainer.batch import collate, shard
 from services.trainer.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
-from tests.integration.test_trainer_microbatch import _groups
 from tests.support.inference import free_port
 from tests.support.trainer import (
     SERVICE_RUN,
@@ -33,6 +32,7 @@ from tests.support.trainer import (
     until,
     write_dataset,
 )
+from tests.support.updates import uneven_groups
 from tests.support.weights import process, wait_healthy
 
 LORA = {"enabled": True, "rank": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}
@@ -60,7 +60,7 @@ def test_only_the_adapters_train_and_the_merged_weights_are_published(tiny_model
     assert before.keys() == base.keys() and all(torch.equal(before[n], base[n]) for n in base)  # B starts at 0
 
     for _ in range(2):
-        stats = actor.ppo_update(shard(actor.compute_advantages(collate(_groups(tiny_model))), 1, 1)[0])
+        stats = actor.ppo_update(shard(actor.compute_advantages(collate(uneven_groups(tiny_model))), 1, 1)[0])
     assert stats["kl"] > 0  # the reference (adapters off) differs from the trained model now
 
     after = engine.full_state_dict() or {}

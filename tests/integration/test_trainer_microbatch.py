@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,72 +16,24 @@ from services.trainer.batch import collate, shard
 from services.trainer.engine import TrainEngine
 from services.trainer.schedule import lr_factor
 from services.trainer.settings import TrainerSettings
-from tests.support.trainer import make_group
-
-
-def _groups(model: Path) -> list[dict[str, np.ndarray]]:
-    groups = [make_group(model, d, group_size=4, seed=i) for i, d in enumerate(["123", "405", "777"])]
-    for i, g in enumerate(groups):
-        g["logprobs"] = (g["logprobs"] * (1.0 + 0.1 * (i + 1))).astype("float32")  # the decoupled weight matters
-        # uneven lengths, so micro-batches trim different amounts of padding
-        g["attention_mask"][i, -i - 1 :] = 0
-        g["loss_mask"][i, -i - 1 :] = 0
-    return groups
-
-
-def _train(model: Path, **settings: Any) -> tuple[dict[str, float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor], int]:
-    """(stats, grads before each optimizer step, weights after, forward passes) of one update."""
-    from deepspeed.utils import safe_get_full_grad
-
-    ppo = {"n_minibatches": 2, "kl_coef": 0.01, **settings.pop("ppo", {})}
-    s = TrainerSettings(model_path=str(model), seed=0, ppo=ppo, **settings)
-    engine = TrainEngine(s)
-    actor = PPOActor(engine, s.ppo)
-    grads: list[dict[str, torch.Tensor]] = []
-    passes = [0]
-    step, forward = engine.engine.step, engine.engine.forward
-
-    def probed_step() -> None:  # read the accumulated gradients the optimizer is about to use
-        grads.append({n: safe_get_full_grad(p).detach().clone() for n, p in engine.engine.module.named_parameters()})
-        step()
-
-    def counted_forward(*args: Any, **kwargs: Any) -> Any:
-        passes[0] += 1
-        return forward(*args, **kwargs)
-
-    engine.engine.step, engine.engine.forward = probed_step, counted_forward
-    batch = actor.compute_advantages(collate(_groups(model)))
-    stats = actor.ppo_update(shard(batch, 1, 2)[0])
-    weights = engine.full_state_dict() or {}
-    return stats, grads, weights, passes[0]
-
-
-def _assert_same(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
-    for key in ("loss", "pg_loss", "entropy", "kl", "train_tokens", "clip_fraction", "imp_weight_mean"):
-        assert a[0][key] == pytest.approx(b[0][key], abs=1e-5), key
-    assert len(a[1]) == len(b[1]) == 2
-    for ga, gb in zip(a[1], b[1], strict=True):
-        for name in ga:
-            assert torch.allclose(ga[name], gb[name], atol=1e-5), name
-    for name in a[2]:
-        assert torch.allclose(a[2][name], b[2][name], atol=1e-5), name
+from tests.support.updates import assert_same_update, one_update, uneven_groups
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_micro_batches_by_token_budget_give_the_one_pass_loss_gradients_and_weights(tiny_model: Path, stage: int) -> None:
-    one = _train(tiny_model, zero_stage=stage)
+    one = one_update(tiny_model, zero_stage=stage)
     # ~8 tokens per row: a budget of 20 cuts each 6-row mini-batch piece into 3 micro-batches of 2 rows
-    micro = _train(tiny_model, zero_stage=stage, max_tokens_per_microbatch=20)
-    _assert_same(one, micro)
+    micro = one_update(tiny_model, zero_stage=stage, max_tokens_per_microbatch=20)
+    assert_same_update(one, micro)
     assert micro[3] > one[3]  # the budget really cut the mini-batches: more forward passes
     assert any(g.abs().max() > 0 for g in one[1][0].values())
 
 
 @pytest.mark.timeout(300)
 def test_chunked_logp_and_gradient_checkpointing_leave_the_update_unchanged(tiny_model: Path) -> None:
-    plain = _train(tiny_model)
-    _assert_same(plain, _train(tiny_model, logp_chunk_tokens=5, gradient_checkpointing=True, max_tokens_per_microbatch=30))
+    plain = one_update(tiny_model)
+    assert_same_update(plain, one_update(tiny_model, logp_chunk_tokens=5, gradient_checkpointing=True, max_tokens_per_microbatch=30))
 
 
 @pytest.mark.timeout(300)
@@ -93,7 +43,7 @@ def test_the_lr_schedule_is_followed_step_by_step(tiny_model: Path, schedule: st
                         lr_decay_steps=6, lr_min_ratio=0.1, ppo={"n_minibatches": 1})
     engine = TrainEngine(s)
     actor = PPOActor(engine, s.ppo)
-    batch = actor.compute_advantages(collate(_groups(tiny_model)))
+    batch = actor.compute_advantages(collate(uneven_groups(tiny_model)))
     seen = []
     for _ in range(8):  # 8 optimizer steps (updates of one mini-batch), past the decay's end
         seen.append(engine.lr())

@@ -14,7 +14,7 @@ from services.trainer.actor import PPOActor
 from services.trainer.batch import collate, shard, to_tensors
 from services.trainer.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
-from tests.integration.test_trainer_microbatch import _assert_same, _groups, _train
+from tests.support.updates import assert_same_update, one_update, uneven_groups
 
 
 @pytest.mark.timeout(300)
@@ -22,7 +22,7 @@ def test_packed_and_padded_batches_give_the_same_logprobs_and_no_padding_is_comp
     s = TrainerSettings(model_path=str(tiny_model), pack_sequences=True, max_tokens_per_microbatch=24)
     engine = TrainEngine(s)
     actor = PPOActor(engine, s.ppo)
-    piece = to_tensors(shard(actor.compute_advantages(collate(_groups(tiny_model))), 1, 1)[0][0])
+    piece = to_tensors(shard(actor.compute_advantages(collate(uneven_groups(tiny_model))), 1, 1)[0][0])
     seen: list[dict[str, Any]] = []
     forward = engine.engine.forward
 
@@ -47,9 +47,9 @@ def test_packed_and_padded_batches_give_the_same_logprobs_and_no_padding_is_comp
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("stage", "budget"), [(2, 0), (2, 20), (3, 20)])
 def test_a_packed_update_gives_the_padded_loss_gradients_and_weights(tiny_model: Path, stage: int, budget: int) -> None:
-    padded = _train(tiny_model, zero_stage=stage)
-    packed = _train(tiny_model, zero_stage=stage, pack_sequences=True, max_tokens_per_microbatch=budget,
+    padded = one_update(tiny_model, zero_stage=stage)
+    packed = one_update(tiny_model, zero_stage=stage, pack_sequences=True, max_tokens_per_microbatch=budget,
                     logp_chunk_tokens=7, ppo={"loss_agg": "seq-mean-token-mean"} if budget else {})
     if budget:  # sequence-level aggregation too: the loss sees the padded layout
-        padded = _train(tiny_model, zero_stage=stage, ppo={"loss_agg": "seq-mean-token-mean"})
-    _assert_same(padded, packed)
+        padded = one_update(tiny_model, zero_stage=stage, ppo={"loss_agg": "seq-mean-token-mean"})
+    assert_same_update(padded, packed)

@@ -19,7 +19,7 @@ from services.trainer.actor import PPOActor
 from services.trainer.batch import collate, shard, to_tensors
 from services.trainer.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
-from tests.integration.test_trainer_microbatch import _groups
+from tests.support.updates import uneven_groups
 
 Update = tuple[dict[str, float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor], int, list[int]]
 
@@ -43,7 +43,7 @@ def _update(model: Path, *, n_minibatches: int, recompute: bool, **settings: Any
     engine.engine.step = probed_step
     calls = [0]
     engine.engine.module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    pieces = shard(actor.compute_advantages(collate(_groups(model))), 1, n_minibatches)[0]
+    pieces = shard(actor.compute_advantages(collate(uneven_groups(model))), 1, n_minibatches)[0]
     micros = [len(engine.micro_batches(to_tensors(p))) for p in pieces]  # no model call
     stats = actor.ppo_update(pieces)
     return stats, grads, engine.full_state_dict() or {}, calls[0], micros

@@ -15,7 +15,7 @@ from services.trainer.batch import collate, shard, to_tensors
 from services.trainer.engine import TrainEngine
 from services.trainer.ppo import entropy_from_logits, logp_from_logits, ppo_token_loss
 from services.trainer.settings import TrainerSettings
-from tests.integration.test_trainer_microbatch import _groups
+from tests.support.updates import uneven_groups
 
 
 def _by_hand(model: Path, piece: dict[str, torch.Tensor], *, decoupled: bool) -> dict[str, float]:
@@ -47,7 +47,7 @@ def test_update_stats_are_the_hand_computed_ones(tiny_model: Path, decoupled: bo
                         ppo={"decoupled": decoupled, "entropy_coef": 0.03, "eps_clip": 0.2, "behav_imp_weight_cap": 2.0})
     engine = TrainEngine(s)
     actor = PPOActor(engine, s.ppo)
-    pieces = shard(actor.compute_advantages(collate(_groups(tiny_model))), 1, 1)[0]
+    pieces = shard(actor.compute_advantages(collate(uneven_groups(tiny_model))), 1, 1)[0]
     expected = _by_hand(tiny_model, to_tensors(pieces[0]), decoupled=decoupled)
     if budget:
         assert len(engine.micro_batches(to_tensors(pieces[0]))) > 1

@@ -13,14 +13,14 @@ from services.trainer.actor import PPOActor
 from services.trainer.batch import collate, shard
 from services.trainer.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
-from tests.integration.test_trainer_microbatch import _groups
+from tests.support.updates import uneven_groups
 
 
 def _update(tiny_model: Path, placement: str) -> tuple[TrainEngine, dict[str, float]]:
     s = TrainerSettings(model_path=str(tiny_model), seed=0, reference_placement=placement, ppo={"kl_coef": 0.1})
     engine = TrainEngine(s)
     actor = PPOActor(engine, s.ppo)
-    batch = actor.compute_advantages(collate(_groups(tiny_model)))
+    batch = actor.compute_advantages(collate(uneven_groups(tiny_model)))
     for _ in range(2):  # the second update sees a policy that moved away from the reference
         stats = actor.ppo_update(shard(batch, 1, 1)[0])
     return engine, stats

@@ -24,8 +24,8 @@ from services.common.bus import declare_streams
 from services.rollout.engine import InferenceClientSettings, InferenceEngine
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from tests.integration.test_rollout_version_gate import OneSample
-from tests.integration.test_rollout_worker import RUN, collect
 from tests.support.inference import ServerProcess, free_port, wait_ready
+from tests.support.rollout import RUN, collect
 
 S = Subjects(RUN)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_up import finish, processes_of, start_up
+from tests.support.up import finish, processes_of, start_up
 
 
 def events(log: Path, name: str) -> list[dict]:
