@@ -368,16 +368,21 @@ class InferenceEngine:
 
     async def _read_version(self, server: str) -> tuple[int, ...] | None:
         version = None
+        busy = False
         for path in ("/server_info", "/get_server_info"):  # /server_info is the newer name
             status, body, _ = await self._get(server + path)
             if status == 200 and isinstance(body, dict):
                 version = parse_server_version(body.get("version"))
                 break
+            busy = busy or status >= 500
         try:
             check_server_version(server, version)
         except ProtocolError as exc:
             raise InferenceError(str(exc)) from exc
-        self._versions[server] = version
+        # "No version" is remembered only from a server that answered without one (a router); one
+        # still loading (503) is asked again next time, or its version would never be checked.
+        if version is not None or not busy:
+            self._versions[server] = version
         return version
 
     async def model_info(self, server: str) -> dict[str, Any]:
