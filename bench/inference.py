@@ -22,7 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from services.rollout.engine import InferenceClientSettings, InferenceEngine, ModelRequest
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import InferenceEngine, ModelRequest
 
 LEVELS = (1, 4, 16, 64)
 

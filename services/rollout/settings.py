@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from pydantic import Field, model_validator
 
 from services.common.settings import ServiceSettings
-from services.rollout.engine import InferenceClientSettings
+from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.gconfig import GenerationHyperparameters
 
 

@@ -26,13 +26,8 @@ import pytest
 from bench.async_speedup import requests_in_server
 from services.inference.server import InferenceServer
 from services.inference.settings import InferenceSettings
-from services.rollout.engine import (
-    BadRequestError,
-    InferenceClientSettings,
-    InferenceEngine,
-    ModelRequest,
-    WeightUpdateMeta,
-)
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import BadRequestError, InferenceEngine, ModelRequest, WeightUpdateMeta
 from services.rollout.sglang_protocol import MIN_VERSION, MODEL_INFO, parse_server_version
 from services.weights.server_client import ServerClient, readiness_urls
 from tests.contract import sglang_pkg

@@ -10,7 +10,8 @@ import pytest
 from aiohttp import web
 
 from services.common.nats_server import free_port
-from services.rollout.engine import InferenceClientSettings, InferenceEngine, InferenceError
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import InferenceEngine, InferenceError
 
 
 @pytest.fixture

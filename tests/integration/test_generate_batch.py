@@ -14,13 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.rollout.engine import (
-    BadRequestError,
-    InferenceClientSettings,
-    InferenceEngine,
-    ModelRequest,
-    ModelResponse,
-)
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import BadRequestError, InferenceEngine, ModelRequest, ModelResponse
 from tests.support.inference import ServerProcess, free_port, running_servers
 
 PROMPT = [1, 5, 6, 7, 13]

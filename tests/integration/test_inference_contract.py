@@ -17,13 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.rollout.engine import (
-    BadRequestError,
-    InferenceClientSettings,
-    InferenceEngine,
-    ModelRequest,
-    WeightUpdateMeta,
-)
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import BadRequestError, InferenceEngine, ModelRequest, WeightUpdateMeta
 from tests.support.inference import reference_logprobs, running_servers
 
 PROMPTS = [[1, 5, 6, 7, 13], [1, 9, 13], [1, 4, 4, 4, 4, 4, 4, 13], [1, 20, 21, 22, 23, 13], [1, 8], [1, 7, 7, 13]]

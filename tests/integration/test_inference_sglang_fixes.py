@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from services.common.health import http_check
-from services.rollout.engine import InferenceClientSettings, InferenceEngine, InferenceError, ModelRequest
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import InferenceEngine, InferenceError, ModelRequest
 from services.weights.server_client import READY_POLL_TIMEOUT_S, ServerClient, ServerError, readiness_urls
 from tests.support.inference import ServerProcess, running_servers
 

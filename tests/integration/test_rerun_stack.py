@@ -22,7 +22,8 @@ from structlog.testing import capture_logs
 from schemas.subjects import TRAJECTORIES_STREAM
 from schemas.trajectory import decode_group
 from services.common.nats_server import free_port
-from services.rollout.engine import InferenceClientSettings, InferenceEngine
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import InferenceEngine
 from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker, WorkerConfig

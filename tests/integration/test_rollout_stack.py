@@ -27,8 +27,9 @@ from services.common.nats_server import free_port
 from services.reward.client import RewardClient
 from services.reward.service import RewardService
 from services.reward.settings import RewardSettings
+from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.dump import TrajectoryDumper
-from services.rollout.engine import InferenceClientSettings, InferenceEngine
+from services.rollout.engine import InferenceEngine
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflows.multi_turn import MultiTurnWorkflow
 from services.rollout.workflows.rlvr import RLVRWorkflow

@@ -20,7 +20,8 @@ from schemas.messages import PromptTask, WeightsLoaded, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from schemas.trajectory import decode_group
 from services.common.bus import declare_streams
-from services.rollout.engine import InferenceClientSettings, InferenceEngine, ModelRequest
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import InferenceEngine, ModelRequest
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflow import RolloutWorkflow
 from tests.support.inference import spawn_server, wait_ready

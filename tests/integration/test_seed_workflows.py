@@ -23,7 +23,8 @@ from schemas.messages import PromptTask, RejectionMarker, decode, encode
 from schemas.subjects import Subjects
 from schemas.trajectory import decode_group
 from services.common.demo_task import make_copy3_rows
-from services.rollout.engine import InferenceClientSettings, InferenceEngine, WeightUpdateMeta
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import InferenceEngine, WeightUpdateMeta
 from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.rollout.versions import CheckedWorkflow

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from services.common.nats_server import free_port
-from services.rollout.engine import InferenceClientSettings, InferenceEngine, ModelRequest
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import InferenceEngine, ModelRequest
 from services.weights.server_client import ServerClient, ServerError
 from tests.support.weights import ROOT, make_version, process, wait_healthy
 

@@ -21,7 +21,8 @@ from schemas.messages import PromptTask, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from schemas.trajectory import decode_group
 from services.common.bus import declare_streams
-from services.rollout.engine import InferenceClientSettings, InferenceEngine
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import InferenceEngine
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from tests.integration.test_rollout_version_gate import OneSample
 from tests.support.inference import ServerProcess, free_port, wait_ready

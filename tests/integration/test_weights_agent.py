@@ -15,7 +15,8 @@ import pytest
 from schemas.messages import WeightFile, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode, encode
 from schemas.subjects import WEIGHT_SYNC_STREAM, WEIGHTS_BUCKET, Subjects
 from services.common.nats_server import free_port
-from services.rollout.engine import InferenceClientSettings, InferenceEngine, ModelRequest
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import InferenceEngine, ModelRequest
 from services.status.weights import weights_status
 from services.weights import objstore
 from services.weights.files import object_uri

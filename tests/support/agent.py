@@ -22,7 +22,8 @@ import pytest
 from services.common.nats_server import free_port
 from services.rollout.agent.proxy import AgentProxy, SamplingDefaults
 from services.rollout.agent.server import ProxyServer
-from services.rollout.engine import InferenceClientSettings, InferenceEngine, ModelRequest, ModelResponse
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import InferenceEngine, ModelRequest, ModelResponse
 from tests.support.waiting import wait_http_ok
 
 ROOT = Path(__file__).resolve().parents[2]
