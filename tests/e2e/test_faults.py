@@ -15,6 +15,7 @@ import psutil
 from schemas.headers import is_rejection
 from schemas.trajectory import decode_group
 from tests.support.up import DEMO, finish, read_recording, start_up, step_of
+from tests.support.waiting import wait_until
 
 OUTAGE_S = 60
 
@@ -42,10 +43,7 @@ def test_up_rides_out_a_60s_nats_server_outage(tmp_path: Path) -> None:
                 cmdline = server.cmdline()
                 server.kill()
                 # the zombie stays until `jetrl up` reaps it; dead is enough (its port is free)
-                for _ in range(200):
-                    if not server.is_running() or server.status() == psutil.STATUS_ZOMBIE:
-                        break
-                    time.sleep(0.05)  # polling the process state
+                wait_until("the killed nats-server to be gone", lambda s=server: _dead(s), timeout_s=10)
                 time.sleep(OUTAGE_S)  # the fault itself: the bus stays away this long
                 restarted = subprocess.Popen(cmdline, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         out = "".join(lines) + finish(proc, timeout=900)
@@ -70,3 +68,10 @@ def test_up_rides_out_a_60s_nats_server_outage(tmp_path: Path) -> None:
     # no dataset row given up on, no group lost: the trainer's own counters at its last step
     last = json.loads((run_dir / "metrics.json").read_text())["steps"][-1]
     assert last["feeder_dropped"] == 0, {k: v for k, v in last.items() if k.startswith("feeder_")}
+
+
+def _dead(proc: psutil.Process) -> bool:
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

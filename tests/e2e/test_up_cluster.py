@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from services.common.bus import connect
 from services.common.nats_cluster import NatsCluster
 from services.common.nats_server import NatsServer
 from tests.support.up import DEMO, finish, start_up, step_of
+from tests.support.waiting import wait_until
 
 RUN = "e2e-cluster"
 STEPS = 16
@@ -93,13 +93,9 @@ def test_up_on_a_three_node_cluster_survives_losing_the_stream_leaders(tmp_path:
         last = json.loads((run_dir / "metrics.json").read_text())["steps"][-1]
         assert last["feeder_dropped"] == 0
 
-        deadline = time.monotonic() + 120
-        while True:
-            recorded, current = asyncio.run(recorded_and_current(cluster.url))
-            if current or time.monotonic() > deadline:
-                break
-            time.sleep(1)  # polling the stream's replica state
-        assert current, "a restarted node did not catch up"
+        wait_until("the restarted node to catch up on the stream", lambda: asyncio.run(recorded_and_current(cluster.url))[1],
+                   timeout_s=120, interval_s=1)
+        recorded, _ = asyncio.run(recorded_and_current(cluster.url))
         assert len(recorded) == len(set(recorded)), "a result was recorded twice"
         assert set(trained) <= set(recorded), "a trained group is missing from the recording"
     finally:

@@ -21,8 +21,11 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -194,22 +197,26 @@ def logs(env: dict[str, str]) -> str:
 def test_scaled_stack_consumes_prompts_on_every_replica_and_advances_weights(stack: tuple[list[str], dict[str, str]]) -> None:
     _, env = stack
     start = time.monotonic()
-    deadline = start + 300
-    per_replica: dict[str, float] = {}
-    version = 0
-    while time.monotonic() < deadline:
+    seen: dict[str, Any] = {"per_replica": {}, "version": 0}
+
+    def every_replica_consumed_and_weights_advanced() -> bool:
         replicas = containers(env, "rollout")
-        per_replica = {name: episodes(fetch(env, name, "http://127.0.0.1:9100/metrics")) for name in replicas}
+        seen["per_replica"] = {name: episodes(fetch(env, name, "http://127.0.0.1:9100/metrics")) for name in replicas}
         inference = containers(env, "inference")
         if inference:
             answer = fetch(env, inference[0], "http://127.0.0.1:30000/model_info")
             reported = json.loads(answer)["weight_version"] if answer else "0"
-            version = int(reported) if str(reported).isdigit() else 0  # SGLang's "default" is 0
-        if len(per_replica) == ROLLOUT_REPLICAS and all(v > 0 for v in per_replica.values()) and version >= 1:
-            break
-        time.sleep(0.4)
-    else:
-        raise AssertionError(f"episodes per replica {per_replica}, inference weight version {version}\n{logs(env)}")
+            seen["version"] = int(reported) if str(reported).isdigit() else 0  # SGLang's "default" is 0
+        per = seen["per_replica"]
+        return len(per) == ROLLOUT_REPLICAS and all(v > 0 for v in per.values()) and seen["version"] >= 1
+
+    try:
+        wait_until("every rollout replica to consume and the weights to advance", every_replica_consumed_and_weights_advanced,
+                   timeout_s=300, interval_s=0.4)
+    except TimeoutError as exc:
+        raise AssertionError(f"episodes per replica {seen['per_replica']}, "
+                             f"inference weight version {seen['version']}\n{logs(env)}") from exc
+    per_replica = seen["per_replica"]
     assert len(per_replica) == ROLLOUT_REPLICAS
     # the side port's readiness sees NATS, the inference server and the reward service from inside
     for name in per_replica:
