@@ -1,11 +1,13 @@
 """Shared fixtures: a real nats-server per test on a free port with a temp store (ready-checked on its
-/healthz, never by sleeping), and the tiny model built once per session."""
+/healthz, never by sleeping), a connection to it with jetrl's streams declared, and the tiny model
+built once per session."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,3 +41,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from services.inference.make_model import build_model
 
     return build_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[Any]:
+    """A plain nats-py connection to the test's server, jetrl's streams declared."""
+    import nats
+
+    from services.common.bus import declare_streams
+
+    conn = await nats.connect(nats_url)
+    await declare_streams(conn.jetstream())
+    try:
+        yield conn
+    finally:
+        await conn.close()

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import functools
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine
 from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
-from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.worker import RolloutWorker
 from services.status.groups import render_groups, trainer_groups
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
@@ -34,6 +33,7 @@ from services.trainer.settings import TrainerSettings
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream, latest_published
 from tests.integration.test_seed_workflows import rows
 from tests.seed_workflows.rewards import copy3_reward_fn
+from tests.support.rollout import running_worker
 from tests.support.trainer import trained_steps
 from tests.support.weights import Stack, process, server_version, wait_healthy
 
@@ -54,18 +54,8 @@ def workflow(tiny_model: Path) -> Any:
     return build_workflow(settings, standard_kwargs(settings, lambda: tok, None))
 
 
-@contextlib.asynccontextmanager
-async def rollout_worker(nc: NATS, tiny_model: Path, engine: InferenceEngine) -> AsyncIterator[RolloutWorker]:
-    w = RolloutWorker(nc, RUN, workflow(tiny_model), engine,
-                      WorkerConfig(worker="w", max_concurrent=4, fetch_timeout_s=0.2, nak_delay_s=0.1))
-    await w.declare()
-    stopping = asyncio.Event()
-    task = asyncio.create_task(w.run(stopping))
-    try:
-        yield w
-    finally:
-        stopping.set()
-        await asyncio.wait_for(task, 30)
+def rollout_worker(nc: NATS, tiny_model: Path, engine: InferenceEngine) -> contextlib.AbstractAsyncContextManager[RolloutWorker]:
+    return running_worker(nc, RUN, workflow(tiny_model), engine, nak_delay_s=0.1)
 
 
 async def train(nc: NATS, settings: TrainerSettings, shared: Path, steps: int,

@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -20,7 +20,6 @@ from nats.aio.client import Client as NATS
 
 from schemas.messages import RewardItem, RewardReply, decode
 from schemas.subjects import REWARD_SUBJECT
-from services.common.bus import connect
 from services.reward.client import RewardClient
 from tests.support.waiting import wait_until
 
@@ -68,15 +67,6 @@ def replicas(nats_url: str, tmp_path: Path) -> Iterator[Replicas]:
         yield reps
     finally:
         reps.kill_all()
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    conn = await connect(nats_url, "reward-test")
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def gather_replies(nc: NATS, subject: str, expect: int, deadline_s: float = 10.0) -> list[dict]:

@@ -12,7 +12,6 @@ from nats.aio.client import Client as NATS
 
 from schemas.messages import MetricsEvent, RewardItem, RewardReply, decode
 from schemas.subjects import REWARD_SUBJECT, Subjects
-from services.common.bus import connect
 from services.common.health import evaluate_checks
 from services.reward.client import RewardClient, RewardRequestError, RewardUnavailableError
 from services.reward.service import RewardService
@@ -20,15 +19,6 @@ from services.reward.settings import RewardSettings
 from tests.support.waiting import wait_until
 
 RUN = "rwd"
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    conn = await connect(nats_url, "reward-test")
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 @pytest.fixture

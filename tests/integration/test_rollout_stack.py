@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -33,7 +32,7 @@ from services.rollout.engine import InferenceEngine
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflows.multi_turn import MultiTurnWorkflow
 from services.rollout.workflows.rlvr import RLVRWorkflow
-from tests.support.rollout import RUN, collect, push_prompts
+from tests.support.rollout import RUN, collect, push_prompts, running_worker
 from tests.support.waiting import wait_http_ok
 
 S = Subjects(RUN)
@@ -77,15 +76,6 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    conn = await nats.connect(nats_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
-
-@pytest.fixture
 async def reward(nc: NATS, nats_url: str) -> AsyncIterator[RewardService]:
     svc = RewardService(RewardSettings(run=RUN, nats_url=nats_url, processes=1), nc)
     await svc.start()
@@ -100,16 +90,10 @@ async def worker(
     nc: NATS, workflow: Any, server: str, name: str = "w", dumper: TrajectoryDumper | None = None, **config: Any
 ) -> AsyncIterator[RolloutWorker]:
     engine = InferenceEngine(InferenceClientSettings(servers=[server]))
-    cfg = WorkerConfig(**{"worker": name, "max_concurrent": 4, "fetch_timeout_s": 0.2, **config})
-    w = RolloutWorker(nc, RUN, workflow, engine, cfg, dumper=dumper)
-    await w.declare()
-    stopping = asyncio.Event()
-    task = asyncio.create_task(w.run(stopping))
     try:
-        yield w
+        async with running_worker(nc, RUN, workflow, engine, stop_timeout_s=15, dumper=dumper, worker=name, **config) as w:
+            yield w
     finally:
-        stopping.set()
-        await asyncio.wait_for(task, 15)
         await engine.aclose()
 
 

@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import numpy as np
 import pytest
 
 from schemas.messages import PromptTask, WeightsLoaded, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from schemas.trajectory import decode_group
-from services.common.bus import declare_streams
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine, ModelRequest
 from services.rollout.worker import RolloutWorker, WorkerConfig
@@ -53,16 +51,6 @@ def server(tmp_path: Path) -> Iterator[str]:
         yield proc.url
     finally:
         proc.stop()
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Any]:
-    conn = await nats.connect(nats_url)
-    await declare_streams(conn.jetstream())
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def publish(js: Any, pid: str, min_version: int) -> None:

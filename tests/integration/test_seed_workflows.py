@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -28,11 +27,11 @@ from services.rollout.engine import InferenceEngine, WeightUpdateMeta
 from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.rollout.versions import CheckedWorkflow
-from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.worker import RolloutWorker
 from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow
 from tests.integration.test_rollout_stack import inference
 from tests.seed_workflows.rewards import copy3_reward_fn
-from tests.support.rollout import collect
+from tests.support.rollout import collect, running_worker
 
 RUN = "seeds"
 S = Subjects(RUN)
@@ -43,15 +42,6 @@ GROUP = 3
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with inference(tiny_model, tmp_path_factory.mktemp("inf") / "server.log", "weight_version='0'") as url:
         yield url
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    conn = await nats.connect(nats_url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 def rows(n: int, *, chat: bool) -> list[dict[str, Any]]:
@@ -76,17 +66,8 @@ def seed_workflow(ref: str, tiny_model: Path, **workflow_kwargs: Any) -> Rollout
     return build_workflow(settings, standard_kwargs(settings, lambda: tok, None))
 
 
-@contextlib.asynccontextmanager
-async def worker(nc: NATS, workflow: RolloutWorkflow, engine: InferenceEngine) -> AsyncIterator[RolloutWorker]:
-    w = RolloutWorker(nc, RUN, workflow, engine, WorkerConfig(worker="w", max_concurrent=4, fetch_timeout_s=0.2, nak_delay_s=0.1))
-    await w.declare()
-    stopping = asyncio.Event()
-    task = asyncio.create_task(w.run(stopping))
-    try:
-        yield w
-    finally:
-        stopping.set()
-        await asyncio.wait_for(task, 30)
+def worker(nc: NATS, workflow: RolloutWorkflow, engine: InferenceEngine) -> contextlib.AbstractAsyncContextManager[RolloutWorker]:
+    return running_worker(nc, RUN, workflow, engine, nak_delay_s=0.1)
 
 
 async def push(nc: NATS, data: list[dict[str, Any]]) -> None:

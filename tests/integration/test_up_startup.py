@@ -10,17 +10,14 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 
 from schemas.messages import PromptTask, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from schemas.trajectory import decode_group
-from services.common.bus import declare_streams
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine
 from services.rollout.worker import RolloutWorker, WorkerConfig
@@ -29,16 +26,6 @@ from tests.support.inference import ServerProcess, free_port, wait_ready
 from tests.support.rollout import RUN, collect
 
 S = Subjects(RUN)
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Any]:
-    conn = await nats.connect(nats_url)
-    await declare_streams(conn.jetstream())
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 def spawn_simulated(port: int, log_dir: Path) -> ServerProcess:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -12,6 +13,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from schemas.messages import PromptTask, encode
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
+from services.rollout.worker import RolloutWorker, WorkerConfig
 
 RUN = "rt"
 S = Subjects(RUN)
@@ -49,3 +51,20 @@ async def collect(js: Any, subject: str, n: int, timeout_s: float = 20.0) -> lis
     await fetch(10)
     await sub.unsubscribe()
     return got
+
+
+@contextlib.asynccontextmanager
+async def running_worker(nc: Any, run: str, workflow: Any, engine: Any, *, stop_timeout_s: float = 30.0,
+                         dumper: Any = None, **config: Any) -> AsyncIterator[RolloutWorker]:
+    """A rollout worker of `run` running in the test's event loop (declared, pulling) until the block
+    ends; `config`: WorkerConfig fields over the tests' defaults (worker "w", 4 at once, short fetches)."""
+    cfg = WorkerConfig(**{"worker": "w", "max_concurrent": 4, "fetch_timeout_s": 0.2, **config})
+    w = RolloutWorker(nc, run, workflow, engine, cfg, dumper=dumper)
+    await w.declare()
+    stopping = asyncio.Event()
+    task = asyncio.create_task(w.run(stopping))
+    try:
+        yield w
+    finally:
+        stopping.set()
+        await asyncio.wait_for(task, stop_timeout_s)
