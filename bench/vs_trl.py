@@ -31,7 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.up.run import DEMO_DEFAULTS  # noqa: E402  (after the sys.path line)
+from bench.proc_cpu import TreeCPU  # noqa: E402  (after the sys.path line)
+from services.up.run import DEMO_DEFAULTS  # noqa: E402
 
 # jetrl's demo defaults, given to TRL as they are (jetrl runs with its defaults, stated below)
 PROMPTS_PER_STEP = DEMO_DEFAULTS["trainer"]["batch_groups"]
@@ -149,16 +150,18 @@ def run_jetrl(model: Path, dataset: Path, seed: int, steps: int, target: float, 
     cfg.write_text(yaml.safe_dump({"trainer": trainer}))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     launched = time.time()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "services.up", "--config", str(cfg), f"run={name}", f"run_dir={work}", f"model_path={model}",
          f"dataset_path={dataset}", f"total_steps={steps}", f"stop_at_reward={target}", "display=none"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    with TreeCPU(proc.pid) as tree:
+        stdout, _ = proc.communicate()
     wall = time.time() - launched
     cpu = _cpu_since(before)
     metrics_path = work / name / "metrics.json"
     if not metrics_path.exists():
-        raise RuntimeError(f"jetrl {name} wrote no metrics (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+        raise RuntimeError(f"jetrl {name} wrote no metrics (exit {proc.returncode}):\n{stdout[-3000:]}")
     metrics = json.loads(metrics_path.read_text())
     history = metrics["steps"]
     offset = metrics.get("started_at", launched) - launched
@@ -168,7 +171,9 @@ def run_jetrl(model: Path, dataset: Path, seed: int, steps: int, target: float, 
     med = lambda key: statistics.median(s[key] for s in history if key in s) if history else float("nan")  # noqa: E731
     step_s = med("step_time_s")
     first = history[0]["time"] + offset if history else None  # the first step done, from the command's start
+    at_first = tree.by_label(until_s=first) if first is not None else {}
     return {"side": "jetrl", "eta": "default" if eta is None else eta, "seed": seed, "wall_s": wall, "cpu_s": cpu,
+            "cpu_startup": at_first, "cpu_total": tree.by_label(),
             "steps": len(history), "samples": generated, "stale_groups": last.get("total_stale", 0.0),
             "trained_groups": last.get("total_accepted", 0.0), "outcome": metrics.get("outcome"), "startup_s": first,
             "step_s": step_s, "wait_s": med("data_wait_fraction") * step_s, "train_s": med("train_time_s"),
@@ -249,6 +254,8 @@ def main() -> None:
                      f" {r['train_s']:>6.3f} {r['publish_s']:>7.3f}")
         print(line)
 
+    cpu_split = print_cpu_split(jetrl) if jetrl else {}
+
     t_trl = _median_time(trl) if trl else float("nan")
     t_jetrl = _median_time(jetrl)
     score = t_trl / t_jetrl if trl and t_jetrl not in (0, float("inf")) else 0.0
@@ -258,9 +265,25 @@ def main() -> None:
         "jetrl_eta_sweep_t_target_median_s": {str(e): _median_time(runs) for e, runs in sweep.items()},
         "trl_steps_to_target": [r["step_target"] for r in trl], "jetrl_steps_to_target": [r["step_target"] for r in jetrl],
         "jetrl_eta_sweep_steps_to_target": {str(e): [r["step_target"] for r in runs] for e, runs in sweep.items()},
-        "jetrl_startup_s": [r["startup_s"] for r in jetrl],
+        "jetrl_startup_s": [r["startup_s"] for r in jetrl], "jetrl_cpu_by_process": cpu_split,
     }
     print(json.dumps(_finite(figures)))
+
+
+def print_cpu_split(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Where jetrl's CPU goes, per service (median over seeds): before the first step, and per 1000
+    samples generated after it (TRL's whole run is one process: its total is in the table above)."""
+    labels = sorted({k for r in runs for k in r["cpu_total"]}, key=lambda k: -statistics.median(r["cpu_total"].get(k, 0.0) for r in runs))
+    print(f"\njetrl CPU-seconds by process (median of {len(runs)} default runs)")
+    print(f"{'process':<14} {'start-up':>9} {'per 1k samples':>15} {'whole run':>10}")
+    split: dict[str, dict[str, float]] = {}
+    for k in labels:
+        start = statistics.median(r["cpu_startup"].get(k, 0.0) for r in runs)
+        total = statistics.median(r["cpu_total"].get(k, 0.0) for r in runs)
+        per_k = statistics.median(1000 * (r["cpu_total"].get(k, 0.0) - r["cpu_startup"].get(k, 0.0)) / max(r["samples"], 1) for r in runs)
+        print(f"{k:<14} {start:>9.1f} {per_k:>15.2f} {total:>10.1f}")
+        split[k] = {"startup_s": round(start, 2), "per_1k_samples_s": round(per_k, 3), "whole_run_s": round(total, 2)}
+    return split
 
 
 def _finite(value: Any) -> Any:

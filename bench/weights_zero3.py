@@ -99,8 +99,7 @@ def worker(model: str, url: str, rounds: int, bucket_mb: float, out: Path) -> No
 
 
 def main() -> None:
-    from weights import build_model  # bench/weights.py, beside this script
-
+    from bench.weights import build_model
     from services.common.nats_server import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -121,7 +120,7 @@ def main() -> None:
         log = open(work / "server.log", "wb")
         procs.append(subprocess.Popen([sys.executable, "-m", "services.inference", f"model_path={model}", f"port={port}"],
                                       cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-        from weights import wait_healthy
+        from bench.weights import wait_healthy
 
         asyncio.run(wait_healthy(url, procs[0]))
         out = work / "rows.json"
