@@ -1,10 +1,16 @@
-"""The scoring pool: `processes` pool processes, one item at a time each, with a per-item timeout.
+"""The scoring pool: `processes` pool processes, one batch of items at a time each, with a per-item
+timeout.
 
-An item that runs past its timeout has its process killed with everything it started (process group
+A request's items go to the processes in batches (one message each way per batch): all in one batch
+when the function is cheap (the pool measures each function's seconds per item), else split evenly
+over the processes. An item that runs past its timeout has its process killed with everything it started (process group
 and descendants); a process that dies (os._exit, a segfault, the OOM killer) fails only its item; in
 both cases a new process takes its place. A slow item does not hold the queue: an item that has run
 longer than `slow_item_s` no longer counts against the pool, and a waiting item gets an extra process
-(at most `max_extra_processes`, stopped again once idle and the slow items are gone). Processes start from a
+(at most `max_extra_processes`, stopped again once idle and the slow items are gone); the items behind
+a slow one in its batch are taken back and go one by one to other processes. When an item times out
+or crashes its process, it alone gets that status; the other unanswered items of its batch are scored
+again, one by one, in other processes. Processes start from a
 fork server ("forkserver", or "spawn"), never fork: forking a process that runs an asyncio loop and
 threads can copy held locks into the child.
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import multiprocessing
 import time
 from collections import deque
@@ -21,13 +28,19 @@ from typing import Any
 
 from schemas.messages import RewardResult
 from services.common.logging import get_logger
-from services.reward.procs import PoolProcess, ProcessDied
+from services.reward.procs import ItemTimeout, PoolProcess, ProcessDied
+from services.reward.worker import MAX_BATCH, Outcome
 
 log = get_logger("reward.pool")
 
 FORKSERVER_PRELOAD = ("services.reward.worker", "services.reward.builtin")
 START_TIMEOUT_S = 120.0
 """How long a new process may take to import the allowed modules before it counts as failed."""
+SPLIT_S = 0.005
+"""A request whose items are expected to take longer than this in all is split over the processes;
+a cheaper one goes to one process in one batch (a second batch would cost more than it saves)."""
+COST_WEIGHT = 0.2
+"""Weight of the latest batch in a function's running mean of seconds per item."""
 
 
 class PoolClosed(RuntimeError):
@@ -62,6 +75,8 @@ class ScoringPool:
         self._timer: asyncio.TimerHandle | None = None
         self._spawning: set[asyncio.Task[PoolProcess]] = set()
         self._closed = False
+        self._item_s: dict[str, float] = {}
+        """Per function: running mean of seconds per item, measured in the pool processes."""
         ctx = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             # The fork server imports these once; every process is forked from it with them loaded, so
@@ -96,15 +111,102 @@ class ScoringPool:
             return f"could not load {ref} in a pool process: {self._explain(exc, 60.0)}"
 
     async def score(self, ref: str, kwargs: dict[str, Any], timeout_s: float) -> RewardResult:
+        """One item (see `score_many`)."""
+        return (await self.score_many(ref, [kwargs], timeout_s))[0]
+
+    async def score_many(self, ref: str, items: list[dict[str, Any]], timeout_s: float) -> list[RewardResult]:
+        """One result per item, in order, each within its own `timeout_s`."""
+        out: list[RewardResult | None] = [None] * len(items)
+        await asyncio.gather(*(self._score_batch(ref, items, part, timeout_s, out) for part in self._split(ref, len(items))))
+        return [r or RewardResult(status="error", message="not scored (a bug of the scoring pool)") for r in out]
+
+    def _split(self, ref: str, n: int) -> list[list[int]]:
+        """The request's item positions in batches: one when the function is known to be cheap, else
+        one per process (a function not measured yet counts as expensive)."""
+        item_s = self._item_s.get(ref)
+        parts = self.processes if item_s is None else math.ceil(n * item_s / SPLIT_S)
+        parts = max(1, min(parts, self.processes, n), math.ceil(n / MAX_BATCH))
+        size = math.ceil(n / parts)
+        return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
+
+    def _measured(self, ref: str, item_s: float) -> None:
+        before = self._item_s.get(ref)
+        self._item_s[ref] = item_s if before is None else before + COST_WEIGHT * (item_s - before)
+
+    async def _score_batch(
+        self, ref: str, items: list[dict[str, Any]], part: list[int], timeout_s: float, out: list[RewardResult | None]
+    ) -> None:
+        """Score `items[i] for i in part` in one process and put the results in `out`. What it could not
+        answer (taken back behind a slow item, or left when a failing item took its process down) is
+        scored one item per batch, so a second bad item cannot hold up the rest again."""
+        again: list[asyncio.Task[None]] = []
+
+        def take_back(first: int) -> None:
+            for i in part[first:]:
+                again.append(asyncio.get_running_loop().create_task(self._score_batch(ref, items, [i], timeout_s, out)))
+
         try:
-            status, value = await self._run("score", (ref, kwargs), timeout_s)
-        except TimeoutError:
-            return RewardResult(status="timeout", message=f"{ref} ran past the {timeout_s:g} s per-item timeout; its process was killed")
+            redo = await self._score_in_process(ref, items, part, timeout_s, out, take_back)
+            await asyncio.gather(*again, *(self._score_batch(ref, items, [i], timeout_s, out) for i in redo))
+        finally:
+            for task in again:
+                task.cancel()  # a no-op once done; ends them when this request is cancelled
+
+    async def _score_in_process(
+        self,
+        ref: str,
+        items: list[dict[str, Any]],
+        part: list[int],
+        timeout_s: float,
+        out: list[RewardResult | None],
+        take_back: Any,
+    ) -> list[int]:
+        """One batch in one process; returns the positions of `part` to score again."""
+        try:
+            proc = await self._acquire()
         except Exception as exc:
-            return RewardResult(status="error", message=self._explain(exc, timeout_s))
+            for i in part:
+                out[i] = RewardResult(status="error", message=self._explain(exc, timeout_s))
+            return []
+        batch = [items[i] for i in part]
+        try:
+            outcomes, seconds = await proc.call(
+                "score", (ref, batch), timeout_s, items=len(part), slow_s=self.slow_item_s, on_slow=take_back
+            )
+        except (ItemTimeout, ProcessDied) as exc:
+            mine = proc.limit  # the items from here on were taken back and are scored elsewhere
+            self._discard(proc, exc)
+            if exc.position < mine:
+                out[part[exc.position]] = self._failed(ref, exc, timeout_s)
+            if isinstance(exc, ItemTimeout):
+                self._measured(ref, timeout_s)
+            return [part[j] for j in range(min(mine, len(part))) if j != exc.position]
+        except BaseException as exc:  # cancellation, a broken pipe: it may be mid-item; never reused
+            self._discard(proc, exc)
+            if isinstance(exc, Exception):
+                for i in part:
+                    out[i] = RewardResult(status="error", message=self._explain(exc, timeout_s))
+                return []
+            raise
+        mine = proc.limit
+        self._done(proc, len(outcomes))
+        if outcomes:
+            self._measured(ref, seconds / len(outcomes))
+        for j, outcome in enumerate(outcomes[:mine]):
+            out[part[j]] = self._result(outcome)
+        return part[len(outcomes) : mine]
+
+    @staticmethod
+    def _result(outcome: Outcome) -> RewardResult:
+        status, value = outcome
         if status == "ok":
             return RewardResult(status="ok", value=float(value))
         return RewardResult(status="error", message=str(value))
+
+    def _failed(self, ref: str, exc: ItemTimeout | ProcessDied, timeout_s: float) -> RewardResult:
+        if isinstance(exc, ItemTimeout):
+            return RewardResult(status="timeout", message=f"{ref} ran past the {timeout_s:g} s per-item timeout; its process was killed")
+        return RewardResult(status="error", message=self._explain(exc, timeout_s))
 
     @staticmethod
     def _explain(exc: BaseException, timeout_s: float) -> str:
@@ -123,12 +225,16 @@ class ScoringPool:
         except BaseException as exc:  # timeout, death, cancellation: it may be mid-item; never reused
             self._discard(proc, exc)
             raise
-        proc.tasks += 1
+        self._done(proc, 1)
+        return reply
+
+    def _done(self, proc: PoolProcess, items: int) -> None:
+        """`proc` answered `items` items: back to the pool, or recycled past `max_tasks`."""
+        proc.tasks += items
         if self.max_tasks and proc.tasks >= self.max_tasks:
             self._discard(proc, None)  # recycled: guards against leaky reward code
         else:
             self._release(proc)
-        return reply
 
     # -- which process runs the next item --------------------------------------------------------
 
@@ -145,10 +251,15 @@ class ScoringPool:
     async def _acquire(self) -> PoolProcess:
         if self._closed:
             raise PoolClosed("the scoring pool is closed")
-        if self._idle:
-            return self._idle.pop()
+        while self._idle:
+            proc = self._idle.pop()
+            if not proc.dead:
+                return proc
+            self._discard(proc, ProcessDied(proc.proc.exitcode))  # it ended while idle (killed from outside)
         if self._room() and not self._waiters:
-            return await self._launch()
+            proc = await self._launch()
+            self._count_extra()
+            return proc
         waiter: asyncio.Future[PoolProcess] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._kick()
@@ -214,12 +325,16 @@ class ScoringPool:
                 waiter.set_exception(task.exception() or PoolClosed("the scoring pool is closed"))
             return
         proc = task.result()
-        if len(self._procs) > self.processes:
-            self.extra_started += 1
+        self._count_extra()
         if waiter.done():  # the item was cancelled meanwhile
             self._release(proc)
         else:
             waiter.set_result(proc)
+
+    def _count_extra(self) -> None:
+        """A process just started for an item: beyond `processes`, it is an extra."""
+        if len(self._procs) > self.processes:
+            self.extra_started += 1
 
     def _replenish(self) -> None:
         """Keep `processes` warm: a killed or lost process is replaced now, not by the next item."""
