@@ -251,11 +251,8 @@ class ScoringPool:
     async def _acquire(self) -> PoolProcess:
         if self._closed:
             raise PoolClosed("the scoring pool is closed")
-        while self._idle:
-            proc = self._idle.pop()
-            if not proc.dead:
-                return proc
-            self._discard(proc, ProcessDied(proc.proc.exitcode))  # it ended while idle (killed from outside)
+        if self._idle:
+            return self._idle.pop()
         if self._room() and not self._waiters:
             proc = await self._launch()
             self._count_extra()
@@ -274,6 +271,9 @@ class ScoringPool:
 
     def _release(self, proc: PoolProcess) -> None:
         """`proc` is idle: to the first waiter, else back to the pool."""
+        if proc.dead:  # ended between its reply and now: replaced, never handed an item
+            self._discard(proc, ProcessDied(proc.proc.exitcode))
+            return
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -299,6 +299,12 @@ class ScoringPool:
         self._kick()  # its place is free: a waiting item may start a process now
         self._trim()
         self._replenish()
+
+    def _lost(self, proc: PoolProcess) -> None:
+        """An idle process ended (killed from outside): replaced now, so no item is sent to it."""
+        if proc in self._idle:
+            self._idle.remove(proc)
+            self._discard(proc, ProcessDied(proc.proc.exitcode))
 
     def _kick(self) -> None:
         """Start processes for waiting items while there is room; while items still wait, look again
@@ -362,7 +368,7 @@ class ScoringPool:
         self._spawning.discard(task)
 
     async def _spawn(self) -> PoolProcess:
-        proc = PoolProcess(self._ctx, self.preload)
+        proc = PoolProcess(self._ctx, self.preload, on_lost=self._lost)
         try:
             await proc.start(START_TIMEOUT_S)
         except BaseException:

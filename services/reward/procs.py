@@ -49,11 +49,11 @@ class ItemTimeout(TimeoutError):
 
 
 class PoolProcess:
-    def __init__(self, ctx: BaseContext, preload: list[str]) -> None:
+    def __init__(self, ctx: BaseContext, preload: list[str], on_lost: Callable[[PoolProcess], None] | None = None) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
         self._child = child
         # [progress, limit]: written by the process before each item, read by the service (see worker)
-        self.shared = ctx.RawArray(ctypes.c_int64, 2)  # type: ignore[attr-defined]
+        self.shared = ctx.RawArray(ctypes.c_int64, 2)
         # not daemonic: a reward function may start processes of its own (multiprocessing refuses
         # that in a daemon); the service kills pool processes itself, and one whose service died
         # kills itself (the worker's lifeline thread)
@@ -62,7 +62,8 @@ class PoolProcess:
         """Items answered, for `max_tasks_per_process`."""
         self.busy = False
         self.dead = False
-        """It ended while idle (seen by the reader): the pool replaces it instead of using it."""
+        """It ended (seen by the reader); `on_lost` is told at once if that happened while idle."""
+        self._on_lost = on_lost
         self._waiter: asyncio.Future[Any] | None = None
         self._watched: tuple[int, ...] = ()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -178,6 +179,8 @@ class PoolProcess:
         self.dead = True
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(_DIED)
+        elif self._waiter is None and self._on_lost is not None:
+            self._on_lost(self)  # killed from outside while idle (the OOM killer): replace it now
 
     def _unwatch(self) -> None:
         if self._watched and self._loop is not None and not self._loop.is_closed():

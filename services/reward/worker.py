@@ -81,7 +81,8 @@ def _die_with_the_service() -> None:
 
 def handle(op: str, args: tuple[Any, ...], shared: Any) -> Any:
     if op == "score":
-        return score_batch(*args, shared=shared)
+        ref, items = args
+        return score_batch(ref, items, shared)
     if op == "check":
         return check(*args)
     return ping()

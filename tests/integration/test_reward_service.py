@@ -5,6 +5,8 @@ metrics on the METRICS stream, and the client's error when nobody answers."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 
 import pytest
@@ -67,6 +69,38 @@ async def test_item_past_its_timeout_is_timeout_and_the_others_are_ok(service: R
     again = await client.score("tests.reward_fns:sleepy", [item("xy", sleep_s=0.3), item("z", sleep_s=0.3)], item_timeout_s=5)
     assert [(r.status, r.value) for r in again] == [("ok", 2.0), ("ok", 1.0)]
     assert service.pool.restarts == 1
+
+
+async def test_a_cheap_functions_request_is_one_batch_and_a_crash_in_it_fails_one_item(service: RewardService, nc: NATS) -> None:
+    client = RewardClient(nc, timeout_s=30)
+    # the first request of a function not yet measured is split over both processes
+    first = await client.score("tests.reward_fns:pid", [item("a") for _ in range(8)])
+    assert len({r.value for r in first}) == 2
+    # measured cheap now: the whole request goes to one process, in one message
+    second = await client.score("tests.reward_fns:pid", [item("a") for _ in range(8)])
+    assert len({r.value for r in second}) == 1
+    await client.score("tests.reward_fns:exits_if", [item("a")])  # measured cheap too
+    # the process dies on the second item of its batch: that item alone is an error; the items it
+    # had scored (lost with it) and the items after it are scored again elsewhere
+    items = [item("a"), item("bb", crash=True), item("ccc"), item("dddd")]
+    results = await client.score("tests.reward_fns:exits_if", items)
+    assert [(r.status, r.value) for r in results] == [("ok", 1.0), ("error", None), ("ok", 3.0), ("ok", 4.0)]
+    assert "exit code 7" in results[1].message and service.pool.restarts == 1
+
+
+async def test_a_pool_process_killed_while_idle_is_replaced_before_the_next_item(nats_url: str, nc: NATS) -> None:
+    settings = RewardSettings(run=RUN, nats_url=nats_url, processes=1, allow=["tests.reward_fns:*"])
+    svc = RewardService(settings, nc)
+    await svc.start()
+    try:
+        client = RewardClient(nc, timeout_s=30)
+        [before] = await client.score("tests.reward_fns:pid", [item("a")])
+        os.kill(int(before.value or 0), signal.SIGKILL)  # the OOM killer, say, while it waits for work
+        await asyncio.to_thread(wait_until, "the killed process replaced", lambda: svc.pool.restarts == 1, timeout_s=30)
+        [after] = await client.score("tests.reward_fns:pid", [item("a")])
+        assert after.status == "ok" and after.value != before.value
+    finally:
+        await svc.stop(timeout_s=2.0)
 
 
 async def test_function_errors_are_reported_per_item(service: RewardService, nc: NATS) -> None:
