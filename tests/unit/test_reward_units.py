@@ -176,7 +176,7 @@ def test_pool_settings_are_checked() -> None:
 def test_the_fork_server_preloads_only_light_modules() -> None:
     # every pool process starts from a fork server that imports these; heavy imports there are paid
     # at every service start (math_verify is imported on first use instead)
-    from services.reward.pool import FORKSERVER_PRELOAD
+    from services.reward.procpool import FORKSERVER_PRELOAD
 
     heavy = ("math_verify", "sympy", "pydantic", "pydantic_settings", "structlog", "nats")
     code = f"import importlib, sys; [importlib.import_module(m) for m in {list(FORKSERVER_PRELOAD)}]"
