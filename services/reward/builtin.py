@@ -1,4 +1,4 @@
-"""Built-in reward functions, allow-listed by default. Each is called as
+"""Built-in reward functions, allow-listed by default (math_verify's code is in `builtin_math`). Each is called as
 `fn(prompt=..., completion=..., prompt_ids=..., completion_ids=..., **row)` and returns a float.
 
 A completion that is merely wrong scores 0.0; a dataset row that cannot be scored (no answer, an
@@ -55,18 +55,11 @@ def numeric_match(completion: str = "", rel_tol: float = 1e-6, abs_tol: float = 
     return 1.0 if math.isclose(got, gold, rel_tol=rel_tol, abs_tol=abs_tol) else 0.0
 
 
-def math_verify(completion: str = "", **row: Any) -> float:
-    """1.0 if math-verify finds the completion's final answer equivalent to the reference (LaTeX,
-    fractions, boxed answers, numbers), else 0.0."""
-    import math_verify as _mv  # on first use: it costs ~0.5 CPU-s, which the other built-ins' users need not pay
+def __getattr__(name: str) -> Any:
+    """`math_verify` lives in `builtin_math` and is imported on first use: math-verify costs ~0.5 CPU-s
+    to import, which the users of the other built-ins (and the fork server) need not pay."""
+    if name == "math_verify":
+        from services.reward.builtin_math import math_verify
 
-    answer = _answer(row, "math_verify")
-    gold = _mv.parse(answer)
-    if not gold:
-        gold = _mv.parse(f"${answer}$")
-    if not gold:
-        raise ValueError(f"math_verify: math-verify cannot parse the reference answer {answer!r}")
-    pred = _mv.parse(completion)
-    if not pred:
-        return 0.0
-    return 1.0 if _mv.verify(gold, pred) else 0.0
+        return math_verify
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

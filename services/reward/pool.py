@@ -17,12 +17,14 @@ from typing import Any
 
 from schemas.messages import RewardResult
 from services.reward.procpool import PoolClosed, ProcessPool
-from services.reward.procs import ItemTimeout, ProcessDied
+from services.reward.procs import ItemTimeout, PoolProcess, ProcessDied
 from services.reward.worker import MAX_BATCH, Outcome
 
 SPLIT_S = 0.005
 """A request whose items are expected to take longer than this in all is split over the processes;
 a cheaper one goes to one process in one batch (a second batch would cost more than it saves)."""
+CHECK_TIMEOUT_S = 60.0
+"""How long resolving a function (importing its module) in a pool process may take."""
 COST_WEIGHT = 0.2
 """Weight of the latest batch in a function's running mean of seconds per item."""
 
@@ -36,9 +38,9 @@ class ScoringPool(ProcessPool):
     async def check(self, ref: str) -> str:
         """'' if `ref` imports and is callable in a pool process, else the reason."""
         try:
-            return str(await self._run("check", (ref,), 60.0))
+            return str(await self._run("check", (ref,), CHECK_TIMEOUT_S))
         except Exception as exc:
-            return f"could not load {ref} in a pool process: {self._explain(exc, 60.0)}"
+            return f"could not load {ref} in a pool process: {self._explain(exc, CHECK_TIMEOUT_S)}"
 
     async def score(self, ref: str, kwargs: dict[str, Any], timeout_s: float) -> RewardResult:
         """One item (see `score_many`)."""
@@ -103,6 +105,13 @@ class ScoringPool(ProcessPool):
             for i in part:
                 out[i] = RewardResult(status="error", message=self._explain(exc, timeout_s))
             return []
+        if ref not in proc.resolved:
+            # the function's module is imported now, not on the clock of the batch's first item
+            problem = await self._resolve(proc, ref)
+            if problem:
+                for i in part:
+                    out[i] = RewardResult(status="error", message=f"{ref} could not be loaded in a pool process: {problem}")
+                return []
         batch = [items[i] for i in part]
         try:
             outcomes, seconds = await proc.call(
@@ -130,6 +139,21 @@ class ScoringPool(ProcessPool):
         for j, outcome in enumerate(outcomes[:mine]):
             out[part[j]] = self._result(outcome)
         return part[len(outcomes) : mine]
+
+    async def _resolve(self, proc: PoolProcess, ref: str) -> str:
+        """Have `proc` resolve `ref`: '' when done (`proc` still held), else why not (`proc` released)."""
+        try:
+            problem = str(await proc.call("check", (ref,), CHECK_TIMEOUT_S))
+        except BaseException as exc:  # it may be stuck or gone mid-import: never reused
+            self._discard(proc, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return self._explain(exc, CHECK_TIMEOUT_S)
+        if problem:
+            self._done(proc, 0)
+            return problem
+        proc.resolved.add(ref)
+        return ""
 
     @staticmethod
     def _result(outcome: Outcome) -> RewardResult:

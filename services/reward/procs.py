@@ -60,6 +60,8 @@ class PoolProcess:
         self.proc = ctx.Process(target=worker.serve, args=(child, preload, self.shared), name="jetrl-reward-pool")  # type: ignore[attr-defined]
         self.tasks = 0
         """Items answered, for `max_tasks_per_process`."""
+        self.resolved: set[str] = set()
+        """Functions it has resolved (imported) already, outside any item's timeout."""
         self.busy = False
         self.dead = False
         """It ended (seen by the reader); `on_lost` is told at once if that happened while idle."""
@@ -175,6 +177,14 @@ class PoolProcess:
                 return
         except (EOFError, OSError):
             pass
+        else:
+            # Only the sentinel woke us. A fork server's child's sentinel is a pipe from the fork
+            # server, which also closes when the fork server dies (SIGTERM to the service's process
+            # group) while the process lives on: then watch its pipe alone.
+            if self.proc.pid is not None and proctree.alive(self.proc.pid) and self._loop is not None:
+                self._loop.remove_reader(self.proc.sentinel)
+                self._watched = self._watched[:1]
+                return
         self._unwatch()
         self.dead = True
         if self._waiter is not None and not self._waiter.done():

@@ -175,7 +175,7 @@ def test_pool_settings_are_checked() -> None:
 
 def test_the_fork_server_preloads_only_light_modules() -> None:
     # every pool process starts from a fork server that imports these; heavy imports there are paid
-    # at every service start (math_verify is imported on first use instead)
+    # at every service start (math_verify is imported where it is used, by `builtin_math`)
     from services.reward.procpool import FORKSERVER_PRELOAD
 
     heavy = ("math_verify", "sympy", "pydantic", "pydantic_settings", "structlog", "nats")
