@@ -25,8 +25,8 @@ class RewardSettings(ServiceSettings):
     """Allow the built-in functions (services.reward.builtin:copy3, exact_match, numeric_match, math_verify)."""
     preload: list[str] = []
     """Modules each pool process imports at start (besides the modules of exact `allow` entries and
-    the built-ins), so the first request does not pay for the import; `math_verify` for the built-in
-    of that name, which otherwise imports it on its first item in each process."""
+    the built-ins); else a process imports a function's module before its first batch of it (outside
+    the items' timeouts, but on the request's time)."""
     item_timeout_s: float = 10.0
     """Per-item time limit when a request names none; the item's process is killed past it."""
     max_item_timeout_s: float = 120.0
