@@ -13,25 +13,19 @@ import re
 from typing import Any
 
 from services.common.demo_task import copy3_reward
+from services.reward.answers import reference_answer
 
 _NUMBER_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?")
 
 
-def _answer(row: dict[str, Any], fn: str) -> str:
-    for key in ("answer", "solution", "ground_truth"):
-        if row.get(key) is not None:
-            return str(row[key])
-    raise ValueError(f"{fn}: the item has no 'answer' (or 'solution' / 'ground_truth') field to compare with")
-
-
 def copy3(completion: str = "", **row: Any) -> float:
     """The default demo task: the fraction of the answer's positions the completion gets right."""
-    return copy3_reward(completion, _answer(row, "copy3"))
+    return copy3_reward(completion, reference_answer(row, "copy3"))
 
 
 def exact_match(completion: str = "", **row: Any) -> float:
     """1.0 if the completion equals the answer after trimming surrounding whitespace, else 0.0."""
-    return 1.0 if completion.strip() == _answer(row, "exact_match").strip() else 0.0
+    return 1.0 if completion.strip() == reference_answer(row, "exact_match").strip() else 0.0
 
 
 def parse_number(text: str) -> float | None:
@@ -45,7 +39,7 @@ def parse_number(text: str) -> float | None:
 def numeric_match(completion: str = "", rel_tol: float = 1e-6, abs_tol: float = 1e-9, **row: Any) -> float:
     """1.0 if the last number in the completion equals the answer (within `rel_tol`/`abs_tol`, which a
     dataset row may set), else 0.0."""
-    answer = _answer(row, "numeric_match")
+    answer = reference_answer(row, "numeric_match")
     gold = parse_number(answer)
     if gold is None:
         raise ValueError(f"numeric_match: the answer {answer!r} is not a number")

@@ -8,13 +8,13 @@ from typing import Any
 
 import math_verify as _mv
 
-from services.reward.builtin import _answer
+from services.reward.answers import reference_answer
 
 
 def math_verify(completion: str = "", **row: Any) -> float:
     """1.0 if math-verify finds the completion's final answer equivalent to the reference (LaTeX,
     fractions, boxed answers, numbers), else 0.0."""
-    answer = _answer(row, "math_verify")
+    answer = reference_answer(row, "math_verify")
     gold = _mv.parse(answer)
     if not gold:
         gold = _mv.parse(f"${answer}$")
