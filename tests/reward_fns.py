@@ -26,6 +26,13 @@ def exit_now(**_: Any) -> float:
     os._exit(7)
 
 
+def exits_if(completion: str = "", crash: bool = False, **_: Any) -> float:
+    """Ends its process (exit code 7) for an item whose row says `crash`; else scores like `length`."""
+    if crash:
+        os._exit(7)
+    return float(len(completion))
+
+
 def segfault(**_: Any) -> float:
     ctypes.string_at(0)  # reads address 0: SIGSEGV
     return 0.0

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-from services.common.entry import service_main
-from services.reward.settings import RewardSettings
-
 
 def main(argv: list[str] | None = None) -> int:
+    # imported here, not at the top: the fork server and every pool process import this package (for
+    # the worker) and need none of the settings and logging machinery
+    from services.common.entry import service_main
+    from services.reward.settings import RewardSettings
+
     return service_main(
         RewardSettings,
         "services.reward.service:run",

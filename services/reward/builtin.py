@@ -1,4 +1,4 @@
-"""Built-in reward functions, allow-listed by default. Each is called as
+"""Built-in reward functions, allow-listed by default (math_verify's code is in `builtin_math`). Each is called as
 `fn(prompt=..., completion=..., prompt_ids=..., completion_ids=..., **row)` and returns a float.
 
 A completion that is merely wrong scores 0.0; a dataset row that cannot be scored (no answer, an
@@ -12,28 +12,20 @@ import math
 import re
 from typing import Any
 
-import math_verify as _mv  # imported here so pool processes load it once, at start
-
 from services.common.demo_task import copy3_reward
+from services.reward.answers import reference_answer
 
 _NUMBER_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?")
 
 
-def _answer(row: dict[str, Any], fn: str) -> str:
-    for key in ("answer", "solution", "ground_truth"):
-        if row.get(key) is not None:
-            return str(row[key])
-    raise ValueError(f"{fn}: the item has no 'answer' (or 'solution' / 'ground_truth') field to compare with")
-
-
 def copy3(completion: str = "", **row: Any) -> float:
     """The default demo task: the fraction of the answer's positions the completion gets right."""
-    return copy3_reward(completion, _answer(row, "copy3"))
+    return copy3_reward(completion, reference_answer(row, "copy3"))
 
 
 def exact_match(completion: str = "", **row: Any) -> float:
     """1.0 if the completion equals the answer after trimming surrounding whitespace, else 0.0."""
-    return 1.0 if completion.strip() == _answer(row, "exact_match").strip() else 0.0
+    return 1.0 if completion.strip() == reference_answer(row, "exact_match").strip() else 0.0
 
 
 def parse_number(text: str) -> float | None:
@@ -47,7 +39,7 @@ def parse_number(text: str) -> float | None:
 def numeric_match(completion: str = "", rel_tol: float = 1e-6, abs_tol: float = 1e-9, **row: Any) -> float:
     """1.0 if the last number in the completion equals the answer (within `rel_tol`/`abs_tol`, which a
     dataset row may set), else 0.0."""
-    answer = _answer(row, "numeric_match")
+    answer = reference_answer(row, "numeric_match")
     gold = parse_number(answer)
     if gold is None:
         raise ValueError(f"numeric_match: the answer {answer!r} is not a number")
@@ -57,16 +49,11 @@ def numeric_match(completion: str = "", rel_tol: float = 1e-6, abs_tol: float = 
     return 1.0 if math.isclose(got, gold, rel_tol=rel_tol, abs_tol=abs_tol) else 0.0
 
 
-def math_verify(completion: str = "", **row: Any) -> float:
-    """1.0 if math-verify finds the completion's final answer equivalent to the reference (LaTeX,
-    fractions, boxed answers, numbers), else 0.0."""
-    answer = _answer(row, "math_verify")
-    gold = _mv.parse(answer)
-    if not gold:
-        gold = _mv.parse(f"${answer}$")
-    if not gold:
-        raise ValueError(f"math_verify: math-verify cannot parse the reference answer {answer!r}")
-    pred = _mv.parse(completion)
-    if not pred:
-        return 0.0
-    return 1.0 if _mv.verify(gold, pred) else 0.0
+def __getattr__(name: str) -> Any:
+    """`math_verify` lives in `builtin_math` and is imported on first use: math-verify costs ~0.5 CPU-s
+    to import, which the users of the other built-ins (and the fork server) need not pay."""
+    if name == "math_verify":
+        from services.reward.builtin_math import math_verify
+
+        return math_verify
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

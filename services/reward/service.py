@@ -205,7 +205,7 @@ class RewardService:
             if problem:
                 raise RequestRefused("refused", f"reward function {request.fn}: {problem}")
             self._loadable.add(request.fn)
-        return list(await asyncio.gather(*(self.pool.score(request.fn, item_kwargs(i), timeout_s) for i in request.items)))
+        return await self.pool.score_many(request.fn, [item_kwargs(i) for i in request.items], timeout_s)
 
     async def _respond(self, req: Request, reply: RewardReply, code: str = "", error: str = "") -> None:
         headers = {HDR_INSTANCE: self.instance}

@@ -25,7 +25,8 @@ class RewardSettings(ServiceSettings):
     """Allow the built-in functions (services.reward.builtin:copy3, exact_match, numeric_match, math_verify)."""
     preload: list[str] = []
     """Modules each pool process imports at start (besides the modules of exact `allow` entries and
-    the built-ins), so the first request does not pay for the import."""
+    the built-ins); else a process imports a function's module before its first batch of it (outside
+    the items' timeouts, but on the request's time)."""
     item_timeout_s: float = 10.0
     """Per-item time limit when a request names none; the item's process is killed past it."""
     max_item_timeout_s: float = 120.0
@@ -41,7 +42,8 @@ class RewardSettings(ServiceSettings):
     """Most processes started beyond `processes` for items waiting behind slow ones; each is stopped
     once idle with nothing waiting. 0 = a fixed pool (slow items then hold the queue up to their timeout)."""
     max_tasks_per_process: int = 0
-    """Recycle a pool process after this many items (guards against leaky reward code); 0 = never."""
+    """Recycle a pool process after the batch in which it reaches this many items (guards against
+    leaky reward code); 0 = never."""
     metrics_interval_s: float = 10.0
     """How often metrics go to the METRICS stream."""
     instance: str = ""

@@ -1,8 +1,14 @@
-"""What runs inside a pool process: resolve a reward function once, call it on one item by its
-signature, and turn whatever happens into ("ok", value) or ("error", message). Nothing the function
-raises leaves this module, not even SystemExit or KeyboardInterrupt: `sys.exit(0)` in reward code is
-that item's error, never the end of the process (let alone, re-raised by a pool, of the service).
-After each item, the processes the function started are killed (see `proctree`)."""
+"""What runs inside a pool process: resolve a reward function once, call it on each item of a batch by
+its signature, and turn whatever happens into ("ok", value) or ("error", message). Nothing the
+function raises leaves this module, not even SystemExit or KeyboardInterrupt: `sys.exit(0)` in reward
+code is that item's error, never the end of the process (let alone, re-raised by a pool, of the
+service). After each item, the processes the function started are killed (see `proctree`).
+
+Before each item the process writes into `shared[0]` (an array it shares with the service) which item
+of the batch it starts and when, so the service can time out that item and blame that item alone;
+it stops before the item at `shared[1]` (the service lowers it to take back the items behind a slow
+one). Only the standard library and our own light modules are imported here: the fork server loads
+this module, and everything it imports is paid for by the service's start."""
 
 from __future__ import annotations
 
@@ -11,9 +17,12 @@ import math
 import multiprocessing
 import numbers
 import os
+import pickle
 import signal
 import threading
+import time
 import traceback
+from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -25,21 +34,39 @@ _cache: dict[str, Caller] = {}
 
 Outcome = tuple[str, float | str]
 
+_POSITION_BITS = 20
+"""`shared[0]` packs the item's position (low bits) and its start in ms of the monotonic clock (the
+same clock in every process), so that one 8-byte write publishes both at once."""
 
-def serve(conn: Connection, modules: list[str]) -> None:
+
+def mark(position: int, now: float | None = None) -> int:
+    started_ms = math.ceil((time.monotonic() if now is None else now) * 1000)  # rounded up: never early
+    return started_ms << _POSITION_BITS | position
+
+
+def unmark(value: int) -> tuple[int, float]:
+    """(position, started) from `mark`."""
+    return value & ((1 << _POSITION_BITS) - 1), (value >> _POSITION_BITS) / 1000
+
+
+MAX_BATCH = (1 << _POSITION_BITS) - 1
+"""Most items in one batch: the positions `mark` can hold."""
+
+
+def serve(conn: Connection, modules: list[str], shared: Any) -> None:
     """A pool process's life: its own process group, the imports, ("ready", pid), then one reply per
     request until the service closes the pipe (or dies: the pipe closes with it)."""
     proctree.become_group_leader_and_subreaper()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the service, which stops us
     threading.Thread(target=_die_with_the_service, name="lifeline", daemon=True).start()
     initialize(modules)
-    conn.send(("ready", os.getpid()))
+    conn.send_bytes(pickle.dumps(("ready", os.getpid())))
     while True:
         try:
-            op, args = conn.recv()
+            op, args = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return
-        conn.send(handle(op, args))
+        conn.send_bytes(pickle.dumps(handle(op, args, shared), pickle.HIGHEST_PROTOCOL))
 
 
 def _die_with_the_service() -> None:
@@ -52,9 +79,10 @@ def _die_with_the_service() -> None:
     proctree.kill_descendants_and_self()
 
 
-def handle(op: str, args: tuple[Any, ...]) -> Any:
+def handle(op: str, args: tuple[Any, ...], shared: Any) -> Any:
     if op == "score":
-        return score(*args)
+        ref, items = args
+        return score_batch(ref, items, shared)
     if op == "check":
         return check(*args)
     return ping()
@@ -98,6 +126,18 @@ def check(ref: str) -> str:
     except BaseException as exc:  # e.g. a module-level __getattr__ that raises
         return f"cannot load {ref}: {_describe(exc)}"
     return ""
+
+
+def score_batch(ref: str, items: Sequence[dict[str, Any]], shared: Any) -> tuple[list[Outcome], float]:
+    """The outcomes of the items in order, up to `shared[1]` of them, and the seconds they took."""
+    t0 = time.perf_counter()
+    out: list[Outcome] = []
+    for position, kwargs in enumerate(items):
+        if position >= shared[1]:  # taken back by the service: scored elsewhere
+            break
+        shared[0] = mark(position)
+        out.append(score(ref, kwargs))
+    return out, time.perf_counter() - t0
 
 
 def score(ref: str, kwargs: dict[str, Any]) -> Outcome:

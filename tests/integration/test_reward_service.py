@@ -5,7 +5,10 @@ metrics on the METRICS stream, and the client's error when nobody answers."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -14,6 +17,7 @@ from schemas.messages import MetricsEvent, RewardItem, RewardReply, decode
 from schemas.subjects import REWARD_SUBJECT, Subjects
 from services.common.health import evaluate_checks
 from services.reward.client import RewardClient, RewardRequestError, RewardUnavailableError
+from services.reward.proctree import alive, descendants
 from services.reward.service import RewardService
 from services.reward.settings import RewardSettings
 from tests.support.waiting import wait_until
@@ -67,6 +71,77 @@ async def test_item_past_its_timeout_is_timeout_and_the_others_are_ok(service: R
     again = await client.score("tests.reward_fns:sleepy", [item("xy", sleep_s=0.3), item("z", sleep_s=0.3)], item_timeout_s=5)
     assert [(r.status, r.value) for r in again] == [("ok", 2.0), ("ok", 1.0)]
     assert service.pool.restarts == 1
+
+
+async def test_a_cheap_functions_request_is_one_batch_and_a_crash_in_it_fails_one_item(service: RewardService, nc: NATS) -> None:
+    client = RewardClient(nc, timeout_s=30)
+    # the first request of a function not yet measured is split over both processes
+    first = await client.score("tests.reward_fns:pid", [item("a") for _ in range(8)])
+    assert len({r.value for r in first}) == 2
+    # measured cheap now: the whole request goes to one process, in one message
+    second = await client.score("tests.reward_fns:pid", [item("a") for _ in range(8)])
+    assert len({r.value for r in second}) == 1
+    await client.score("tests.reward_fns:exits_if", [item("a")])  # measured cheap too
+    # the process dies on the second item of its batch: that item alone is an error; the items it
+    # had scored (lost with it) and the items after it are scored again elsewhere
+    items = [item("a"), item("bb", crash=True), item("ccc"), item("dddd")]
+    results = await client.score("tests.reward_fns:exits_if", items)
+    assert [(r.status, r.value) for r in results] == [("ok", 1.0), ("error", None), ("ok", 3.0), ("ok", 4.0)]
+    assert "exit code 7" in results[1].message and service.pool.restarts == 1
+
+
+async def test_a_pool_process_killed_while_idle_is_replaced_before_the_next_item(nats_url: str, nc: NATS) -> None:
+    settings = RewardSettings(run=RUN, nats_url=nats_url, processes=1, allow=["tests.reward_fns:*"])
+    svc = RewardService(settings, nc)
+    await svc.start()
+    try:
+        client = RewardClient(nc, timeout_s=30)
+        [before] = await client.score("tests.reward_fns:pid", [item("a")])
+        os.kill(int(before.value or 0), signal.SIGKILL)  # the OOM killer, say, while it waits for work
+        await asyncio.to_thread(wait_until, "the killed process replaced", lambda: svc.pool.restarts == 1, timeout_s=30)
+        [after] = await client.score("tests.reward_fns:pid", [item("a")])
+        assert after.status == "ok" and after.value != before.value
+    finally:
+        await svc.stop(timeout_s=2.0)
+
+
+async def test_pool_processes_outlive_their_fork_server(nats_url: str, nc: NATS) -> None:
+    # SIGTERM to the service's process group (as `jetrl up` stops it) ends the fork server first; its
+    # children's exit sentinels then close while they still run: not a reason to fail or replace them
+    settings = RewardSettings(run=RUN, nats_url=nats_url, processes=1, allow=["tests.reward_fns:*"])
+    svc = RewardService(settings, nc)
+    await svc.start()
+    try:
+        client = RewardClient(nc, timeout_s=30)
+        [before] = await client.score("tests.reward_fns:pid", [item("a")])
+        pool_pids = {p.pid for p in svc.pool._procs}
+        forked = [p for p in descendants(os.getpid()) if b"multiprocessing.forkserver" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        servers = [p for p in forked if p not in pool_pids]  # its children carry its command line too
+        assert servers and before.value in pool_pids
+        for pid in servers:
+            os.kill(pid, signal.SIGKILL)
+        await asyncio.to_thread(wait_until, "the fork server gone", lambda: not any(map(alive, servers)), timeout_s=30)
+        for _ in range(2):
+            [after] = await client.score("tests.reward_fns:pid", [item("a")])
+            assert (after.status, after.value) == ("ok", before.value)
+        assert svc.pool.restarts == 0
+    finally:
+        await svc.stop(timeout_s=2.0)
+
+
+async def test_importing_a_function_is_not_on_its_first_items_clock(nats_url: str, nc: NATS) -> None:
+    # a package pattern: its modules are not imported at process start, each process imports the
+    # function's module when it first gets it (1.5 s here), which must not time out a 0.5 s item
+    settings = RewardSettings(run=RUN, nats_url=nats_url, processes=2, allow=["tests.*:*"])
+    svc = RewardService(settings, nc)
+    await svc.start()
+    try:
+        client = RewardClient(nc, timeout_s=60)
+        results = await client.score("tests.reward_slow_import:length", [item("a"), item("bb")], item_timeout_s=0.5)
+        assert [(r.status, r.value) for r in results] == [("ok", 1.0), ("ok", 2.0)], results
+        assert svc.pool.restarts == 0
+    finally:
+        await svc.stop(timeout_s=2.0)
 
 
 async def test_function_errors_are_reported_per_item(service: RewardService, nc: NATS) -> None:

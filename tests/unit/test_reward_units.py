@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -170,3 +171,15 @@ def test_pool_settings_are_checked() -> None:
         load_settings(RewardSettings, overrides=["slow_item_s=0"])
     with pytest.raises(SettingsError, match="max_extra_processes"):
         load_settings(RewardSettings, overrides=["max_extra_processes=-1"])
+
+
+def test_the_fork_server_preloads_only_light_modules() -> None:
+    # every pool process starts from a fork server that imports these; heavy imports there are paid
+    # at every service start (math_verify is imported where it is used, by `builtin_math`)
+    from services.reward.procpool import FORKSERVER_PRELOAD
+
+    heavy = ("math_verify", "sympy", "pydantic", "pydantic_settings", "structlog", "nats")
+    code = f"import importlib, sys; [importlib.import_module(m) for m in {list(FORKSERVER_PRELOAD)}]"
+    code += f"; print([m for m in {heavy} if m in sys.modules])"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"
