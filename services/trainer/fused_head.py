@@ -39,11 +39,15 @@ class _HeadLogpEntropy(torch.autograd.Function):
         for s in range(0, n, chunk):
             rows = slice(s, s + chunk)
             z = _logits(h[rows], weight, bias, temperature)
-            lse[rows] = torch.logsumexp(z, dim=-1)
+            # log-sum-exp by hand (torch.logsumexp builds a third chunk-sized temporary): e = exp(z -
+            # max) is the one other one; entropy = lse - sum(e z) / sum(e)
+            top = z.amax(-1, keepdim=True)
+            e = torch.sub(z, top).exp_()
+            total = e.sum(-1)
+            lse[rows] = top.squeeze(-1) + total.log()
             logp[rows] = z.gather(-1, ids[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
-            # entropy = lse - sum p z: p is the one other chunk-sized temporary
-            ent[rows] = lse[rows] - torch.exp(z - lse[rows].unsqueeze(-1)).mul_(z).sum(-1)
-            del z
+            ent[rows] = lse[rows] - e.mul_(z).sum(-1) / total
+            del z, e
         ctx.save_for_backward(h, weight, bias, ids, lse, ent)
         ctx.temperature, ctx.chunk = temperature, chunk
         return logp, ent
@@ -77,6 +81,7 @@ class _HeadLogpEntropy(torch.autograd.Function):
                 torch.matmul(gz, weight, out=grad_h[rows])
             if grad_w is not None:
                 grad_w.addmm_(gz.t(), h[rows])
+            del gz  # before the next chunk's logits: two chunk-sized buffers at a time, not three
         return grad_h, grad_w, grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None
 
 
