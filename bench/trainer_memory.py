@@ -4,7 +4,10 @@ locally from a config), the real-model path against today's, in the same run:
 - today's: one forward/backward per mini-batch piece, log-probs and entropy over the whole float32
   (tokens x vocabulary) log-softmax, no gradient checkpointing;
 - new: `max_tokens_per_microbatch` (`--seq-len` tokens: one full sample, or several shorter ones),
-  `pack_sequences`, `logp_chunk_tokens`, and `gradient_checkpointing`.
+  `pack_sequences`, `logp_chunk_tokens`, and `gradient_checkpointing`, with the output projection
+  fused into the chunked log-prob function (`fused_output_projection`, on by default);
+- unfused: the new path with `fused_output_projection=false` (the log-probs from the model's logits),
+  so the fusion's own share shows.
 
     python bench/trainer_memory.py [--layers 24] [--samples 8] [--seq-len 4096] [--steps 2] [--lengths uniform] [--budget N]
 
@@ -23,10 +26,11 @@ PPOActor with the default decoupled PPO update, so the proximal forward is inclu
 the process's resident high-water mark (VmHWM, reset before the last update; ru_maxrss where /proc has
 no reset) over the last update, model and Adam states included ("added": that peak minus the resident
 size before the update, i.e. what the update itself needs); tokens/s is over the last update (the
-first allocates the optimizer states). A thread samples the resident size every 5 ms and keeps its peak
+first allocates the optimizer states), and so is tokens per CPU-second (the process's CPU time: on a
+shared machine wall-clock tokens/s follows the load, CPU time much less). A thread samples the resident size every 5 ms and keeps its peak
 per phase of the update (proximal forward, forward, log-probs and loss, backward, ZeRO's gradient
-reduction at the end of each backward, optimizer step). Prints the tables, then a JSON line whose `score` is new peak / old peak
-(target <= 0.4 with tokens/s no more than 10% lower).
+reduction at the end of each backward, optimizer step). Prints the tables, then a JSON line whose
+`score` is new peak / today's peak (target <= 0.4 with tokens/s no more than 10% lower).
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ sys.path.insert(0, str(REPO))
 
 PATHS: dict[str, dict[str, Any]] = {
     "today": {},
-    # + max_tokens_per_microbatch = --seq-len
+    # + max_tokens_per_microbatch = --seq-len; fused_output_projection is on by default
     "new": {"logp_chunk_tokens": 1024, "gradient_checkpointing": True, "pack_sequences": True},
+    # the same, the log-probs from the model's logits: what the fused output projection changes
+    "unfused": {"logp_chunk_tokens": 1024, "gradient_checkpointing": True, "pack_sequences": True, "fused_output_projection": False},
 }
 
 
@@ -156,7 +162,7 @@ def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, s
     from services.trainer.settings import TrainerSettings
 
     extra: dict[str, Any] = dict(PATHS[name])
-    if name == "new":
+    if name != "today":
         extra["max_tokens_per_microbatch"] = budget or seq_len
     s = TrainerSettings.model_validate({"model_path": model_path, "zero_stage": 2, **extra})
     engine = TrainEngine(s)
@@ -165,22 +171,23 @@ def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, s
     tokens = int(b["attention_mask"].sum())
     phases = PhasePeaks()
     ds = engine.engine
-    for obj, attr, phase in ((actor, "compute_logp", "proximal"), (ds, "forward", "forward"), (actor, "_loss", "logp+loss"),
+    for obj, attr, phase in ((actor, "_device_logp", "proximal"), (ds, "forward", "forward"), (actor, "_loss", "logp+loss"),
                              (ds, "backward", "backward"), (ds.optimizer, "independent_gradient_partition_epilogue", "zero-reduce"),
                              (ds, "step", "step")):
         phases.wrap(obj, attr, phase)
-    elapsed, before, reset = 0.0, 0, False
+    elapsed, cpu, before, reset = 0.0, 0.0, 0, False
     for i in range(steps):
         if i == steps - 1:  # the last update: its peak, and what it adds over the model and Adam states
             reset = _reset_peak()
             before = _rss_bytes()
             phases.peaks.clear()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         actor.ppo_update(shard(b, 1, 1)[0])
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = _peak_bytes(reset)
     by_phase = phases.stop()
     Path(result).write_text(json.dumps({"peak_bytes": peak, "added_bytes": peak - before, "tokens_per_s": tokens / elapsed,
+                                        "tokens_per_cpu_s": tokens / cpu,
                                         "base_bytes": before, "phase_peak_bytes": {p: by_phase.get(p, 0) for p in PHASES}}))
     sys.stdout.flush()
     os._exit(0)
@@ -217,22 +224,27 @@ def main() -> None:
     print(f"Qwen2-0.5B-shaped, {args.layers} layers, vocab {args.vocab}; {args.samples} samples x {args.seq_len} tokens "
           f"({args.lengths}); "
           f"ZeRO-2, 1 CPU rank, float32; {args.steps} update(s), tokens/s of the last")
-    print(f"{'path':<8}{'peak GiB':>10}{'added GiB':>11}{'tokens/s':>11}")
+    print(f"{'path':<8}{'peak GiB':>10}{'added GiB':>11}{'tokens/s':>11}{'tokens/CPU-s':>14}")
     for name, r in rows.items():
-        print(f"{name:<8}{r['peak_bytes'] / gib:>10.2f}{r['added_bytes'] / gib:>11.2f}{r['tokens_per_s']:>11.1f}")
+        print(f"{name:<8}{r['peak_bytes'] / gib:>10.2f}{r['added_bytes'] / gib:>11.2f}{r['tokens_per_s']:>11.1f}"
+              f"{r['tokens_per_cpu_s']:>14.1f}")
     print("peak GiB by phase of the update (resident size sampled every 5 ms; before it: the weights, ZeRO's fp32 copy, Adam)")
     print(f"{'path':<8}{'before':>8}" + "".join(f"{p:>12}" for p in PHASES))
     for name, r in rows.items():
         print(f"{name:<8}{r['base_bytes'] / gib:>8.2f}" + "".join(f"{r['phase_peak_bytes'][p] / gib:>12.2f}" for p in PHASES))
-    old, new = rows["today"], rows["new"]
+    old, new, unfused = rows["today"], rows["new"], rows["unfused"]
     print(json.dumps({
         "score": new["peak_bytes"] / old["peak_bytes"],
         "old_peak_gib": old["peak_bytes"] / gib, "new_peak_gib": new["peak_bytes"] / gib,
+        "unfused_peak_gib": unfused["peak_bytes"] / gib, "unfused_score": unfused["peak_bytes"] / old["peak_bytes"],
         "old_tokens_per_s": old["tokens_per_s"], "new_tokens_per_s": new["tokens_per_s"],
         "tokens_per_s_ratio": new["tokens_per_s"] / old["tokens_per_s"],
+        "tokens_per_cpu_s_ratio": new["tokens_per_cpu_s"] / old["tokens_per_cpu_s"],
+        "unfused_tokens_per_cpu_s_ratio": unfused["tokens_per_cpu_s"] / old["tokens_per_cpu_s"],
         "added_ratio": new["added_bytes"] / max(old["added_bytes"], 1),
         "old_phase_peak_gib": {p: round(v / gib, 3) for p, v in old["phase_peak_bytes"].items()},
         "new_phase_peak_gib": {p: round(v / gib, 3) for p, v in new["phase_peak_bytes"].items()},
+        "unfused_phase_peak_gib": {p: round(v / gib, 3) for p, v in unfused["phase_peak_bytes"].items()},
         "layers": args.layers, "vocab": args.vocab, "samples": args.samples, "seq_len": args.seq_len,
         "lengths": args.lengths, "budget": args.budget or args.seq_len,
     }))

@@ -26,6 +26,7 @@ from services.trainer.algorithms.kl import kl_estimate
 from services.trainer.algorithms.registry import load_algorithm
 from services.trainer.batch import to_tensors
 from services.trainer.engine import TrainEngine
+from services.trainer.fused_head import head_logp_entropy, output_head
 from services.trainer.logprobs import lean_logp_entropy, logp_entropy_from_logits
 from services.trainer.packing import target_ids, unpack
 from services.trainer.ppo import aggregate
@@ -53,6 +54,14 @@ class PPOActor:
             self.recompute_reason = "ppo.recompute_proximal" if cfg.recompute_proximal else stochastic_forward(engine.engine.module)
             log.info("proximal log-probs", first_minibatch="recomputed" if self.recompute_reason else "reused from the training forward",
                      reason=self.recompute_reason)
+        # The output projection folded into the chunked log-prob function (None: log-probs from the
+        # model's logits). Decided once, the same on every rank.
+        self.head: torch.nn.Linear | None = None
+        settings = engine.settings
+        if settings.logp_chunk_tokens > 0 and settings.fused_output_projection:
+            self.head, why_not = output_head(engine.engine.module, settings.zero_stage)
+            if why_not is not None:
+                log.info("fused output projection off: log-probs from the model's logits, chunked", reason=why_not)
 
     def compute_logp(self, batch: dict[str, Any], *, reference: bool = False) -> torch.Tensor:
         """Per-token log-probs (rows x length, the padded layout even when `batch` is packed), on the CPU."""
@@ -60,16 +69,23 @@ class PPOActor:
 
     def _device_logp(self, batch: dict[str, Any], *, reference: bool = False) -> torch.Tensor:
         """`compute_logp` left on the engine's device, where the loss reads it (no round trip)."""
-        logits = self.engine.forward(batch, reference=reference)
-        return self._logp_entropy(logits, batch, entropy=False)[0]
+        fused = self.head is not None and not reference
+        out = self.engine.forward(batch, reference=reference, hidden=fused)
+        with torch.no_grad():  # fused, the output projection's weight is an input that requires grad
+            return self._logp_entropy(out, batch, entropy=False, fused=fused)[0]
 
-    def _logp_entropy(self, logits: torch.Tensor, mb: dict[str, Any], *, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logp, entropy or None) in `mb`'s padded layout: chunked with `logp_chunk_tokens`, else the
-        whole-vocabulary way; computed on the packed row when `mb` is packed, then put back."""
+    def _logp_entropy(self, logits: torch.Tensor, mb: dict[str, Any], *, entropy: bool = True,
+                      fused: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logp, entropy or None) in `mb`'s padded layout: chunked with `logp_chunk_tokens` (from the
+        last hidden states through `self.head` when it is set and `fused`: then `logits` are those
+        hidden states), else the whole-vocabulary way; computed on the packed row when `mb` is packed,
+        then put back."""
         chunk, temp = self.engine.settings.logp_chunk_tokens, self.cfg.temperature
         ids = target_ids(mb).long().to(logits.device)
         ent: torch.Tensor | None
-        if chunk > 0:
+        if fused and self.head is not None:
+            logp, ent = head_logp_entropy(logits, self.head.weight, self.head.bias, ids, temp, chunk)
+        elif chunk > 0:
             logp, ent = lean_logp_entropy(logits, ids, temp, chunk)
         else:
             logp, ent = logp_entropy_from_logits(logits, ids, temp, entropy=entropy)
@@ -115,7 +131,7 @@ class PPOActor:
             with ref.on_device():  # reference_placement cpu: moved to the device once for these passes
                 for mb in flat:
                     mb["ref_logp"] = self._device_logp(mb, reference=True)
-        stats, norms = self.engine.train_batch(mbs, self._loss)
+        stats, norms = self.engine.train_batch(mbs, self._loss, hidden=self.head is not None)
         return self._reduce(stats, norms, len(mbs))
 
     def _loss(self, logits: torch.Tensor, mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -18,7 +18,7 @@ import torch
 
 from services.common.logging import get_logger
 from services.common.stores import init_default_group
-from services.trainer import lora, micro, packing
+from services.trainer import fused_head, lora, micro, packing
 from services.trainer.reference import Reference
 from services.trainer.schedule import scheduler
 from services.trainer.settings import TrainerSettings
@@ -161,9 +161,10 @@ class TrainEngine:
         return packing.model_inputs(batch, self.device)
 
     @torch.no_grad()
-    def forward(self, batch: dict[str, Any], *, reference: bool = False) -> torch.Tensor:
+    def forward(self, batch: dict[str, Any], *, reference: bool = False, hidden: bool = False) -> torch.Tensor:
         """Logits (float32) for a padded batch, or its packed row when `batch` is packed (see
-        `services.trainer.packing`), without gradients; `reference` uses the frozen reference model."""
+        `services.trainer.packing`), without gradients; `reference` uses the frozen reference model;
+        `hidden`: the last hidden states instead (see `_outputs`)."""
         if reference:
             if self.ref_model is None:
                 raise RuntimeError("forward(reference=True) needs ppo.kl_coef > 0 (no reference model loaded)")
@@ -171,9 +172,17 @@ class TrainEngine:
         was_training = self.engine.module.training
         self.engine.module.eval()
         try:
-            return self.engine(**self._inputs(batch)).logits.float()
+            out = self._outputs(batch, hidden)
+            return out if hidden else out.float()
         finally:
             self.engine.module.train(was_training)
+
+    def _outputs(self, batch: dict[str, Any], hidden: bool) -> torch.Tensor:
+        """The model's logits, or with `hidden` its last hidden states, the logits left to the loss
+        (`services.trainer.fused_head`: only the last position's are computed here)."""
+        if hidden:
+            return self.engine(**self._inputs(batch), **fused_head.HIDDEN_KWARGS).hidden_states[-1]
+        return self.engine(**self._inputs(batch)).logits
 
     def micro_batches(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
         """This rank's piece of a mini-batch cut by `max_tokens_per_microbatch` (one micro-batch when
@@ -195,11 +204,13 @@ class TrainEngine:
         self,
         minibatches: list[list[dict[str, Any]]],
         loss_fn: Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]],
+        *,
+        hidden: bool = False,
     ) -> tuple[list[dict[str, Any]], list[float]]:
         """One optimizer step per mini-batch, given as its micro-batches (`micro_batches`): for each,
         forward, `loss_fn(logits, micro) -> (loss, stats)`, backward (gradients accumulate); then step.
         Returns the per-mini-batch stats (micro-batch stats merged) and the global grad norms (before
-        clipping)."""
+        clipping). `hidden`: the loss gets the last hidden states instead of the logits (`_outputs`)."""
         self.engine.train()
         stats, norms = [], []
         for micros in minibatches:
@@ -207,7 +218,7 @@ class TrainEngine:
             for i, mb in enumerate(micros):
                 if len(micros) > 1:  # reduce and step only after the last micro-batch
                     self.engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
-                logits = self.engine(**self._inputs(mb)).logits
+                logits = self._outputs(mb, hidden)
                 loss, s = loss_fn(logits, mb)
                 del logits
                 self.engine.backward(loss)

@@ -205,6 +205,12 @@ class TrainerSettings(ServiceSettings):
     logp_chunk_tokens: int = Field(0, ge=0)
     """Log-probs and entropy are computed this many tokens at a time, without the whole float32
     (tokens x vocabulary) log-softmax (equal to 1e-5); 0: the whole vocabulary tensor at once."""
+    fused_output_projection: bool = True
+    """With `logp_chunk_tokens` > 0: the output projection (lm_head) is computed inside the chunked
+    log-prob function, a chunk of tokens at a time, its weight gradient accumulated chunk by chunk, so
+    the whole (tokens x vocabulary) logits and their gradient never exist. Falls back to the chunked
+    function on the logits (saying why, once) where it cannot apply: ZeRO-3, an output projection that
+    is not a plain Linear (e.g. LoRA on lm_head), soft-capped or scaled logits."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them (HF gradient
     checkpointing): less memory for about one more forward pass; the gradients are unchanged."""
