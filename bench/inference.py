@@ -5,6 +5,13 @@ with the real `InferenceEngine` client: `concurrency` workers, each sending one 
 (prompt of 8 tokens, 64 new tokens, `ignore_eos` so every request costs the same). Iteration-level
 batching should make throughput grow with concurrency; the headline `score` is the ratio at 16
 (target >= 4). Run: `python bench/inference.py [--model DIR] [--new-tokens N]`.
+
+`--rollout` measures the server's own cost in the shape `jetrl up` gives it: `--groups` groups in
+flight, each 8 samples of a copy3 prompt with 4 new tokens at temperature 1 (one batched `/generate`
+per group, as the rollout client sends). It prints the server's start-up (seconds to `/health` 200 and
+its CPU-seconds then), its CPU-seconds per 1000 samples under load (read from /proc, the client's own
+work excluded) and the rows of its model forwards; `--src DIR` runs the server from another checkout
+and `--server-arg key=value` passes a setting, for before/after comparisons.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -34,10 +42,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+def start_server(model: Path, port: int, log_path: Path, args: tuple[str, ...] = ("max_batch_size=64",),
+                 src: str = "") -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "services.inference", f"model_path={model}", f"port={port}", "max_batch_size=64"]
-    proc = subprocess.Popen(cmd, env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
+    if src:
+        env["PYTHONPATH"] = src
+    cmd = [sys.executable, "-m", "services.inference", f"model_path={model}", f"port={port}", *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=src or None)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -82,17 +93,89 @@ async def measure(url: str, new_tokens: int) -> dict[int, tuple[float, int, floa
         await engine.aclose()
 
 
+def build_tiny(tmp: Path) -> Path:
+    from services.inference.make_model import build_model
+
+    return Path(build_model(tmp / "tiny"))
+
+
+def cpu_s(pid: int) -> float:
+    """CPU-seconds (user + system) process `pid` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def rollout_load(url: str, pid: int, groups: int, samples: int, think_s: float = 0.0) -> dict[str, object]:
+    """`groups` closed-loop groups of 8 copy3 samples (4 new tokens) until `samples` are done, each
+    pausing a random 0..`think_s` between groups (a rollout worker scores and publishes a group before
+    it sends the next prompt, so groups do not arrive in lock step); the server's CPU-seconds per 1000
+    samples over that window and its forward batch rows."""
+    engine = InferenceEngine(InferenceClientSettings(servers=[url]))
+    done = 0
+    rng = random.Random(0)
+
+    async def group_loop() -> None:
+        nonlocal done
+        while done < samples:
+            done += 8
+            prompt = [1, *(6 + rng.randrange(10) for _ in range(3)), 16]  # "ddd=" in the chat template
+            await asyncio.gather(*(engine.agenerate(ModelRequest(prompt, max_new_tokens=4, temperature=1.0)) for _ in range(8)))
+            await asyncio.sleep(rng.random() * think_s)
+
+    try:
+        await asyncio.gather(*(engine.agenerate(ModelRequest([1, 6, 7, 8, 16], max_new_tokens=4)) for _ in range(8)))
+        async with httpx.AsyncClient() as http:
+            before = (await http.get(url + "/server_info")).json()
+        cpu0, t0 = cpu_s(pid), time.perf_counter()
+        await asyncio.gather(*(group_loop() for _ in range(groups)))
+        cpu, wall = cpu_s(pid) - cpu0, time.perf_counter() - t0
+        async with httpx.AsyncClient() as http:
+            after = (await http.get(url + "/server_info")).json()
+    finally:
+        await engine.aclose()
+    rows = {kind: {int(k): n - int(before.get("forward_rows", {}).get(kind, {}).get(k, 0)) for k, n in c.items()}
+            for kind, c in after.get("forward_rows", {}).items()}
+    return {"samples": done, "server_cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
+            "server_cpu_s_per_1000_samples": round(1000 * cpu / done, 3),
+            "model_steps": after["model_steps"] - before["model_steps"],
+            "forward_rows": {kind: {k: n for k, n in sorted(c.items()) if n} for kind, c in rows.items()}}
+
+
+def rollout(args: argparse.Namespace, model: Path, tmp: str) -> int:
+    port = free_port()
+    t0 = time.perf_counter()
+    proc = start_server(model, port, Path(tmp) / "server.log", tuple(args.server_arg), args.src)
+    startup = {"startup_s": round(time.perf_counter() - t0, 3), "startup_cpu_s": round(cpu_s(proc.pid), 3)}
+    try:
+        result = asyncio.run(rollout_load(f"http://127.0.0.1:{port}", proc.pid, args.groups, args.samples, args.think_ms / 1000))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    for kind, rows in result["forward_rows"].items():  # type: ignore[attr-defined]
+        total = sum(rows.values())
+        mean = sum(k * n for k, n in rows.items()) / max(1, total)
+        print(f"{kind} forwards: {total}, mean rows {mean:.1f}, rows: {rows}")
+    print(json.dumps({**startup, **result, "groups": args.groups, "think_ms": args.think_ms, "src": args.src or ".",
+                      "server_args": args.server_arg, "load_average": os.getloadavg()[0]}))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="", help="HF model directory (default: build the tiny model)")
     parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--rollout", action="store_true", help="the server's CPU per sample in jetrl up's shape")
+    parser.add_argument("--groups", type=int, default=32, help="--rollout: groups of 8 in flight")
+    parser.add_argument("--samples", type=int, default=8192, help="--rollout: samples to generate")
+    parser.add_argument("--think-ms", type=float, default=20.0, help="--rollout: longest pause of a group loop between two groups")
+    parser.add_argument("--src", default="", help="--rollout: run the server from this checkout")
+    parser.add_argument("--server-arg", action="append", default=[], help="--rollout: a server setting key=value")
     args = parser.parse_args()
+    if args.rollout:
+        with tempfile.TemporaryDirectory() as tmp:
+            return rollout(args, Path(args.model) if args.model else build_tiny(Path(tmp)), tmp)
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(args.model) if args.model else None
-        if model is None:
-            from services.inference.make_model import build_model
-
-            model = build_model(Path(tmp) / "tiny")
+        model = Path(args.model) if args.model else build_tiny(Path(tmp))
         port = free_port()
         proc = start_server(model, port, Path(tmp) / "server.log")
         try:

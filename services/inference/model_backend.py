@@ -10,7 +10,8 @@ updates happen, so a load always falls between two steps.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import time
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,10 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import CacheLayerMixin
+from transformers.utils import logging as hf_logging
 
 from services.common.logging import get_logger
+from services.inference.cost import CallCost
 from services.inference.requests import Joining, SamplingParams
 from services.inference.sampling import TopLogprobs, sample_top
 from services.inference.weights import load_safetensors_into
@@ -39,19 +42,27 @@ class _Row:
 
 
 class TransformersBackend:
-    def __init__(self, model_path: str, *, seed: int = 0, version: str = "0", threads: int = 1) -> None:
+    def __init__(self, model_path: str, *, seed: int = 0, version: str = "0", threads: int = 1, tokenizer: bool = True) -> None:
+        """`tokenizer=False` (a `skip_tokenizer_init` server) loads none: ids in, ids out."""
         torch.set_num_threads(threads)
         path = Path(model_path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model_path {model_path!r} has no config.json (build one with `jetrl make-model`)")
         config = AutoConfig.from_pretrained(path)
+        # No progress bar: its tqdm monitor thread would outlive the load and wake for the server's lifetime.
+        hf_logging.disable_progress_bar()
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.model_path = str(path)
-        try:
-            self.tokenizer: Any = AutoTokenizer.from_pretrained(path)
-        except Exception as exc:  # a model directory without a tokenizer still serves input_ids
-            log.warning("no tokenizer at model_path; text input disabled", error=repr(exc))
-            self.tokenizer = None
+        self.tokenizer: Any = None
+        if tokenizer:
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(path)
+            except Exception as exc:  # a model directory without a tokenizer still serves input_ids
+                log.warning("no tokenizer at model_path; text input disabled", error=repr(exc))
+        has_files = any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        self.tokenizer_path = self.model_path if self.tokenizer is not None or (not tokenizer and has_files) else None
+        """What `/model_info` reports: SGLang reports its tokenizer path even with `--skip-tokenizer-init`
+        (clients load it to apply stop strings themselves)."""
         self.vocab_size = int(config.vocab_size)
         self.context_length = int(getattr(config, "max_position_embeddings", 4096))
         eos = config.eos_token_id if config.eos_token_id is not None else []
@@ -62,6 +73,9 @@ class TransformersBackend:
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._mask = torch.zeros(0, 0, dtype=torch.long)
+        self.forward_rows: dict[str, Counter[int]] = {"prefill": Counter(), "decode": Counter(), "decode+prefill": Counter()}
+        """How many rows each model forward ran, per kind (`/server_info`): the batching actually achieved."""
+        self.cost = CallCost()
 
     @property
     def batch_size(self) -> int:
@@ -69,11 +83,23 @@ class TransformersBackend:
 
     def step(self, remove: set[int], joining: list[Joining]) -> tuple[list[Token], str]:
         """One iteration in one call (one thread hand-off): drop `remove`, decode one token for every
-        row already in the batch, then prefill `joining` (their first token). Returns `Token`s."""
+        row already in the batch, then prefill `joining` (their first token). Returns `Token`s.
+
+        The newcomers of the most common prompt length are prefilled inside the decode call when that
+        is cheaper (`CallCost`): one model call instead of two, paid for by every running row
+        computing that many masked positions. Other lengths are prefilled on their own."""
         self.remove(remove)
-        out, _ = self.decode()
-        if joining:
-            out += self.prefill(joining)[0]
+        by_len: dict[int, list[Joining]] = defaultdict(list)
+        for j in joining:
+            by_len[len(j.prompt)].append(j)
+        merged: list[Joining] = []
+        if self._rows and by_len:
+            length, group = max(by_len.items(), key=lambda kv: len(kv[1]))
+            if self.cost.worth_merging(len(self._rows) * (length - 1)):
+                merged = by_len.pop(length)
+        out = self._decode_joining(merged)
+        for group in by_len.values():
+            out += self.prefill(group)[0]
         return out, self.version
 
     def _generator(self, params: SamplingParams) -> torch.Generator:
@@ -91,7 +117,8 @@ class TransformersBackend:
         for length, group in by_len.items():
             ids = torch.tensor([j.prompt for j in group], dtype=torch.long)
             cache = DynamicCache()
-            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1, :]
+            self.forward_rows["prefill"][len(group)] += 1
+            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
             rows = [_Row(j.sid, j.params, self._generator(j.params), next_pos=length) for j in group]
             tokens, logps, tops = sample_top(logits, [r.params for r in rows], [r.generator for r in rows])
             for row, tok, lp, top in zip(rows, tokens, logps, tops, strict=True):
@@ -115,29 +142,57 @@ class TransformersBackend:
         self._mask = torch.cat([_lpad(self._mask, width), _lpad(mask, width)])
         self._rows = self._rows + rows
 
-    @torch.inference_mode()
     def decode(self) -> tuple[list[Token], str]:
         """One `Token` for every sequence in the batch."""
-        if not self._rows:
-            return [], self.version
-        ids = torch.tensor([[r.last_token] for r in self._rows], dtype=torch.long)
-        pos = torch.tensor([[r.next_pos] for r in self._rows], dtype=torch.long)
-        mask = torch.cat([self._mask, torch.ones(len(self._rows), 1, dtype=torch.long)], dim=1)
-        cache = DynamicCache(ddp_cache_data=list(zip(self._keys, self._values, strict=True)))
+        return self._decode_joining([]), self.version
+
+    @torch.inference_mode()
+    def _decode_joining(self, joining: list[Joining]) -> list[Token]:
+        """One model call: a token for every running row and the prompts of `joining` (all of one
+        length L; none: a plain decode). The call's query is L wide: a running row's token sits last,
+        after L-1 masked positions; a newcomer's cache is masked zeros up to the batch's width. The
+        mask and per-row positions keep every row's logits those of its own sequence alone."""
+        run, new = len(self._rows), len(joining)
+        if not run:
+            return self.prefill(joining)[0] if joining else []
+        length = len(joining[0].prompt) if joining else 1
+        width = self._mask.shape[1]
+        ids = torch.zeros(run + new, length, dtype=torch.long)
+        ids[:run, -1] = torch.tensor([r.last_token for r in self._rows], dtype=torch.long)
+        pos = torch.tensor([r.next_pos for r in self._rows], dtype=torch.long).unsqueeze(1).expand(run, length)
+        mask = torch.zeros(run + new, width + length, dtype=torch.long)
+        mask[:run, :width] = self._mask
+        mask[:run, -1] = 1
+        keys, values = self._keys, self._values
+        rows = self._rows
+        if joining:
+            ids[run:] = torch.tensor([j.prompt for j in joining], dtype=torch.long)
+            pos = torch.cat([pos, torch.arange(length).unsqueeze(0).expand(new, length)])
+            mask[run:, width:] = 1
+            keys = [torch.cat([k, k.new_zeros(new, *k.shape[1:])]) for k in keys]
+            values = [torch.cat([v, v.new_zeros(new, *v.shape[1:])]) for v in values]
+            rows = rows + [_Row(j.sid, j.params, self._generator(j.params), next_pos=length) for j in joining]
+        self.forward_rows["decode+prefill" if joining else "decode"][run + new] += 1
+        cache = DynamicCache(ddp_cache_data=list(zip(keys, values, strict=True)))
+        started = time.thread_time()
         logits = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
         ).logits[:, -1, :]
+        if not joining:
+            self.cost.observe(run, time.thread_time() - started)
         layers = _keys_values(cache)
         self._keys = [k for k, _ in layers]
         self._values = [v for _, v in layers]
         self._mask = mask
-        tokens, logps, tops = sample_top(logits, [r.params for r in self._rows], [r.generator for r in self._rows])
+        for r in self._rows:
+            r.next_pos += 1
+        self._rows = rows
+        tokens, logps, tops = sample_top(logits, [r.params for r in rows], [r.generator for r in rows])
         out: list[Token] = []
-        for row, tok, lp, top in zip(self._rows, tokens, logps, tops, strict=True):
+        for row, tok, lp, top in zip(rows, tokens, logps, tops, strict=True):
             row.last_token = tok
-            row.next_pos += 1
             out.append((row.sid, tok, lp, top))
-        return out, self.version
+        return out
 
     def remove(self, sids: set[int]) -> None:
         """Drop finished or aborted sequences; trim padding columns no remaining row needs."""
@@ -151,11 +206,17 @@ class TransformersBackend:
         index = torch.tensor(keep)
         self._rows = [self._rows[i] for i in keep]
         mask = self._mask.index_select(0, index)
-        used = mask.any(dim=0).nonzero()
-        start = int(used[0]) if len(used) else mask.shape[1]
-        self._mask = mask[:, start:]
-        self._keys = [k.index_select(0, index)[:, :, start:] for k in self._keys]
-        self._values = [v.index_select(0, index)[:, :, start:] for v in self._values]
+        used = mask.any(dim=0)
+        if bool(used.all()):
+            self._mask = mask
+            self._keys = [k.index_select(0, index) for k in self._keys]
+            self._values = [v.index_select(0, index) for v in self._values]
+            return
+        # Columns no remaining row attends to (padding, or the positions of rows that left) go.
+        cols = used.nonzero().squeeze(1)
+        self._mask = mask.index_select(1, cols)
+        self._keys = [k.index_select(0, index).index_select(2, cols) for k in self._keys]
+        self._values = [v.index_select(0, index).index_select(2, cols) for v in self._values]
 
     def load_weights(self, model_path: str, version: str | None) -> str:
         """Load a checkpoint's safetensors in place (between steps); raises WeightLoadError and

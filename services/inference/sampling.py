@@ -63,21 +63,39 @@ def sample_top(
 ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
     """logits [B, V] -> (token per row, its logprob, the row's top log-probs or None)."""
     logits = logits.float()
-    greedy = [p.greedy for p in params]
-    temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]).unsqueeze(1)
-    scaled = _filter(
-        logits / temps,
-        [-1 if g else p.top_k for p, g in zip(params, greedy, strict=True)],
-        [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)],
-    )
-    logp = torch.log_softmax(scaled, dim=-1)
+    first = params[0]
+    if all(p is first for p in params):  # one setting for the whole batch (the usual case: parsing caches them)
+        greedy = [first.greedy] * len(params)
+        temps: torch.Tensor | float = 1.0 if first.greedy else first.temperature
+        ks, ps = [-1 if first.greedy else first.top_k] * len(params), [1.0 if first.greedy else first.top_p] * len(params)
+    else:
+        greedy = [p.greedy for p in params]
+        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]).unsqueeze(1)
+        ks = [-1 if g else p.top_k for p, g in zip(params, greedy, strict=True)]
+        ps = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
+    logp = torch.log_softmax(_filter(logits / temps, ks, ps), dim=-1)
     if all(greedy):
         tokens = logp.argmax(dim=-1)
     else:
-        u = torch.cat([torch.rand(1, generator=g) for g in generators])
         cdf = logp.exp().cumsum(dim=-1)
-        target = (u * cdf[:, -1]).unsqueeze(1)
+        target = (_uniforms(generators) * cdf[:, -1]).unsqueeze(1)
         drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
-        tokens = torch.where(torch.tensor(greedy), logp.argmax(dim=-1), drawn)
+        tokens = drawn if not any(greedy) else torch.where(torch.tensor(greedy), logp.argmax(dim=-1), drawn)
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens.tolist(), chosen.tolist(), _top(logp, params)
+
+
+def _uniforms(generators: list[torch.Generator]) -> torch.Tensor:
+    """One uniform number per row, each from its row's generator. Rows sharing a generator (the
+    server's, for requests without `sampling_seed`) draw theirs in one call, in row order; a seeded
+    row's generator is its own, so its draws never depend on the rest of the batch."""
+    first = generators[0]
+    if all(g is first for g in generators):
+        return torch.rand(len(generators), generator=first)
+    rows_of: dict[int, list[int]] = {}
+    for i, g in enumerate(generators):
+        rows_of.setdefault(id(g), []).append(i)
+    u = torch.empty(len(generators))
+    for rows in rows_of.values():
+        u[rows] = torch.rand(len(rows), generator=generators[rows[0]])
+    return u

@@ -51,7 +51,8 @@ def make_backend(settings: InferenceSettings) -> Any:
     from services.inference.model_backend import TransformersBackend
 
     return TransformersBackend(
-        settings.model_path, seed=settings.seed, version=settings.weight_version, threads=settings.torch_threads
+        settings.model_path, seed=settings.seed, version=settings.weight_version, threads=settings.torch_threads,
+        tokenizer=not settings.skip_tokenizer_init,
     )
 
 
@@ -142,7 +143,8 @@ class InferenceServer:
         try:
             if gen.stream:
                 return await self._stream(request, seqs[0], gen.return_logprob)
-            await asyncio.gather(*(s.done.wait() for s in seqs))
+            for s in seqs:  # one after another: no task per sample, and the same wait for the last
+                await s.done.wait()
         finally:
             # A client that went away (the handler is cancelled) aborts what it asked for. Marked, not
             # awaited: a cancelled handler cannot wait, and a fire-and-forget task could be collected.
@@ -248,7 +250,7 @@ class InferenceServer:
         b = self.sched.backend
         return web.json_response({
             "model_path": b.model_path, "served_model_name": b.model_path,
-            "tokenizer_path": b.model_path if b.tokenizer is not None else None,
+            "tokenizer_path": b.tokenizer_path,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": b.version,
         })
 
@@ -258,7 +260,8 @@ class InferenceServer:
                     vocab_size=self.sched.backend.vocab_size,
                     weight_version=self.sched.backend.version, tokens_generated=self.sched.tokens_generated,
                     requests_finished=self.sched.requests_finished, generate_calls=self.generate_calls,
-                    model_steps=self.sched.model_steps, paused=self.sched.paused)
+                    model_steps=self.sched.model_steps, paused=self.sched.paused,
+                    forward_rows=_forward_rows(self.sched.backend), cpu_s=round(time.process_time(), 3))
         return web.json_response(info)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -294,9 +297,24 @@ async def run(settings: InferenceSettings) -> None:
         scheduler = server.start(backend)
         sup.spawn("decode-loop", scheduler.run(sup.stopping))
         sup.spawn("unready-on-stop", _mark_stopping(sup, server))
-        log.info("ready", url=f"http://{settings.host}:{port}", model_path=backend.model_path, version=backend.version)
+        sup.stack.callback(_log_totals, server)
+        log.info("ready", url=f"http://{settings.host}:{port}", model_path=backend.model_path, version=backend.version,
+                 startup_cpu_s=round(time.process_time(), 3))
 
     await supervise("inference", main, settings.shutdown_timeout_s)
+
+
+def _log_totals(server: InferenceServer) -> None:
+    """At exit: what this server did and the CPU it took (CPU per sample is its cost on a shared machine)."""
+    sched = server.sched
+    log.info("served", requests_finished=sched.requests_finished, tokens_generated=sched.tokens_generated,
+             generate_calls=server.generate_calls, model_steps=sched.model_steps, cpu_s=round(time.process_time(), 3),
+             forward_rows=_forward_rows(sched.backend))
+
+
+def _forward_rows(backend: Any) -> dict[str, dict[str, int]]:
+    """Per forward kind, {rows: forwards that ran that many rows} (empty for the simulator)."""
+    return {kind: {str(k): n for k, n in sorted(c.items())} for kind, c in getattr(backend, "forward_rows", {}).items()}
 
 
 async def _mark_stopping(sup: Supervisor, server: InferenceServer) -> None:

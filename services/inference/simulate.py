@@ -32,6 +32,7 @@ class SimulatedBackend:
         self.context_length = context_length
         self.eos_ids = {sim.eos_token_id}
         self.tokenizer = None
+        self.tokenizer_path = None
         self.model_path = "(simulated)"
         self._rng = random.Random(seed)
         self._rows: list[_SimRow] = []

@@ -162,8 +162,10 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
                 "services.inference",
                 to_env(
                     "inference",
+                    # skip_tokenizer_init: ids only, as jetrl starts real SGLang (the rollout client
+                    # decodes and applies stop strings itself): no detokenizing per reply
                     deep_merge({**common, "model_path": s.model_path, "port": port, "seed": i,
-                                "torch_threads": shape.torch_threads}, sec("inference")),
+                                "torch_threads": shape.torch_threads, "skip_tokenizer_init": True}, sec("inference")),
                 )
                 | threads,
             )
