@@ -55,7 +55,27 @@ def import_deepspeed() -> Any:
     import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
 
     stage_1_and_2.get_norm_dtype = stage3.get_norm_dtype = lambda: torch.float32
+    _skip_muon_import()
     return deepspeed
+
+
+def _skip_muon_import() -> None:
+    """DeepSpeed's check that ZeRO supports the optimizer imports its Muon optimizer first, whose
+    kernels are `torch.compile`d at import: torch's inductor and dynamo, ~0.8 CPU-s of a trainer's
+    start for an optimizer it never uses. The check is the same without that import for any other
+    optimizer (AdamW here); a Muon optimizer still goes through DeepSpeed's own."""
+    import deepspeed.runtime.engine as ds_engine
+    import deepspeed.runtime.zero.utils as zero_utils
+
+    original = zero_utils.is_zero_supported_optimizer
+
+    def is_zero_supported_optimizer(optimizer: Any) -> bool:
+        if "muon" in type(optimizer).__name__.lower():
+            return bool(original(optimizer))
+        return type(optimizer) in zero_utils.ZERO_SUPPORTED_OPTIMIZERS
+
+    if ds_engine.is_zero_supported_optimizer is original:  # once: import_deepspeed runs more than once
+        ds_engine.is_zero_supported_optimizer = is_zero_supported_optimizer
 
 
 def init_distributed() -> tuple[int, int]:
