@@ -113,6 +113,8 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Fu
         async def main(sup: Supervisor) -> None:
             if broadcast is not None:
                 sup.stack.push_async_callback(broadcast.aclose)
+                if settings.weights_broadcast.build_ahead_s > 0:  # the rendezvous overlaps the engine's build
+                    sup.spawn("weights-group", broadcast.build_ahead(settings.weights_broadcast.build_ahead_s))
             await trainer.start(nc)
             sup.stack.push_async_callback(trainer.close)
             if trainer.feeder is not None:
