@@ -38,3 +38,16 @@ def layout(s: UpSettings, n_cores: int | None = None) -> Layout:
     # The trainer and the servers share the cores; each gets an equal share, at least one thread.
     threads = s.torch_threads or max(1, n // (1 + s.inference_servers))
     return Layout(cores=n, rollout_workers=s.rollout_workers, torch_threads=threads)
+
+
+BACKGROUND = ("weights", "track")
+"""Services no trainer step waits for while the weights travel by broadcast."""
+
+
+def niceness(s: UpSettings, service: str, broadcast: bool) -> int:
+    """How much lower `service`'s priority is than the others' (`background_nice`): the weights agents
+    only when the trainer broadcasts (on the disk path each version waits for an agent's load), the
+    experiment tracker always."""
+    if service not in BACKGROUND or (service == "weights" and not broadcast):
+        return 0
+    return s.background_nice

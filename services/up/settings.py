@@ -30,6 +30,11 @@ class UpSettings(ServiceSettings):
     """torch intra-op threads (OMP_NUM_THREADS) of the trainer and of each inference server (an
     `inference: {torch_threads}` section overrides the servers'). Unset: the cores shared equally
     among the trainer and the servers, at least 1. Every other process runs one thread."""
+    background_nice: int = Field(10, ge=0, le=19)
+    """Niceness (`os.nice`) of the processes no trainer step waits for: the weights agents when the
+    weights travel by broadcast (the trainer sends them to the servers itself; the agents only catch
+    up a server that joins late) and the experiment tracker. At start every process imports its
+    libraries at once; this way the ones the first step needs get the cores first. 0: all equal."""
     inference_servers: int = Field(1, ge=1)
     """CPU inference servers (each with its own weights agent)."""
     total_steps: int = Field(500, ge=1, json_schema_extra=flag("--steps"))
