@@ -40,14 +40,12 @@ def layout(s: UpSettings, n_cores: int | None = None) -> Layout:
     return Layout(cores=n, rollout_workers=s.rollout_workers, torch_threads=threads)
 
 
-BACKGROUND = ("weights", "track")
-"""Services no trainer step waits for while the weights travel by broadcast."""
-
-
-def niceness(s: UpSettings, service: str, broadcast: bool) -> int:
-    """How much lower `service`'s priority is than the others' (`background_nice`): the weights agents
-    only when the trainer broadcasts (on the disk path each version waits for an agent's load), the
-    experiment tracker always."""
-    if service not in BACKGROUND or (service == "weights" and not broadcast):
-        return 0
-    return s.background_nice
+def priorities(s: UpSettings, broadcast: bool) -> dict[str, int]:
+    """The niceness (`os.nice` increment) of each service's processes, by module; the trainer's is 0.
+    The trainer's step is on the path of every version, so it gets a core first and the servers, the
+    rollout workers and the reward service generate in what is left (`serving_nice`); what no step
+    waits for runs below them (`background_nice`): the weights agents when the trainer broadcasts (on
+    the disk path every version waits for an agent's load) and the experiment tracker."""
+    serving = {m: s.serving_nice for m in ("services.inference", "services.rollout", "services.reward")}
+    return serving | {"services.weights": s.background_nice if broadcast else s.serving_nice,
+                      "services.track": s.background_nice}

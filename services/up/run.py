@@ -21,7 +21,7 @@ from services.common.settings import SettingsError
 from services.runs import URL_FILE
 from services.up import SERVICE_SECTIONS
 from services.up.display import Display
-from services.up.layout import layout, niceness
+from services.up.layout import layout, priorities
 from services.up.monitor import REWARD_KEYS, RunView, watch
 from services.up.report import summary_lines, write_metrics
 from services.up.rundir import RunDirInUse, prepare_run_dir
@@ -146,7 +146,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             # enabled: false` selects).
             "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers},
         }
-        broadcast = bool(deep_merge(trainer, sec("trainer"))["weights_broadcast"].get("enabled"))
+        stack.nice = priorities(s, broadcast=bool(deep_merge(trainer, sec("trainer"))["weights_broadcast"].get("enabled")))
         if not s.dataset_path:  # the demo: a fixed eval set of 32 prompts, every 10 steps
             eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1)
             trainer["feeder"] |= {"eval_dataset_path": str(eval_set), "eval_every": 10, "eval_size": 32}
@@ -168,8 +168,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
                 | threads,
             )
             weights = {**common, **signed, "server": url, "cache_dir": str(run_dir / f"weights-cache-{i}")}
-            stack.start(f"weights-{i}", "services.weights", to_env("weights", deep_merge(weights, sec("weights"))),
-                        nice=niceness(s, "weights", broadcast))
+            stack.start(f"weights-{i}", "services.weights", to_env("weights", deep_merge(weights, sec("weights"))))
         # The rollout workers start beside the servers too: their start (imports, the tokenizer) overlaps
         # the servers' model load, and each takes no prompt before a server serves (version_gate.py).
         for i in range(shape.rollout_workers):
@@ -180,8 +179,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             config = run_dir / "config.json"
             config.write_text(json.dumps({"up": s.model_dump(), **{n: sec(n) for n in SERVICE_SECTIONS if n != "track"}}, default=str))
             track = {**common, "config_path": str(config)}
-            stack.start("track", "services.track", to_env("track", deep_merge(track, sections["track"])), required=False,
-                        nice=niceness(s, "track", broadcast))
+            stack.start("track", "services.track", to_env("track", deep_merge(track, sections["track"])), required=False)
 
         # A server that dies or never loads is reported here, with its log, before the live display.
         await _wait_healthy(servers, stack, s.ready_timeout_s, stop)

@@ -109,9 +109,12 @@ class Stack:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.base_env = base_env
         self.procs: list[Proc] = []
+        self.nice: dict[str, int] = {}
+        """Niceness by module (`services.<name>`) for the processes started without one of their own."""
         self._reported: set[str] = set()
 
-    def start(self, name: str, module: str, env: dict[str, str], required: bool = True, nice: int = 0) -> Proc:
+    def start(self, name: str, module: str, env: dict[str, str], required: bool = True, nice: int | None = None) -> Proc:
+        nice = self.nice.get(module, 0) if nice is None else nice
         proc = Proc(name, module, env, self.logs / f"{name}.log", required, nice)
         # Only the machine's basics plus this service's settings: exactly what a container gets.
         full_env = {**self.base_env, **env}

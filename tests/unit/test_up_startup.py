@@ -31,17 +31,17 @@ def test_the_layout_follows_this_process_affinity() -> None:
     assert layout(UpSettings()).cores == len(os.sched_getaffinity(0))
 
 
-def test_only_the_processes_no_step_waits_for_run_at_a_lower_priority() -> None:
-    from services.up.layout import niceness
+def test_the_trainer_comes_first_and_what_no_step_waits_for_comes_last() -> None:
+    from services.up.layout import priorities
 
     s = UpSettings()
-    assert niceness(s, "weights", broadcast=True) == s.background_nice == 10
-    assert niceness(s, "track", broadcast=True) == niceness(s, "track", broadcast=False) == 10
-    # on the disk path every version waits for an agent's load: the agents keep the common priority
-    assert niceness(s, "weights", broadcast=False) == 0
-    for service in ("trainer", "inference", "rollout", "reward"):
-        assert niceness(s, service, broadcast=True) == 0
-    assert niceness(UpSettings(background_nice=0), "weights", broadcast=True) == 0
+    nice = priorities(s, broadcast=True)
+    assert "services.trainer" not in nice  # 0: the trainer's step gets a core first
+    assert nice["services.inference"] == nice["services.rollout"] == nice["services.reward"] == s.serving_nice == 5
+    assert nice["services.weights"] == nice["services.track"] == s.background_nice == 10
+    # on the disk path every version waits for an agent's load: the agents rank with the servers
+    assert priorities(s, broadcast=False)["services.weights"] == 5
+    assert set(priorities(UpSettings(serving_nice=0, background_nice=0), broadcast=True).values()) == {0}
 
 
 def test_a_process_started_nice_runs_at_that_lower_priority(tmp_path: Path) -> None:
@@ -52,8 +52,9 @@ def test_a_process_started_nice_runs_at_that_lower_priority(tmp_path: Path) -> N
     (tmp_path / "idle_child.py").write_text("import signal\nsignal.pause()\n")  # lives until stopped
     stack = Stack(tmp_path, {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(tmp_path)})
     try:
-        plain = stack.start("plain", "idle_child", {}, required=False)
-        nice = stack.start("nice", "idle_child", {}, required=False, nice=7)
+        stack.nice = {"idle_child": 7}  # by module, unless a start says otherwise
+        plain = stack.start("plain", "idle_child", {}, required=False, nice=0)
+        nice = stack.start("nice", "idle_child", {}, required=False)
         assert plain.pid is not None and nice.pid is not None
         own = os.getpriority(os.PRIO_PROCESS, 0)
         assert os.getpriority(os.PRIO_PROCESS, plain.pid) == own
