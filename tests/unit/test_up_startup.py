@@ -31,16 +31,18 @@ def test_the_layout_follows_this_process_affinity() -> None:
     assert layout(UpSettings()).cores == len(os.sched_getaffinity(0))
 
 
-def test_the_trainer_comes_first_and_what_no_step_waits_for_comes_last() -> None:
+def test_what_no_step_waits_for_runs_last_and_the_servers_can_yield_to_the_trainer() -> None:
     from services.up.layout import priorities
 
-    s = UpSettings()
+    s = UpSettings(serving_nice=5)
     nice = priorities(s, broadcast=True)
     assert "services.trainer" not in nice  # 0: the trainer's step gets a core first
-    assert nice["services.inference"] == nice["services.rollout"] == nice["services.reward"] == s.serving_nice == 5
+    assert nice["services.inference"] == nice["services.rollout"] == nice["services.reward"] == 5
     assert nice["services.weights"] == nice["services.track"] == s.background_nice == 10
     # on the disk path every version waits for an agent's load: the agents rank with the servers
     assert priorities(s, broadcast=False)["services.weights"] == 5
+    default = priorities(UpSettings(), broadcast=True)  # only what no step waits for is lowered by default
+    assert {m for m, n in default.items() if n} == {"services.weights", "services.track"}
     assert set(priorities(UpSettings(serving_nice=0, background_nice=0), broadcast=True).values()) == {0}
 
 
