@@ -55,7 +55,29 @@ def import_deepspeed() -> Any:
     import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
 
     stage_1_and_2.get_norm_dtype = stage3.get_norm_dtype = lambda: torch.float32
+    _import_muon_eager()
     return deepspeed
+
+
+def _import_muon_eager() -> None:
+    """DeepSpeed imports its Muon optimizer at the first use of any ZeRO optimizer (its support check,
+    every gradient reduction), and that module `torch.compile`s its kernels as it is imported: torch's
+    inductor and dynamo, ~1 CPU-s of every trainer's start (in the engine's build or in the first step)
+    for an optimizer jetrl never builds (the engine's is AdamW). Imported here with DeepSpeed's own
+    no-op decorator in place of `torch.compile`, its kernels stay eager; the module is otherwise the
+    same (its classes, which DeepSpeed compares each optimizer against)."""
+    if "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
+        return
+    import deepspeed.runtime.compiler as ds_compiler
+
+    compile_ = ds_compiler.compile
+    ds_compiler.compile = lambda: ds_compiler.dummy_decorator
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    except ImportError:  # a DeepSpeed without Muon
+        pass
+    finally:
+        ds_compiler.compile = compile_
 
 
 def init_distributed() -> tuple[int, int]:

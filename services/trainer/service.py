@@ -57,8 +57,10 @@ async def _build_engine(settings: TrainerSettings) -> TrainEngine:
     t0 = time.perf_counter()
     engine = await asyncio.to_thread(TrainEngine, settings)
     bind_context(rank=engine.rank)
-    # the engine (DeepSpeed's init, the model) is most of a trainer's start: its time, for start-up reports
-    log.info("engine ready", seconds=round(time.perf_counter() - t0, 2), torch_threads=torch.get_num_threads())
+    # the engine (DeepSpeed's init, the model) is most of a trainer's start: its time, and the process's
+    # CPU-seconds so far (imports included; on a busy machine the wall time says little), for start-up reports
+    log.info("engine ready", seconds=round(time.perf_counter() - t0, 2), cpu_s=round(time.process_time(), 2),
+             torch_threads=torch.get_num_threads())
     return engine
 
 
@@ -113,6 +115,8 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Fu
         async def main(sup: Supervisor) -> None:
             if broadcast is not None:
                 sup.stack.push_async_callback(broadcast.aclose)
+                if settings.weights_broadcast.build_ahead_s > 0:  # the rendezvous overlaps the engine's build
+                    sup.spawn("weights-group", broadcast.build_ahead(settings.weights_broadcast.build_ahead_s))
             await trainer.start(nc)
             sup.stack.push_async_callback(trainer.close)
             if trainer.feeder is not None:

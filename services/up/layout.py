@@ -38,3 +38,14 @@ def layout(s: UpSettings, n_cores: int | None = None) -> Layout:
     # The trainer and the servers share the cores; each gets an equal share, at least one thread.
     threads = s.torch_threads or max(1, n // (1 + s.inference_servers))
     return Layout(cores=n, rollout_workers=s.rollout_workers, torch_threads=threads)
+
+
+def priorities(s: UpSettings, broadcast: bool) -> dict[str, int]:
+    """The niceness (`os.nice` increment) of each service's processes, by module; the trainer's is 0.
+    The trainer's step is on the path of every version, so it gets a core first and the servers, the
+    rollout workers and the reward service generate in what is left (`serving_nice`); what no step
+    waits for runs below them (`background_nice`): the weights agents when the trainer broadcasts (on
+    the disk path every version waits for an agent's load) and the experiment tracker."""
+    serving = {m: s.serving_nice for m in ("services.inference", "services.rollout", "services.reward")}
+    return serving | {"services.weights": s.background_nice if broadcast else s.serving_nice,
+                      "services.track": s.background_nice}

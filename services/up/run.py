@@ -20,9 +20,8 @@ from services.common.nats_server import NatsServer, free_port
 from services.common.settings import SettingsError
 from services.runs import URL_FILE
 from services.up import SERVICE_SECTIONS
-from services.up.curves import plot_curves
 from services.up.display import Display
-from services.up.layout import layout
+from services.up.layout import layout, priorities
 from services.up.monitor import REWARD_KEYS, RunView, watch
 from services.up.report import summary_lines, write_metrics
 from services.up.rundir import RunDirInUse, prepare_run_dir
@@ -147,6 +146,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             # enabled: false` selects).
             "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers},
         }
+        stack.nice = priorities(s, broadcast=bool(deep_merge(trainer, sec("trainer"))["weights_broadcast"].get("enabled")))
         if not s.dataset_path:  # the demo: a fixed eval set of 32 prompts, every 10 steps
             eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1)
             trainer["feeder"] |= {"eval_dataset_path": str(eval_set), "eval_every": 10, "eval_size": 32}
@@ -224,6 +224,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     wall = time.time() - started
     extra = {"outcome": outcome, "wall_s": wall, "started_at": started, "servers": view.servers, "evals": view.evals}
     write_metrics(run_dir, view.steps, extra)
+    from services.up.curves import plot_curves  # numpy: imported when the run is over, not before its start
+
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
     summary = [f"run {s.run}: {outcome}", *summary_lines(view.steps, view.servers, wall)]
     if kept is not None:

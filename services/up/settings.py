@@ -30,6 +30,15 @@ class UpSettings(ServiceSettings):
     """torch intra-op threads (OMP_NUM_THREADS) of the trainer and of each inference server (an
     `inference: {torch_threads}` section overrides the servers'). Unset: the cores shared equally
     among the trainer and the servers, at least 1. Every other process runs one thread."""
+    serving_nice: int = Field(0, ge=0, le=19)
+    """Niceness (`os.nice`) of the inference servers, rollout workers and reward service, against the
+    trainer's 0: above 0, on shared cores the trainer's step (on the path of every version) runs
+    first and generation goes on in what is left. 0 (the default): all equal; on 2 shared cores a
+    nice of 5 made neither the first step nor the time to 0.9 measurably sooner (docs/up.md)."""
+    background_nice: int = Field(10, ge=0, le=19)
+    """Niceness of the processes no trainer step waits for: the weights agents when the weights
+    travel by broadcast (the trainer sends them to the servers itself; the agents only catch up a
+    server that joins late; on the disk path they get `serving_nice`) and the experiment tracker."""
     inference_servers: int = Field(1, ge=1)
     """CPU inference servers (each with its own weights agent)."""
     total_steps: int = Field(500, ge=1, json_schema_extra=flag("--steps"))

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def _child_setup(nice: int) -> Callable[[], None]:
+    """What runs in the child before exec: `_die_with_parent`, then `os.nice(nice)` when asked."""
+    def setup() -> None:
+        _die_with_parent()
+        if nice:
+            os.nice(nice)
+
+    return setup
 
 
 def settings_class(service: str) -> type[BaseModel]:
@@ -73,6 +84,8 @@ class Proc:
     log_path: Path
     required: bool = True
     """A required process ending (even cleanly) before the run is done is a failure."""
+    nice: int = 0
+    """Its niceness above `jetrl up`'s own (`os.nice`): lower priority for the cores."""
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -96,10 +109,13 @@ class Stack:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.base_env = base_env
         self.procs: list[Proc] = []
+        self.nice: dict[str, int] = {}
+        """Niceness by module (`services.<name>`) for the processes started without one of their own."""
         self._reported: set[str] = set()
 
-    def start(self, name: str, module: str, env: dict[str, str], required: bool = True) -> Proc:
-        proc = Proc(name, module, env, self.logs / f"{name}.log", required)
+    def start(self, name: str, module: str, env: dict[str, str], required: bool = True, nice: int | None = None) -> Proc:
+        nice = self.nice.get(module, 0) if nice is None else nice
+        proc = Proc(name, module, env, self.logs / f"{name}.log", required, nice)
         # Only the machine's basics plus this service's settings: exactly what a container gets.
         full_env = {**self.base_env, **env}
         with open(proc.log_path, "ab") as out:
@@ -109,9 +125,9 @@ class Stack:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_child_setup(nice),
             )
-        log.info("started", service=name, pid=proc.pid, log=str(proc.log_path))
+        log.info("started", service=name, pid=proc.pid, log=str(proc.log_path), **({"nice": nice} if nice else {}))
         self.procs.append(proc)
         # which process is which, for `jetrl status` and for tests that kill one on purpose
         (self.run_dir / "procs.json").write_text(json.dumps({p.name: p.pid for p in self.procs}))

@@ -91,6 +91,9 @@ class WeightBroadcaster:
         self._pg: Any = None
         self._send_s = 0.0
         self._store: Any = None
+        self._membership = asyncio.Lock()
+        """Held by a send and by `build_ahead`'s rebuild: the group changes under one of them at a time."""
+        self._sent = False
         # the group's collectives block a thread; one thread keeps them in order
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-send")
         # a call may wait for a whole bucket's broadcast, which the group bounds by timeout_s
@@ -118,9 +121,36 @@ class WeightBroadcaster:
         result.seconds += bucketing_s
         return result
 
+    async def build_ahead(self, wait_s: float, poll_s: float = 0.5) -> list[str]:
+        """Build the group before the first version, so that the first version does not wait for the
+        rendezvous: waits up to `wait_s` for every server's /health, then builds with those that answer
+        (one that comes later joins at a later version, as any late server does). Does nothing once a
+        version is being sent. Returns the members."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self._sent:
+                return self.members
+            live, down = await self._live(0)
+            if not down or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(poll_s)
+        if not live:
+            log.warning("no server to build the weight-update group with before the first version",
+                        waited_s=wait_s, down=down)
+            return []
+        async with self._membership:
+            if self._sent or self._pg is not None:
+                return self.members
+            return await self._rebuild(live, {}, 0)
+
     async def send(self, version: int, source: BucketSource) -> VersionResult:
         """Send a version's buckets as `source` gives them (`BucketStream`: as the trainer gathers them).
         A failed broadcast restarts the source on the rebuilt group; the source is finished on return."""
+        self._sent = True
+        async with self._membership:  # a group `build_ahead` is building is waited for, then used
+            return await self._send(version, source)
+
+    async def _send(self, version: int, source: BucketSource) -> VersionResult:
         t0 = time.perf_counter()
         result = VersionResult(version)
         self._send_s = 0.0

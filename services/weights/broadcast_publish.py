@@ -237,6 +237,16 @@ class BroadcastPublisher:
         except Exception as exc:  # a lost report costs `jetrl status` a line, never the step
             log.warning("weights report lost", subject=subject, error=repr(exc))
 
+    async def build_ahead(self, wait_s: float) -> None:
+        """The group built before the first version (`WeightBroadcaster.build_ahead`); a failure here
+        is only logged: the first version builds the group as it always can."""
+        try:
+            members = await self.broadcaster.build_ahead(wait_s)
+        except Exception as exc:
+            log.warning("building the weight-update group ahead of the first version failed", error=repr(exc))
+            return
+        log.info("weight-update group ready before the first version", members=members)
+
     async def aclose(self) -> None:
         try:
             await self.wait()  # the last version still reaches the servers and is announced

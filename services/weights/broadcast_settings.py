@@ -37,6 +37,10 @@ class BroadcastSettings(Section):
     """Send a version (one without a disk copy) while the trainer goes on with its next step; the
     next version waits for it. Off: the step waits until every server answered and the version was
     announced."""
+    build_ahead_s: float = Field(300.0, ge=0)
+    """At start the trainer builds the group as soon as every server answers /health (waiting at most
+    this long, then with those that do), while its engine is still being built: the first version
+    does not wait for the rendezvous. 0: the group is built when the first version is sent."""
     group_name: str = "jetrl-weights"
     """Name of the weight-update group on the servers."""
 

@@ -3,6 +3,8 @@ unless set."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.up.layout import layout
@@ -27,3 +29,39 @@ def test_the_layout_follows_this_process_affinity() -> None:
     import os
 
     assert layout(UpSettings()).cores == len(os.sched_getaffinity(0))
+
+
+def test_what_no_step_waits_for_runs_last_and_the_servers_can_yield_to_the_trainer() -> None:
+    from services.up.layout import priorities
+
+    s = UpSettings(serving_nice=5)
+    nice = priorities(s, broadcast=True)
+    assert "services.trainer" not in nice  # 0: the trainer's step gets a core first
+    assert nice["services.inference"] == nice["services.rollout"] == nice["services.reward"] == 5
+    assert nice["services.weights"] == nice["services.track"] == s.background_nice == 10
+    # on the disk path every version waits for an agent's load: the agents rank with the servers
+    assert priorities(s, broadcast=False)["services.weights"] == 5
+    default = priorities(UpSettings(), broadcast=True)  # only what no step waits for is lowered by default
+    assert {m for m, n in default.items() if n} == {"services.weights", "services.track"}
+    assert set(priorities(UpSettings(serving_nice=0, background_nice=0), broadcast=True).values()) == {0}
+
+
+def test_a_process_started_nice_runs_at_that_lower_priority(tmp_path: Path) -> None:
+    import os
+
+    from services.up.stack import Stack
+
+    (tmp_path / "idle_child.py").write_text("import signal\nsignal.pause()\n")  # lives until stopped
+    stack = Stack(tmp_path, {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(tmp_path)})
+    try:
+        stack.nice = {"idle_child": 7}  # by module, unless a start says otherwise
+        plain = stack.start("plain", "idle_child", {}, required=False, nice=0)
+        nice = stack.start("nice", "idle_child", {}, required=False)
+        assert plain.pid is not None and nice.pid is not None
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, plain.pid) == own
+        assert os.getpriority(os.PRIO_PROCESS, nice.pid) == min(19, own + 7)
+        assert plain.poll() is None and nice.poll() is None
+    finally:
+        stack.stop(5.0)
+    assert plain.poll() is not None and nice.poll() is not None
