@@ -14,6 +14,7 @@ wrapped in `GroupedRolloutWorkflow(group_size)`. The weight versions of every gr
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -112,6 +113,10 @@ async def run(settings: RolloutSettings) -> None:
         metrics = MetricsPublisher(nc, settings.run, "rollout", settings.worker)
         worker = RolloutWorker(nc, settings.run, workflow, engine, worker_config(settings), metrics=metrics, dumper=dumper)
         log.info("rollout worker starting", workflow=type(workflow).__name__, max_concurrent=settings.max_concurrent)
+        # Everything made so far (modules, the tokenizer: ~400k objects) lives as long as the process.
+        # Frozen, the collector stops walking it: each full collection an episode's allocations set off
+        # used to cost ~0.15 CPU-s, ~20% of a worker's CPU on short episodes (measured).
+        gc.freeze()
         sup.spawn("worker", worker.run(sup.stopping))
         sup.spawn("metrics", worker.metrics_loop(sup.stopping, settings.metrics_interval_s))
 
