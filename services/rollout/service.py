@@ -28,6 +28,7 @@ from services.rollout.dump import TrajectoryDumper
 from services.rollout.resolve import resolve_workflow
 from services.rollout.settings import RolloutSettings
 from services.rollout.sglang_protocol import READY_POLL_TIMEOUT_S, readiness_urls
+from services.rollout.tokenizer import load_pretrained_tokenizer
 from services.rollout.versions import CheckedWorkflow
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError, import_ref
@@ -92,9 +93,7 @@ async def run(settings: RolloutSettings) -> None:
 
         def tokenizer() -> Any:
             if "tok" not in loaded:
-                from transformers import AutoTokenizer
-
-                loaded["tok"] = AutoTokenizer.from_pretrained(settings.model_path)
+                loaded["tok"] = load_pretrained_tokenizer(settings.model_path)
             return loaded["tok"]
 
         try:

@@ -30,9 +30,9 @@ class RewardScorer(Protocol):
 def load_tokenizer(tokenizer: Any) -> Any:
     """A tokenizer object, or a model directory to load it from."""
     if isinstance(tokenizer, str):
-        from transformers import AutoTokenizer
+        from services.rollout.tokenizer import load_pretrained_tokenizer
 
-        return AutoTokenizer.from_pretrained(tokenizer)
+        return load_pretrained_tokenizer(tokenizer)
     if tokenizer is None:
         raise WorkflowError("the workflow needs a tokenizer (set model_path)")
     return tokenizer
