@@ -67,7 +67,7 @@ class GroupBuilder:
         mask = np.arange(width) < lengths[:, None]
 
         def padded(values: list[int] | list[float], dtype: type) -> np.ndarray:
-            out = np.zeros(mask.shape, dtype=dtype)
+            out: np.ndarray = np.zeros(mask.shape, dtype=dtype)
             out[mask] = np.array(values, dtype=dtype)
             return out
 
