@@ -14,6 +14,7 @@ wrapped in `GroupedRolloutWorkflow(group_size)`. The weight versions of every gr
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,6 +28,7 @@ from services.rollout.dump import TrajectoryDumper
 from services.rollout.resolve import resolve_workflow
 from services.rollout.settings import RolloutSettings
 from services.rollout.sglang_protocol import READY_POLL_TIMEOUT_S, readiness_urls
+from services.rollout.tokenizer import load_pretrained_tokenizer
 from services.rollout.versions import CheckedWorkflow
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError, import_ref
@@ -91,9 +93,7 @@ async def run(settings: RolloutSettings) -> None:
 
         def tokenizer() -> Any:
             if "tok" not in loaded:
-                from transformers import AutoTokenizer
-
-                loaded["tok"] = AutoTokenizer.from_pretrained(settings.model_path)
+                loaded["tok"] = load_pretrained_tokenizer(settings.model_path)
             return loaded["tok"]
 
         try:
@@ -112,6 +112,10 @@ async def run(settings: RolloutSettings) -> None:
         metrics = MetricsPublisher(nc, settings.run, "rollout", settings.worker)
         worker = RolloutWorker(nc, settings.run, workflow, engine, worker_config(settings), metrics=metrics, dumper=dumper)
         log.info("rollout worker starting", workflow=type(workflow).__name__, max_concurrent=settings.max_concurrent)
+        # Everything made so far (modules, the tokenizer: ~400k objects) lives as long as the process.
+        # Frozen, the collector stops walking it: each full collection an episode's allocations set off
+        # used to cost ~0.15 CPU-s, ~20% of a worker's CPU on short episodes (measured).
+        gc.freeze()
         sup.spawn("worker", worker.run(sup.stopping))
         sup.spawn("metrics", worker.metrics_loop(sup.stopping, settings.metrics_interval_s))
 

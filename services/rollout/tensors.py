@@ -6,16 +6,25 @@ float32 (0 on prompt tokens), `versions` int64 (-1 on prompt tokens), `rewards` 
 sample), `prompt_len` int64 (one per sample). Padding is 0 everywhere. Only the trained tokens'
 versions matter downstream (staleness): a workflow that tags its prompt tokens 0, as AReaL's
 examples do, builds an equally valid group.
+
+torch is imported on first use, not with the module: the worker runs the built-in workflows (which
+build their groups with numpy, `groups.py`) without it, and importing it costs a worker ~1.5 CPU-s
+at start-up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 TensorDict = dict[str, Any]
+Segment = tuple[Sequence[int], bool, Sequence[float] | None, Sequence[int] | None]
+"""Part of one sample: `(ids, generated, logprobs, versions)`; logprobs and versions of a generated part."""
 
 
 def sample_tensors(
@@ -38,13 +47,11 @@ def sample_tensors(
     )
 
 
-def turn_tensors(
-    segments: Sequence[tuple[Sequence[int], bool, Sequence[float] | None, Sequence[int] | None]],
-    reward: float,
-    prompt_len: int,
-) -> TensorDict:
+def turn_tensors(segments: Sequence[Segment], reward: float, prompt_len: int) -> TensorDict:
     """One sample built from segments `(ids, generated, logprobs, versions)`: generated segments are
     trained on (loss_mask 1) and carry their logprobs and versions; the others (prompt, feedback) do not."""
+    import torch
+
     ids: list[int] = []
     loss: list[int] = []
     logp: list[float] = []
@@ -67,6 +74,8 @@ def turn_tensors(
 
 
 def _as_tensor(key: str, value: Any) -> torch.Tensor:
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value
     try:
@@ -78,6 +87,8 @@ def _as_tensor(key: str, value: Any) -> torch.Tensor:
 def concat_padded(samples: Sequence[TensorDict]) -> TensorDict:
     """Concatenate padded tensor dicts along the batch, right-padding token columns with 0 to the
     longest sequence. Every dict must have the same keys; numpy arrays are accepted."""
+    import torch
+
     if not samples:
         raise ValueError("concat_padded: no samples")
     keys = list(samples[0])
@@ -105,6 +116,9 @@ def concat_padded(samples: Sequence[TensorDict]) -> TensorDict:
 
 
 def group_sizes(tensors: TensorDict) -> tuple[int, int]:
-    """(samples, generated tokens) of a padded tensor dict, for throughput metrics."""
-    loss = _as_tensor("loss_mask", tensors["loss_mask"])
-    return int(loss.shape[0]), int((loss != 0).sum())
+    """(samples, generated tokens) of a padded tensor dict (torch or numpy), for throughput metrics."""
+    loss = tensors["loss_mask"]
+    if hasattr(loss, "detach"):  # torch, without importing it
+        loss = loss.detach().cpu().numpy()
+    loss = np.asarray(loss)
+    return int(loss.shape[0]), int(np.count_nonzero(loss))

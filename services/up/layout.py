@@ -6,7 +6,10 @@ Why (docs/up.md "Processes and threads", measured on 2 cores): the trainer and t
 do the tensor work and share the cores, so each gets an equal share; a second OpenMP thread per
 process on 2 cores made a step 6-10 times slower. Two rollout workers stay the default even on 2
 cores: one worker started ~2 CPU-s sooner, but its steps were slower (0.39-0.61 s against 0.37-0.42 s
-with two) and the time to 0.9 no better.
+with two) and the time to 0.9 no better. Measured again once a worker's start no longer imported torch
+(~1 CPU-s each): one worker with `max_concurrent` 64 spent ~25% less rollout CPU per sample than two
+with 32 (0.22-0.26 against 0.30-0.34 CPU-s per 1000 samples), at the same step time in the quieter
+pair (0.31 s), and its time to 0.9 was not better over three alternating runs each (load 6-14).
 """
 
 from __future__ import annotations

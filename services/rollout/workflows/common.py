@@ -6,6 +6,8 @@ the server, and text is decoded only for the reward function.
 
 from __future__ import annotations
 
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -28,9 +30,9 @@ class RewardScorer(Protocol):
 def load_tokenizer(tokenizer: Any) -> Any:
     """A tokenizer object, or a model directory to load it from."""
     if isinstance(tokenizer, str):
-        from transformers import AutoTokenizer
+        from services.rollout.tokenizer import load_pretrained_tokenizer
 
-        return AutoTokenizer.from_pretrained(tokenizer)
+        return load_pretrained_tokenizer(tokenizer)
     if tokenizer is None:
         raise WorkflowError("the workflow needs a tokenizer (set model_path)")
     return tokenizer
@@ -40,6 +42,41 @@ def encode_chat(tokenizer: Any, content: str) -> list[int]:
     """One user message, chat-templated with the generation prompt, as token ids."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+class ChatPrompts:
+    """`encode_chat` with its answers kept: a dataset is seen again every epoch (and a prompt again at
+    each retry), and chat-templating plus tokenizing is the largest part of a short episode's own
+    CPU. Least recently used prompts go first once the kept ids pass `max_tokens` (stored as int32
+    ids: 4 bytes a token). Each call returns a fresh list, so a caller may change it."""
+
+    def __init__(self, tokenizer: Any, max_tokens: int = 1_000_000) -> None:
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self._kept: OrderedDict[str, array[int]] = OrderedDict()
+        self._tokens = 0
+        self.hits = 0
+        self.misses = 0
+
+    def ids(self, content: str) -> list[int]:
+        kept = self._kept.get(content)
+        if kept is not None:
+            self._kept.move_to_end(content)
+            self.hits += 1
+            return kept.tolist()
+        self.misses += 1
+        ids = encode_chat(self.tokenizer, content)
+        if len(ids) > self.max_tokens:
+            return ids
+        try:
+            self._kept[content] = array("i", ids)
+        except OverflowError:  # an id past int32 (no real vocabulary has one): not kept, still right
+            return ids
+        self._tokens += len(ids)
+        while self._tokens > self.max_tokens:
+            _, dropped = self._kept.popitem(last=False)
+            self._tokens -= len(dropped)
+        return ids
 
 
 def prompt_text(data: dict[str, Any], key: str) -> str:

@@ -11,9 +11,11 @@ import asyncio
 from typing import Any
 
 from services.rollout.engine import BadRequestError, ModelRequest
-from services.rollout.tensors import TensorDict, concat_padded, turn_tensors
+from services.rollout.groups import GroupBuilder
+from services.rollout.tensors import Segment, TensorDict
 from services.rollout.workflow import RolloutWorkflow, workflow_context
 from services.rollout.workflows.common import (
+    ChatPrompts,
     RewardScorer,
     encode_chat,
     load_tokenizer,
@@ -49,6 +51,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         if not 0.0 < turn_discount <= 1.0:
             raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount}")
         self.tokenizer = load_tokenizer(tokenizer)
+        self.prompts = ChatPrompts(self.tokenizer)
         self.reward = reward
         self.reward_fn = reward_fn
         self.group_size = group_size
@@ -61,10 +64,10 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.reward_timeout_s = reward_timeout_s
         self.prompt_key = prompt_key
 
-    async def conversation(self, engine: Any, data: dict[str, Any], episode: str) -> TensorDict | None:
-        prompt = prompt_text(data, self.prompt_key)
-        prompt_ids = encode_chat(self.tokenizer, prompt)
-        segments: list[tuple[list[int], bool, list[float] | None, list[int] | None]] = [(prompt_ids, False, None, None)]
+    async def conversation(self, engine: Any, data: dict[str, Any], episode: str, prompt: str,
+                           prompt_ids: list[int]) -> tuple[list[Segment], float] | None:
+        """One sample's segments and reward; None when a turn could not be scored."""
+        segments: list[Segment] = [(prompt_ids, False, None, None)]
         seq = list(prompt_ids)
         reward = 0.0
         discount = 1.0
@@ -89,16 +92,23 @@ class MultiTurnWorkflow(RolloutWorkflow):
             reward = value
             if reward >= self.success_reward:
                 break
-        return turn_tensors(segments, reward * discount, len(prompt_ids))
+        return segments, reward * discount
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None:
+        """The group as numpy arrays (`groups.GroupBuilder`): the trajectory message `concat_padded` of
+        `turn_tensors` would give, without torch. The prompt is chat-templated once for the group."""
+        prompt = prompt_text(data, self.prompt_key)
+        prompt_ids = self.prompts.ids(prompt)
         task_id = workflow_context.task_id or "episode"
         episodes = [f"{task_id}/{i}" for i in range(self.group_size)]
         try:
-            results = await asyncio.gather(*(self.conversation(engine, data, e) for e in episodes))
+            results = await asyncio.gather(*(self.conversation(engine, data, e, prompt, prompt_ids) for e in episodes))
         finally:
             for e in episodes:
                 if hasattr(engine, "release_episode"):
                     engine.release_episode(e)
-        kept = [r for r in results if r is not None]
-        return concat_padded(kept) if kept else None
+        group = GroupBuilder()
+        for result in results:
+            if result is not None:
+                group.add_turns(result[0], result[1], len(prompt_ids))
+        return group.arrays() if len(group) else None

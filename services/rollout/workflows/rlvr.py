@@ -2,7 +2,8 @@
 `group_size` completions, score them with the reward service, return the group.
 
 A sample whose reward could not be computed (timeout, error) is dropped; a group with none left is
-rejected (None).
+rejected (None). The group is built as numpy arrays (`groups.GroupBuilder`): the same trajectory
+message as `concat_padded` of `sample_tensors` would give, without torch.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import asyncio
 from typing import Any
 
 from services.rollout.engine import BadRequestError, ModelRequest, ModelResponse
-from services.rollout.tensors import TensorDict, concat_padded, sample_tensors
+from services.rollout.groups import GroupBuilder
+from services.rollout.tensors import TensorDict
 from services.rollout.workflow import RolloutWorkflow, workflow_context
 from services.rollout.workflows.common import (
+    ChatPrompts,
     RewardScorer,
-    encode_chat,
     load_tokenizer,
     prompt_text,
     refused,
@@ -42,6 +44,7 @@ class RLVRWorkflow(RolloutWorkflow):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         self.tokenizer = load_tokenizer(tokenizer)
+        self.prompts = ChatPrompts(self.tokenizer)
         self.reward = reward
         self.reward_fn = reward_fn
         self.group_size = group_size
@@ -69,13 +72,12 @@ class RLVRWorkflow(RolloutWorkflow):
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None:
         prompt = prompt_text(data, self.prompt_key)
-        prompt_ids = encode_chat(self.tokenizer, prompt)
+        prompt_ids = self.prompts.ids(prompt)
         responses = await self.generate(engine, prompt_ids)
         completions = [(self.tokenizer.decode(r.output_ids, skip_special_tokens=True), r.output_ids) for r in responses]
         rewards = await score(self.reward, self.reward_fn, reward_items(data, prompt, prompt_ids, completions), self.reward_timeout_s)
-        samples = [
-            sample_tensors(prompt_ids, r.output_ids, r.output_logprobs, r.output_versions, value)
-            for r, value in zip(responses, rewards, strict=True)
-            if value is not None
-        ]
-        return concat_padded(samples) if samples else None
+        group = GroupBuilder()
+        for r, value in zip(responses, rewards, strict=True):
+            if value is not None:
+                group.add_sample(prompt_ids, r.output_ids, r.output_logprobs, r.output_versions, value)
+        return group.arrays() if len(group) else None
