@@ -3,7 +3,10 @@ and its pool processes) to start, and per 1000 samples scored, under the load th
 requests of one group (8 copy3 samples, as a rollout worker sends them), paced at `rate` requests/s.
 
 CPU time is read from /proc (utime + stime of every process under the service, plus what it reaped),
-so other load on the machine does not count; the driver's own CPU is not counted either.
+so other load on the machine does not count; the driver's own CPU is not counted either. The baseline,
+measured in the same run: the same function called in this process on the same items (CPU-seconds
+per 1000 samples, `time.process_time`). `score` = baseline / the service's CPU per 1000 samples: the
+share of the service's cost that is the scoring itself (1.0 = no overhead).
 
     python bench/reward_cpu.py                     # this tree
     python bench/reward_cpu.py --trees A B --rounds 2   # A B A B: two checkouts in the same run
@@ -137,6 +140,23 @@ def measure(tree: Path, url: str, requests: int, rate: float, in_flight: int) ->
     }
 
 
+def in_process_cpu(samples: int) -> float:
+    """CPU-seconds per 1000 samples of calling the function in this process on the bench's items."""
+    from services.common.demo_task import make_copy3_rows
+    from services.reward.builtin import copy3
+    from services.reward.calling import caller
+
+    call = caller(copy3)  # as a pool process calls it: by its signature
+    rows = make_copy3_rows(64)
+    t0 = time.process_time()
+    for i in range(samples):
+        row = rows[(i // GROUP) % len(rows)]
+        data = {k: v for k, v in row.items() if k != "prompt"}
+        call({"prompt": row["prompt"], "completion": row["answer"][: 1 + i % 3], "prompt_ids": list(range(20)),
+              "completion_ids": [5, 6, 7, 8], **data})
+    return 1000 * (time.process_time() - t0) / samples
+
+
 def main() -> None:
     from services.common.logging import configure_logging
     from services.common.nats_server import NatsServer
@@ -150,23 +170,29 @@ def main() -> None:
     args = ap.parse_args()
     configure_logging("error", "console")
     rows = []
+    baseline = in_process_cpu(args.requests * GROUP)
     with tempfile.TemporaryDirectory() as tmp:
         server = NatsServer(Path(tmp) / "nats").start()
         try:
             for r in range(args.rounds):
                 for tree in args.trees:
                     load = os.getloadavg()[0]
-                    cost = measure(Path(tree), server.url, args.requests, args.rate, args.in_flight)
-                    row = {"tree": tree, "round": r, "load1": round(load, 2), **cost}
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+                    rows.append({"tree": tree, "round": r, "load1": round(load, 2),
+                                 **measure(Path(tree), server.url, args.requests, args.rate, args.in_flight)})
         finally:
             server.stop()
+    print(f"{'tree':<40} {'round':>5} {'load':>5} {'start cpu-s':>11} {'per 1k: all':>11} {'service':>8} {'pool':>6}")
+    for row in rows:
+        print(f"{str(row['tree'])[-40:]:<40} {row['round']:>5} {row['load1']:>5.1f} {row['start_cpu_s']:>11.2f} "
+              f"{row['cpu_s_per_1000']:>11.3f} {row['service_per_1000']:>8.3f} {row['pool_per_1000']:>6.3f}")
+    print(f"in-process baseline: {baseline:.4f} CPU-s per 1000 samples")
+    medians = {}
     for tree in args.trees:
-        mine = [r for r in rows if r["tree"] == tree]
-        per = sorted(r["cpu_s_per_1000"] for r in mine)
-        start = sorted(r["start_cpu_s"] for r in mine)
-        print(f"{tree}: cpu-s per 1000 samples median {per[len(per) // 2]} {per}; start cpu-s median {start[len(start) // 2]} {start}")
+        per = sorted(r["cpu_s_per_1000"] for r in rows if r["tree"] == tree)
+        medians[tree] = per[len(per) // 2]
+    first = medians[args.trees[0]]
+    print(json.dumps({"score": round(baseline / first, 4) if first else 0.0, "in_process_per_1000_s": round(baseline, 4),
+                      "service_per_1000_s": medians, "rows": rows}))
 
 
 if __name__ == "__main__":
