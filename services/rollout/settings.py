@@ -67,7 +67,8 @@ class RolloutSettings(ServiceSettings):
     metrics_interval_s: float = Field(5.0, gt=0)
     """Seconds between two metrics events on METRICS."""
     fetch_timeout_s: float = Field(1.0, gt=0)
-    """Longest wait of one pull from the prompt queue (how soon an idle worker notices a stop)."""
+    """How long one pull request for prompts waits at the server before it is asked again (and how
+    soon pulling resumes after a lost connection); docs/rollout.md "What goes on the bus"."""
     version_poll_s: float = Field(0.5, gt=0)
     """While a prompt waits for the weights it may be generated with (its `min_version`), re-read the
     servers' versions this often (a load report on `weights.loaded` wakes it at once)."""

@@ -40,6 +40,7 @@ from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
 from services.rollout.dump import TrajectoryDumper
 from services.rollout.engine import BadRequestError
+from services.rollout.puller import Puller
 from services.rollout.stats import RolloutStats
 from services.rollout.tensors import group_sizes
 from services.rollout.version_gate import VersionGate
@@ -100,6 +101,7 @@ class RolloutWorker:
         self.max_deliver = config.max_deliver
         self.gate = VersionGate(engine, poll_s=config.version_poll_s)
         self._inflight: set[asyncio.Task[None]] = set()
+        self._wake: asyncio.Event | None = None
 
     # ---------------------------------------------------------------------------------- the consumer
 
@@ -136,33 +138,45 @@ class RolloutWorker:
                 await self.gate.close()
                 return
             log.info("inference servers serving", version=self.gate.version, waited_s=round(waited, 2))
-        sub = await self.js.pull_subscribe_bind(self.subjects.rollout_consumer, stream=PROMPTS_STREAM)
+        puller = Puller(self.nc, PROMPTS_STREAM, self.subjects.rollout_consumer, self.config.fetch_timeout_s)
+        await puller.start()
+        self._wake = puller.wake
         log.info("rollout worker pulling", consumer=self.subjects.rollout_consumer, max_deliver=self.max_deliver)
         stop_wait = asyncio.create_task(stopping.wait(), name="stop-wait")
-        failures = 0  # consecutive failed fetches: the backoff grows as the bus stays away
+        stop_wait.add_done_callback(lambda _: puller.wake.set())
+        # ask again once a quarter of the slots are free: a request per several prompts, not per prompt
+        min_batch = max(1, self.config.max_concurrent // 4)
+        failures = 0  # consecutive failed pulls: the backoff grows as the bus stays away
         try:
             while not stopping.is_set():
-                free = self.config.max_concurrent - len(self._inflight)
-                if free <= 0:
-                    await asyncio.wait({*self._inflight, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                    continue
-                try:
-                    msgs = await sub.fetch(free, timeout=self.config.fetch_timeout_s)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    continue
-                except nats.errors.Error as exc:  # reconnecting, server restarting: keep trying, never give up
+                puller.wake.clear()
+                while puller.arrived:
+                    self._start(puller.arrived.popleft())
+                error = puller.refused
+                if error is None:
+                    try:
+                        await puller.top_up(self.config.max_concurrent - len(self._inflight), min_batch)
+                    except nats.errors.Error as exc:  # reconnecting, server restarting: keep trying
+                        error = repr(exc)
+                if error is not None:
                     delay = full_jitter(failures, INITIAL_BACKOFF_S, MAX_BACKOFF_S)
                     failures += 1
-                    log.warning("fetch failed; retrying", error=repr(exc), attempt=failures, delay_s=round(delay, 2))
+                    log.warning("pull failed; retrying", error=error, attempt=failures, delay_s=round(delay, 2))
                     await asyncio.wait({stop_wait}, timeout=delay)
+                    puller.refused = None
                     continue
                 failures = 0
-                for msg in msgs:
-                    self._start(msg)
+                deadline = puller.next_deadline()
+                timeout = self.config.fetch_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    await asyncio.wait_for(puller.wake.wait(), timeout=timeout)
+                except TimeoutError:
+                    pass
         finally:
             stop_wait.cancel()
+            for msg in await puller.close():  # delivered, never started: straight to another worker
+                await self._quiet(msg.nak())
             await self._drain()
-            await sub.unsubscribe()
             await self.gate.close()
 
     def _start(self, msg: Msg) -> None:
@@ -173,6 +187,8 @@ class RolloutWorker:
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
+        if self._wake is not None:  # a slot is free: the loop may ask for more prompts
+            self._wake.set()
         self.stats.in_flight = len(self._inflight)
         if not task.cancelled() and task.exception() is not None:
             # handle() catches episode errors; what reaches here is a bus failure (publish/ack): the

@@ -4,12 +4,12 @@ worker processes run (`rollout_workers`). A setting (or a `--config` section) al
 
 Why (docs/up.md "Processes and threads", measured on 2 cores): the trainer and the inference servers
 do the tensor work and share the cores, so each gets an equal share; a second OpenMP thread per
-process on 2 cores made a step 6-10 times slower. Two rollout workers stay the default even on 2
-cores: one worker started ~2 CPU-s sooner, but its steps were slower (0.39-0.61 s against 0.37-0.42 s
-with two) and the time to 0.9 no better. Measured again once a worker's start no longer imported torch
-(~1 CPU-s each): one worker with `max_concurrent` 64 spent ~25% less rollout CPU per sample than two
-with 32 (0.22-0.26 against 0.30-0.34 CPU-s per 1000 samples), at the same step time in the quieter
-pair (0.31 s), and its time to 0.9 was not better over three alternating runs each (load 6-14).
+process on 2 cores made a step 6-10 times slower. One rollout worker is the default: measured on 2
+cores (three alternating runs each, load 5-10), one worker with `max_concurrent` 64 against two with
+32 reached the 10-step mean reward of 0.9 sooner in every pair (38, 60, 62 s against 44, 86, 78 s),
+with 0.17 against 0.23-0.26 rollout CPU-s per 1000 samples and ~1.2 CPU-s less start-up (one
+process fewer). Earlier, with workers that imported torch to start and noisier runs (load 6-14),
+time to 0.9 was no better with one, and two stayed the default.
 """
 
 from __future__ import annotations

@@ -60,9 +60,10 @@ def validate_sections(sections: dict[str, dict[str, Any]]) -> None:
 # to 0.9 spread over 186-399 (a run can sit at ~0.8 for 100 steps with a digit locked on a wrong
 # answer); at 32 they stay within ~150-190 (~30% more samples); lr 2e-3 is no faster than 1e-3. eta 2
 # lets generation overlap training (at eta 0 the trainer waits for data); the feeder keeps eta + 1
-# steps of prompts in flight.
+# steps of prompts in flight. One rollout worker (`up.rollout_workers`) runs 64 episodes at once: the
+# feeder's 96 prompts in flight are mostly waiting for their version, and a slot costs only memory.
 DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
-    "rollout": {"max_new_tokens": 4, "group_size": 8, "temperature": 1.0, "max_concurrent": 32},
+    "rollout": {"max_new_tokens": 4, "group_size": 8, "temperature": 1.0, "max_concurrent": 64},
     "trainer": {"batch_groups": 32, "eta": 2, "lr": 1e-3, "checkpoint_every": 50, "feeder": {"max_in_flight": 96}},
 }
 

@@ -24,8 +24,10 @@ class UpSettings(ServiceSettings):
     """Prompt dataset (JSONL/Parquet); empty = generate the copy3 demo prompts in the run directory."""
     dataset_size: int = Field(4096, ge=1)
     """Number of demo prompts generated when dataset_path is empty."""
-    rollout_workers: int = Field(2, ge=1, json_schema_extra=flag("--rollout-workers"))
-    """Rollout worker processes (two on 2 cores too: docs/up.md "Processes and threads")."""
+    rollout_workers: int = Field(1, ge=1, json_schema_extra=flag("--rollout-workers"))
+    """Rollout worker processes. One runs the demo's `max_concurrent` 64 episodes on 2 cores with ~25%
+    less CPU per sample than two (docs/up.md "Processes and threads"); add workers when one process's
+    core is what generation waits for (many cores, many servers)."""
     torch_threads: int | None = Field(None, ge=1)
     """torch intra-op threads (OMP_NUM_THREADS) of the trainer and of each inference server (an
     `inference: {torch_threads}` section overrides the servers'). Unset: the cores shared equally

@@ -86,6 +86,6 @@ def finish(proc: subprocess.Popen[str], timeout: float) -> str:
 
 
 # The short runs of the fault tests: a fixed eta and batch (they count steps x 16 trained prompts).
-# Two rollout workers (the default, said here because the kill test kills one and the run must go on).
+# Two rollout workers (not the default: the kill test kills one and the run must go on with the other).
 DEMO = {"up": {"rollout_workers": 2}, "trainer": {"eta": ETA, "batch_groups": 16, "checkpoint_every": 0},
         "rollout": {"ack_wait_s": 15}}

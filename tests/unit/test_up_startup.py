@@ -1,4 +1,4 @@
-"""`jetrl up`'s process layout: torch threads derived from the cores unless set; two rollout workers
+"""`jetrl up`'s process layout: torch threads derived from the cores unless set; one rollout worker
 unless set."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from services.up.settings import UpSettings
 
 @pytest.mark.parametrize(
     ("cores", "servers", "workers", "threads"),
-    [(1, 1, 2, 1), (2, 1, 2, 1), (4, 1, 2, 2), (8, 1, 2, 4), (8, 3, 2, 2), (64, 1, 2, 32)],
+    [(1, 1, 1, 1), (2, 1, 1, 1), (4, 1, 1, 2), (8, 1, 1, 4), (8, 3, 1, 2), (64, 1, 1, 32)],
 )
 def test_unset_settings_are_derived_from_the_cores(cores: int, servers: int, workers: int, threads: int) -> None:
     shape = layout(UpSettings(inference_servers=servers), cores)
