@@ -10,7 +10,8 @@ batching should make throughput grow with concurrency; the headline `score` is t
 flight, each 8 samples of a copy3 prompt with 4 new tokens at temperature 1 (one batched `/generate`
 per group, as the rollout client sends). It prints the server's start-up (seconds to `/health` 200 and
 its CPU-seconds then), its CPU-seconds per 1000 samples under load (read from /proc, the client's own
-work excluded) and the rows of its model forwards; `--src DIR` runs the server from another checkout
+work excluded; also split between the event loop's thread and the others, the model thread mostly) and the rows of its
+model forwards; `--src DIR` runs the server from another checkout
 and `--server-arg key=value` passes a setting, for before/after comparisons.
 """
 
@@ -101,8 +102,24 @@ def build_tiny(tmp: Path) -> Path:
 
 def cpu_s(pid: int) -> float:
     """CPU-seconds (user + system) process `pid` has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return _stat_cpu(Path(f"/proc/{pid}/stat"))
+
+
+def _stat_cpu(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU-seconds so far of process `pid`'s main thread (the server's event loop: HTTP, JSON, the
+    schedule) and of its other threads together (the model thread, mostly)."""
+    out = {"event_loop": 0.0, "other_threads": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out["event_loop" if task.name == str(pid) else "other_threads"] += _stat_cpu(task / "stat")
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
 
 
 async def rollout_load(url: str, pid: int, groups: int, samples: int, think_s: float = 0.0) -> dict[str, object]:
@@ -126,9 +143,10 @@ async def rollout_load(url: str, pid: int, groups: int, samples: int, think_s: f
         await asyncio.gather(*(engine.agenerate(ModelRequest([1, 6, 7, 8, 16], max_new_tokens=4)) for _ in range(8)))
         async with httpx.AsyncClient() as http:
             before = (await http.get(url + "/server_info")).json()
-        cpu0, t0 = cpu_s(pid), time.perf_counter()
+        cpu0, threads0, t0 = cpu_s(pid), thread_cpu_s(pid), time.perf_counter()
         await asyncio.gather(*(group_loop() for _ in range(groups)))
         cpu, wall = cpu_s(pid) - cpu0, time.perf_counter() - t0
+        threads = {k: round(1000 * (v - threads0.get(k, 0.0)) / done, 3) for k, v in thread_cpu_s(pid).items()}
         async with httpx.AsyncClient() as http:
             after = (await http.get(url + "/server_info")).json()
     finally:
@@ -137,6 +155,7 @@ async def rollout_load(url: str, pid: int, groups: int, samples: int, think_s: f
             for kind, c in after.get("forward_rows", {}).items()}
     return {"samples": done, "server_cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
             "server_cpu_s_per_1000_samples": round(1000 * cpu / done, 3),
+            "per_thread_cpu_s_per_1000_samples": {k: v for k, v in sorted(threads.items()) if v},
             "model_steps": after["model_steps"] - before["model_steps"],
             "forward_rows": {kind: {k: n for k, n in sorted(c.items()) if n} for kind, c in rows.items()}}
 

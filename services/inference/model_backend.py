@@ -115,16 +115,22 @@ class TransformersBackend:
             by_len[len(j.prompt)].append(j)
         out: list[Token] = []
         for length, group in by_len.items():
-            ids = torch.tensor([j.prompt for j in group], dtype=torch.long)
+            # Identical prompts (a group's samples: one prompt, n completions) are run once; each
+            # request's row then gets a copy of that prompt's logits and cache, and samples on its own.
+            unique, which = _dedup([j.prompt for j in group])
+            ids = torch.tensor(unique, dtype=torch.long)
             cache = DynamicCache()
-            self.forward_rows["prefill"][len(group)] += 1
+            self.forward_rows["prefill"][len(unique)] += 1
             logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+            layers = _keys_values(cache)
+            if which is not None:
+                logits = logits.index_select(0, which)
+                layers = [(k.index_select(0, which), v.index_select(0, which)) for k, v in layers]
             rows = [_Row(j.sid, j.params, self._generator(j.params), next_pos=length) for j in group]
             tokens, logps, tops = sample_top(logits, [r.params for r in rows], [r.generator for r in rows])
             for row, tok, lp, top in zip(rows, tokens, logps, tops, strict=True):
                 row.last_token = tok
                 out.append((row.sid, tok, lp, top))
-            layers = _keys_values(cache)
             self._merge(rows, layers, torch.ones(len(group), length, dtype=torch.long))
         return out, self.version
 
@@ -152,9 +158,12 @@ class TransformersBackend:
         length L; none: a plain decode). The call's query is L wide: a running row's token sits last,
         after L-1 masked positions; a newcomer's cache is masked zeros up to the batch's width. The
         mask and per-row positions keep every row's logits those of its own sequence alone."""
-        run, new = len(self._rows), len(joining)
+        run = len(self._rows)
         if not run:
             return self.prefill(joining)[0] if joining else []
+        # Identical prompts run once (as in `prefill`); their rows are copied out after the call.
+        unique, which = _dedup([j.prompt for j in joining])
+        new = len(unique)
         length = len(joining[0].prompt) if joining else 1
         width = self._mask.shape[1]
         ids = torch.zeros(run + new, length, dtype=torch.long)
@@ -166,7 +175,7 @@ class TransformersBackend:
         keys, values = self._keys, self._values
         rows = self._rows
         if joining:
-            ids[run:] = torch.tensor([j.prompt for j in joining], dtype=torch.long)
+            ids[run:] = torch.tensor(unique, dtype=torch.long)
             pos = torch.cat([pos, torch.arange(length).unsqueeze(0).expand(new, length)])
             mask[run:, width:] = 1
             keys = [torch.cat([k, k.new_zeros(new, *k.shape[1:])]) for k in keys]
@@ -181,6 +190,10 @@ class TransformersBackend:
         if not joining:
             self.cost.observe(run, time.thread_time() - started)
         layers = _keys_values(cache)
+        if which is not None:
+            expand = torch.cat([torch.arange(run), run + which])
+            logits, mask = logits.index_select(0, expand), mask.index_select(0, expand)
+            layers = [(k.index_select(0, expand), v.index_select(0, expand)) for k, v in layers]
         self._keys = [k for k, _ in layers]
         self._values = [v for _, v in layers]
         self._mask = mask
@@ -234,6 +247,16 @@ class TransformersBackend:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
+
+
+def _dedup(prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor | None]:
+    """The distinct prompts, in first-seen order, and for each input its index among them (None when
+    all are distinct: nothing to expand)."""
+    index: dict[tuple[int, ...], int] = {}
+    which = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    if len(index) == len(prompts):
+        return prompts, None
+    return [list(p) for p in index], torch.tensor(which, dtype=torch.long)
 
 
 def _keys_values(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

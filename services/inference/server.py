@@ -12,6 +12,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from services.common.logging import get_logger
@@ -152,7 +153,8 @@ class InferenceServer:
                 if s.finish is None:
                     self.sched.abort_soon(s.rid)
         outs = [self._out(s, flag) for s, flag in zip(seqs, gen.return_logprobs, strict=True)]
-        return web.json_response(outs if gen.batched else outs[0])
+        # orjson: the reply's encoding is a per-sample cost of every generation (several times the stdlib's)
+        return web.Response(body=orjson.dumps(outs if gen.batched else outs[0]), content_type="application/json")
 
     def _out(self, seq: Seq, return_logprob: bool) -> dict[str, Any]:
         skip = self.settings.skip_tokenizer_init
@@ -171,7 +173,7 @@ class InferenceServer:
             if len(seq.output_ids) != sent or seq.finish is not None:
                 sent = len(seq.output_ids)
                 chunk = self._out(seq, return_logprob)
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
             if seq.finish is not None:
                 break
         await resp.write(b"data: [DONE]\n\n")

@@ -1,6 +1,6 @@
-"""The CPU server's batching: newcomers prefilled inside the decode call give every request the tokens
-and logprobs it gets alone; the call-cost fit that decides it; batched uniform draws; no tokenizer
-loaded for a `skip_tokenizer_init` server."""
+"""The CPU server's batching: newcomers prefilled inside the decode call, and a group's identical
+prompts prefilled once, give every request the tokens and logprobs it gets alone; the call-cost fit
+that decides merging; batched uniform draws; no tokenizer loaded for a `skip_tokenizer_init` server."""
 
 from __future__ import annotations
 
@@ -61,6 +61,32 @@ def test_newcomers_prefilled_in_the_decode_call_get_the_tokens_they_get_alone(ti
         start = next(i for i, a in enumerate(arrivals) if sid in a)
         ref = _run(alone, [[sid]], {}, steps=len(got[sid]))[sid]
         assert [t for t, _ in got[sid]] == [t for t, _ in ref], f"request {sid} (joined at step {start})"
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got[sid], ref, strict=True)) < 1e-5
+
+
+def test_a_groups_identical_prompts_run_once_and_each_request_samples_its_own(tiny_model: Path) -> None:
+    """A group's samples (one prompt, n completions) are prefilled as one row, on their own or inside
+    the decode call; every request still gets the tokens and logprobs it gets alone."""
+    first, second = [1, 6, 7, 8, 16], [1, 9, 9, 9, 16]
+    params = {sid: SamplingParams(max_new_tokens=64, seed=100 + sid) for sid in range(16)}
+    batched = TransformersBackend(str(tiny_model), tokenizer=False)
+    batched.cost = _Merge(True)
+    got: Outputs = {}
+    for i in range(5):
+        joining = ([Joining(sid, first, params[sid]) for sid in range(8)] if i == 0
+                   else [Joining(sid, second, params[sid]) for sid in range(8, 16)] if i == 1 else [])
+        for sid, tok, lp, _top in batched.step(set(), joining)[0]:
+            got.setdefault(sid, []).append((tok, lp))
+    assert dict(batched.forward_rows["prefill"]) == {1: 1}  # eight requests, one prompt row
+    assert dict(batched.forward_rows["decode+prefill"]) == {8 + 1: 1}  # eight running rows and one prompt row
+    assert len({tuple(t for t, _ in got[sid]) for sid in range(8)}) > 1  # the copies sampled apart
+    for sid in range(16):
+        alone = TransformersBackend(str(tiny_model), tokenizer=False)
+        ref: list[tuple[int, float]] = []
+        for i in range(len(got[sid])):
+            joining = [Joining(sid, first if sid < 8 else second, params[sid])] if i == 0 else []
+            ref += [(tok, lp) for _, tok, lp, _top in alone.step(set(), joining)[0]]
+        assert [t for t, _ in got[sid]] == [t for t, _ in ref], f"request {sid}"
         assert max(abs(a - b) for (_, a), (_, b) in zip(got[sid], ref, strict=True)) < 1e-5
 
 
