@@ -135,7 +135,9 @@ async def test_a_cancelled_sample_leaves_the_rest_of_its_batch_running(server: S
 
 async def test_server_info_counts_the_rows_of_every_model_call(server: ServerProcess, engine: InferenceEngine) -> None:
     """`forward_rows` is how the batching can be checked in a run: every generated token is one row of
-    one model call, and a group of 8 arriving at once is prefilled in one call of 8 rows."""
+    one model call, except that a group's shared prompt is computed once: a group of 8 arriving at once
+    is prefilled in one call of one row (its logits give each sample its first token), then decoded in
+    calls of 8 rows."""
     async with httpx.AsyncClient() as http:
         before = (await http.get(server.url + "/server_info")).json()
         await asyncio.gather(*(engine.agenerate(r) for r in group(500)))
@@ -144,6 +146,7 @@ async def test_server_info_counts_the_rows_of_every_model_call(server: ServerPro
     def rows(info: dict) -> int:
         return sum(int(k) * n for calls in info["forward_rows"].values() for k, n in calls.items())
 
-    assert rows(after) - rows(before) == after["tokens_generated"] - before["tokens_generated"] == GROUP * 6
-    assert after["forward_rows"]["prefill"].get("8", 0) - before["forward_rows"]["prefill"].get("8", 0) == 1
+    assert after["tokens_generated"] - before["tokens_generated"] == GROUP * 6
+    assert rows(after) - rows(before) == GROUP * 6 - (GROUP - 1)
+    assert after["forward_rows"]["prefill"].get("1", 0) - before["forward_rows"]["prefill"].get("1", 0) == 1
     assert after["cpu_s"] > before["cpu_s"] > 0
