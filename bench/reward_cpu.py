@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.reward import wait_ready  # noqa: E402  (after the sys.path line)
+
 HZ = os.sysconf("SC_CLK_TCK")
 FN = "services.reward.builtin:copy3"
 GROUP = 8
@@ -53,23 +55,6 @@ def tree_cpu(root: int) -> tuple[float, float]:
                 below.add(child)
                 todo.append(child)
     return cpu.get(root, 0.0), sum(cpu.get(p, 0.0) for p in below - {root})
-
-
-async def wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
-    from services.common.bus import connect
-
-    nc = await connect(url, "bench-ready")
-    try:
-        while True:
-            try:
-                await nc.request("$SRV.PING.jetrl-reward", b"", timeout=0.5)
-                return
-            except Exception:
-                if proc.poll() is not None:
-                    raise RuntimeError("the reward service exited before it was ready") from None
-                await asyncio.sleep(0.05)  # "no responders" comes back at once while it starts
-    finally:
-        await nc.close()
 
 
 async def drive(url: str, requests: int, rate: float, in_flight: int) -> int:
@@ -121,7 +106,7 @@ def measure(tree: Path, url: str, requests: int, rate: float, in_flight: int) ->
         [sys.executable, "-m", "services.reward", f"nats_url={url}", "log_level=warning", "metrics_interval_s=1000"], cwd=tree, env=env
     )
     try:
-        asyncio.run(wait_ready(url, proc))
+        asyncio.run(wait_ready(url, proc))  # bench/reward.py's: the service answers its ping
         start = tree_cpu(proc.pid)
         samples = asyncio.run(drive(url, requests, rate, in_flight))
         end = tree_cpu(proc.pid)
