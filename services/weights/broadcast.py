@@ -14,7 +14,6 @@ the version is sent again, so the others still get it and the trainer never hang
 from __future__ import annotations
 
 import asyncio
-import datetime
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -23,26 +22,19 @@ from typing import Any
 
 import httpx
 import torch
-import torch.distributed as dist
 
 from services.common.logging import get_logger
-from services.common.stores import listening_store
 from services.common.trust import InferenceAuth
 from services.weights.bucket_stream import BucketSource, ListSource
 from services.weights.buckets import Bucket, ensure_checksum, make_buckets
+from services.weights.update_group import BROKEN_GRACE_S, UpdateGroup, outcome, short_error
 
 log = get_logger("weights.broadcast")
 
 ATTEMPTS = 2
 """Sends of one version: the first, and one more on a group rebuilt without the members that failed."""
-JOIN_FAILED = "joining group"
-"""How the server's answer starts when the rendezvous itself failed (not a refusal)."""
-SHUN_VERSIONS = 10
-"""A server that refused to join is left out of this many versions before it is asked again."""
 WINDOW = 4
 """Buckets sent whose answers are not yet in (the members check one while receiving the next)."""
-BROKEN_GRACE_S = 2.0
-"""After a failed broadcast, how long the members' answers are still awaited."""
 
 
 @dataclass
@@ -82,15 +74,7 @@ class WeightBroadcaster:
         self.timeout_s = timeout_s
         self.group_name = group_name
         self.checksum = checksum
-        self.members: list[str] = []
-        self.shunned: dict[str, tuple[int, str]] = {}
-        """Servers that refused to join (answered, not unreachable): left out until the version given,
-        with why. Building a group waits for every rank up to the deadline, so a server that keeps
-        refusing must not cost every version that wait."""
-        self.port = 0
-        self._pg: Any = None
         self._send_s = 0.0
-        self._store: Any = None
         self._membership = asyncio.Lock()
         """Held by a send and by `build_ahead`'s rebuild: the group changes under one of them at a time."""
         self._sent = False
@@ -99,15 +83,21 @@ class WeightBroadcaster:
         # a call may wait for a whole bucket's broadcast, which the group bounds by timeout_s
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s * 2 + 30, connect=5.0),
                                        auth=InferenceAuth(*keys))  # the servers' (api_key, admin_api_key)
+        self.group = UpdateGroup(self.servers, master_address=master_address, group_name=group_name,
+                                 timeout_s=timeout_s, http=self._http, sender=self._sender)
+
+    @property
+    def members(self) -> list[str]:
+        return self.group.members
 
     async def aclose(self) -> None:
-        await self._destroy_group()
+        await self.group.destroy()
         await self._http.aclose()
         self._sender.shutdown(wait=False, cancel_futures=True)
 
     @property
     def address(self) -> str:
-        return f"{self.master_address}:{self.port}" if self._pg is not None else ""
+        return self.group.address
 
     # ------------------------------------------------------------------------------ one version
 
@@ -130,7 +120,7 @@ class WeightBroadcaster:
         while True:
             if self._sent:
                 return self.members
-            live, down = await self._live(0)
+            live, down = await self.group.live(0)
             if not down or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(poll_s)
@@ -139,9 +129,9 @@ class WeightBroadcaster:
                         waited_s=wait_s, down=down)
             return []
         async with self._membership:
-            if self._sent or self._pg is not None:
+            if self._sent or self.group.pg is not None:
                 return self.members
-            return await self._rebuild(live, {}, 0)
+            return await self.group.rebuild(live, {}, 0)
 
     async def send(self, version: int, source: BucketSource) -> VersionResult:
         """Send a version's buckets as `source` gives them (`BucketStream`: as the trainer gathers them).
@@ -161,13 +151,13 @@ class WeightBroadcaster:
                 # The members of an intact group are not asked for /health: a member that died fails the
                 # broadcast itself (and the retry asks everyone). That saves a request per version through
                 # each server's busy event loop; only servers outside the group are polled, to let them in.
-                assumed = set(self.members) if self._pg is not None and attempt == 0 else set()
-                live, down = await self._live(version, assumed)
+                assumed = set(self.members) if self.group.pg is not None and attempt == 0 else set()
+                live, down = await self.group.live(version, assumed)
                 result.failed = dict(down)
                 if not live:
                     break
-                if live != self.members or self._pg is None:
-                    live = await self._rebuild(live, result.failed, version)
+                if live != self.members or self.group.pg is None:
+                    live = await self.group.rebuild(live, result.failed, version)
                     result.rebuilds += 1
                     if not live:
                         break
@@ -180,19 +170,19 @@ class WeightBroadcaster:
                     log.warning("broadcast failed; rebuilding the group from the members still alive",
                                 version=version, attempt=attempt + 1, error=str(exc))
                     result.failed.update({s: f"broadcast failed: {exc}" for s in self.members})
-                    await self._destroy_group()
+                    await self.group.destroy()
                     continue
                 except BaseException:
                     # the source ended early (the gather failed): members hold part of a version; a new
                     # group makes them drop it
-                    await self._destroy_group()
+                    await self.group.destroy()
                     raise
                 result.loaded = [s for s in self.members if s not in refused]
                 result.failed.update(refused)
                 if refused:
                     # A member that refused a bucket may not have taken its bytes off the wire (a request
                     # it could not parse): the group may be out of step, so the next version builds anew.
-                    await self._destroy_group()
+                    await self.group.destroy()
                 break
         finally:
             source.finish()
@@ -281,9 +271,9 @@ class WeightBroadcaster:
         if version is not None:
             body["weight_version"] = version
         calls: list[asyncio.Future[str | None]] = [
-            asyncio.ensure_future(self._post(s, "/update_weights_from_distributed", body)) for s in self.members]
+            asyncio.ensure_future(self.group.post(s, "/update_weights_from_distributed", body)) for s in self.members]
         sent = asyncio.get_running_loop().run_in_executor(self._sender, self._broadcast, bucket.tensors)
-        send_error = await _outcome(sent)
+        send_error = await outcome(sent)
         if send_error is None:
             return calls
         # A member that still waits for the rest of the bucket would hold us up to its own deadline:
@@ -292,130 +282,14 @@ class WeightBroadcaster:
         for c in pending:
             c.cancel()
         answers = [c.result() if c in done else "no answer after the broadcast failed" for c in calls]
-        raise GroupBroken(f"{_short(send_error)}; members' answers: {dict(zip(self.members, answers, strict=True))}")
+        raise GroupBroken(f"{short_error(send_error)}; members' answers: {dict(zip(self.members, answers, strict=True))}")
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         t0 = time.perf_counter()
         # Every broadcast is queued before any is waited for: gloo runs them in its own threads, in
         # the order queued (each carries its sequence tag), so this thread takes the GIL once per
         # bucket, not once per tensor; on a busy process each take can cost a switch interval (5 ms).
-        works = [self._pg.broadcast(t, 0) for t in tensors]
+        works = [self.group.pg.broadcast(t, 0) for t in tensors]
         for w in works:
             w.wait()
         self._send_s += time.perf_counter() - t0
-
-    # ------------------------------------------------------------------------------ membership
-
-    async def _live(self, version: int, assumed: set[str] | frozenset[str] = frozenset()) -> tuple[list[str], dict[str, str]]:
-        """The servers to send to, and those left out with why; `assumed` are taken as live unasked."""
-        async def healthy(server: str) -> str | None:
-            try:
-                resp = await self._http.get(f"{server}/health", timeout=5.0)
-            except httpx.HTTPError as exc:
-                return f"unreachable: {exc!r}"
-            return None if resp.status_code == 200 else f"not healthy: HTTP {resp.status_code}"
-
-        shunned = {s: f"left out until version {until}: {why}" for s, (until, why) in self.shunned.items() if version < until}
-        candidates = [s for s in self.servers if s not in shunned]
-        answers = await asyncio.gather(*(healthy(s) if s not in assumed else _alive() for s in candidates))
-        down = {s: a for s, a in zip(candidates, answers, strict=True) if a is not None} | shunned
-        return [s for s in candidates if s not in down], down
-
-    async def _rebuild(self, live: list[str], failed: dict[str, str], version: int) -> list[str]:
-        """A new group of this rank and `live`; members that cannot join are left out (and the group
-        is built once more without them). Returns the members."""
-        for _ in range(ATTEMPTS):
-            await self._destroy_group()
-            # SGLang's tensor-parallel ranks each join the group: a server of tp_size k takes ranks
-            # rank_offset .. rank_offset + k - 1 (the CPU server has one).
-            tp = await asyncio.gather(*(self._tp_size(s) for s in live))
-            offsets = [1 + sum(tp[:i]) for i in range(len(live))]
-            world = 1 + sum(tp)
-            store = await asyncio.to_thread(self._open_store, world)
-            body = {"master_address": self.master_address, "master_port": store.port, "world_size": world,
-                    "group_name": self.group_name, "backend": "gloo"}
-            calls = [asyncio.ensure_future(self._post(s, "/init_weights_update_group", {**body, "rank_offset": off}))
-                     for s, off in zip(live, offsets, strict=True)]
-            joined = asyncio.get_running_loop().run_in_executor(self._sender, self._join, store, world)
-            error = await _outcome(joined)
-            # Members still waiting in a rendezvous that failed here would answer only at their own
-            # deadline: wait a moment for the answers (a refusal comes at once), then stop waiting.
-            done, pending = await asyncio.wait(calls, timeout=None if error is None else BROKEN_GRACE_S)
-            for c in pending:
-                c.cancel()
-            answers = [c.result() if c in done else f"{JOIN_FAILED}: no answer after the rendezvous failed" for c in calls]
-            bad = {s: f"could not join the weight-update group: {a}" for s, a in zip(live, answers, strict=True) if a}
-            if error is None and not bad:
-                self._store, self._pg, self.members, self.port = store, joined.result(), live, store.port
-                log.info("weight-update group built", members=live, address=self.address)
-                return live
-            # A member that refused up front makes every other member's rendezvous time out too:
-            # leave out only the ones that refused, if any did, and build again.
-            refused = {s: why for s, why in bad.items() if "HTTP 4" in why and JOIN_FAILED not in why}
-            left_out = refused or bad
-            failed.update(left_out)
-            for server, why in refused.items():  # it answered and refused: it will refuse again for a while
-                self.shunned[server] = (version + SHUN_VERSIONS, why)
-            live = [s for s in live if s not in left_out]
-            log.warning("building the weight-update group failed", error=repr(error), left_out=list(left_out))
-            if not live:
-                break
-        self.members = []
-        return []
-
-    async def _tp_size(self, server: str) -> int:
-        """The server's tensor-parallel size from `/get_server_info` (1 if it does not say)."""
-        try:
-            body = (await self._http.get(f"{server}/get_server_info", timeout=5.0)).json()
-            return max(1, int(body.get("tp_size") or 1)) if isinstance(body, dict) else 1
-        except (httpx.HTTPError, ValueError, TypeError):
-            return 1
-
-    def _open_store(self, world: int) -> Any:
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        return listening_store(self.master_address, 0, world, timeout)  # on master_address only, not every interface
-
-    def _join(self, store: Any, world: int) -> Any:
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        return dist.ProcessGroupGloo(dist.PrefixStore(self.group_name, store), 0, world, timeout)
-
-    async def _destroy_group(self) -> None:
-        if self._pg is None:
-            return
-        members, self.members = self.members, []
-        await asyncio.gather(*(self._post(s, "/destroy_weights_update_group", {"group_name": self.group_name}, quick=True)
-                               for s in members))
-        self._pg = self._store = None
-
-    async def _post(self, server: str, path: str, body: dict[str, Any], *, quick: bool = False) -> str | None:
-        """None on success, else why not."""
-        try:
-            resp = await self._http.post(f"{server}{path}", json=body,
-                                         timeout=5.0 if quick else httpx.USE_CLIENT_DEFAULT)
-        except httpx.HTTPError as exc:
-            return f"{path}: {_short(exc)}"
-        try:
-            answer = resp.json()
-        except ValueError:
-            answer = {"message": resp.text[:300]}
-        if resp.status_code == 200 and (not isinstance(answer, dict) or answer.get("success", True)):
-            return None
-        message = answer.get("message", answer) if isinstance(answer, dict) else answer
-        return f"{path}: HTTP {resp.status_code}: {message}"
-
-
-def _short(exc: BaseException, limit: int = 300) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-async def _alive() -> None:
-    return None
-
-
-async def _outcome(fut: Any) -> BaseException | None:
-    try:
-        await fut
-    except Exception as exc:  # the group's failure, reported with the members' answers
-        return exc
-    return None

@@ -343,7 +343,8 @@ async def test_generation_goes_on_across_an_update_and_a_completion_spans_both_v
 
 @pytest.mark.timeout(180)
 async def test_a_server_that_refuses_to_join_is_left_out_and_the_others_are_served(tiny_model: Path, tmp_path: Path) -> None:
-    from services.weights.broadcast import SHUN_VERSIONS, WeightBroadcaster
+    from services.weights.broadcast import WeightBroadcaster
+    from services.weights.update_group import SHUN_VERSIONS
 
     with running_servers(tiny_model, tmp_path, 1) as (real,), running_servers(None, tmp_path, 1, "simulate=true") as (sim,):
         sender = WeightBroadcaster([real.url, sim.url], bucket_mb=0.05, timeout_s=5)

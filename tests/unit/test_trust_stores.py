@@ -35,7 +35,7 @@ def test_a_listening_store_binds_its_host_only_and_serves_its_members() -> None:
 
 def test_the_broadcast_groups_store_listens_on_master_address_only() -> None:
     sender = WeightBroadcaster(["http://127.0.0.1:1"], master_address="127.0.0.1", timeout_s=20)
-    store = sender._open_store(2)
+    store = sender.group._open_store(2)
     assert _listening_on(store.port) == {"127.0.0.1"}, "listening beyond master_address"
 
 
