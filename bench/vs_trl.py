@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.proc_cpu import TreeCPU  # noqa: E402  (after the sys.path line)
+from bench.support.proc_cpu import TreeCPU  # noqa: E402  (after the sys.path line)
 from services.up.run import DEMO_DEFAULTS  # noqa: E402
 
 # jetrl's demo defaults, given to TRL as they are (jetrl runs with its defaults, stated below)
