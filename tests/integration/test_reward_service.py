@@ -20,6 +20,7 @@ from services.reward.client import RewardClient, RewardRequestError, RewardUnava
 from services.reward.proctree import alive, descendants
 from services.reward.service import RewardService
 from services.reward.settings import RewardSettings
+from tests.support.reward import running_reward
 from tests.support.waiting import wait_until
 
 RUN = "rwd"
@@ -30,12 +31,8 @@ async def service(nats_url: str, nc: NATS) -> AsyncIterator[RewardService]:
     settings = RewardSettings(
         run=RUN, nats_url=nats_url, processes=2, allow=["tests.reward_fns:*"], item_timeout_s=2.0, metrics_interval_s=0.2
     )
-    svc = RewardService(settings, nc)
-    await svc.start()
-    try:
+    async with running_reward(settings, nc) as svc:
         yield svc
-    finally:
-        await svc.stop(timeout_s=2.0)
 
 
 def item(completion: str, **row: object) -> RewardItem:
@@ -92,26 +89,20 @@ async def test_a_cheap_functions_request_is_one_batch_and_a_crash_in_it_fails_on
 
 async def test_a_pool_process_killed_while_idle_is_replaced_before_the_next_item(nats_url: str, nc: NATS) -> None:
     settings = RewardSettings(run=RUN, nats_url=nats_url, processes=1, allow=["tests.reward_fns:*"])
-    svc = RewardService(settings, nc)
-    await svc.start()
-    try:
+    async with running_reward(settings, nc) as svc:
         client = RewardClient(nc, timeout_s=30)
         [before] = await client.score("tests.reward_fns:pid", [item("a")])
         os.kill(int(before.value or 0), signal.SIGKILL)  # the OOM killer, say, while it waits for work
         await asyncio.to_thread(wait_until, "the killed process replaced", lambda: svc.pool.restarts == 1, timeout_s=30)
         [after] = await client.score("tests.reward_fns:pid", [item("a")])
         assert after.status == "ok" and after.value != before.value
-    finally:
-        await svc.stop(timeout_s=2.0)
 
 
 async def test_pool_processes_outlive_their_fork_server(nats_url: str, nc: NATS) -> None:
     # SIGTERM to the service's process group (as `jetrl up` stops it) ends the fork server first; its
     # children's exit sentinels then close while they still run: not a reason to fail or replace them
     settings = RewardSettings(run=RUN, nats_url=nats_url, processes=1, allow=["tests.reward_fns:*"])
-    svc = RewardService(settings, nc)
-    await svc.start()
-    try:
+    async with running_reward(settings, nc) as svc:
         client = RewardClient(nc, timeout_s=30)
         [before] = await client.score("tests.reward_fns:pid", [item("a")])
         pool_pids = {p.pid for p in svc.pool._procs}
@@ -125,23 +116,17 @@ async def test_pool_processes_outlive_their_fork_server(nats_url: str, nc: NATS)
             [after] = await client.score("tests.reward_fns:pid", [item("a")])
             assert (after.status, after.value) == ("ok", before.value)
         assert svc.pool.restarts == 0
-    finally:
-        await svc.stop(timeout_s=2.0)
 
 
 async def test_importing_a_function_is_not_on_its_first_items_clock(nats_url: str, nc: NATS) -> None:
     # a package pattern: its modules are not imported at process start, each process imports the
     # function's module when it first gets it (1.5 s here), which must not time out a 0.5 s item
     settings = RewardSettings(run=RUN, nats_url=nats_url, processes=2, allow=["tests.*:*"])
-    svc = RewardService(settings, nc)
-    await svc.start()
-    try:
+    async with running_reward(settings, nc) as svc:
         client = RewardClient(nc, timeout_s=60)
         results = await client.score("tests.reward_slow_import:length", [item("a"), item("bb")], item_timeout_s=0.5)
         assert [(r.status, r.value) for r in results] == [("ok", 1.0), ("ok", 2.0)], results
         assert svc.pool.restarts == 0
-    finally:
-        await svc.stop(timeout_s=2.0)
 
 
 async def test_function_errors_are_reported_per_item(service: RewardService, nc: NATS) -> None:
@@ -219,9 +204,7 @@ async def test_extra_processes_serve_items_behind_slow_ones_and_stop_when_idle(n
     settings = RewardSettings(
         run=RUN, nats_url=nats_url, processes=1, allow=["tests.reward_fns:*"], slow_item_s=0.2, max_extra_processes=2
     )
-    svc = RewardService(settings, nc)
-    await svc.start()
-    try:
+    async with running_reward(settings, nc) as svc:
         client = RewardClient(nc, timeout_s=60)
         hanging = asyncio.create_task(
             client.score("tests.reward_fns:sleepy", [item("a", sleep_s=600), item("b", sleep_s=600)], item_timeout_s=10)
@@ -233,5 +216,3 @@ async def test_extra_processes_serve_items_behind_slow_ones_and_stop_when_idle(n
         # both hanging items ran at once (the second in an extra process), then the good item got a
         # third one; the extras stop once idle, the pool is back to its size
         assert svc.pool.extra_started == 2 and svc.pool.size == 1
-    finally:
-        await svc.stop(timeout_s=2.0)

@@ -28,6 +28,7 @@ from services.rollout.workflows.common import encode_chat
 from services.rollout.workflows.multi_turn import MultiTurnWorkflow
 from services.rollout.workflows.rlvr import RLVRWorkflow
 from tests.support.inference import spawn_server, wait_ready
+from tests.support.reward import running_reward
 from tests.support.rollout import RUN, collect, push_prompts, running_worker
 
 S = Subjects(RUN)
@@ -44,12 +45,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture
 async def reward(nc: NATS, nats_url: str) -> AsyncIterator[RewardService]:
-    svc = RewardService(RewardSettings(run=RUN, nats_url=nats_url, processes=1), nc)
-    await svc.start()
-    try:
+    async with running_reward(RewardSettings(run=RUN, nats_url=nats_url, processes=1), nc) as svc:
         yield svc
-    finally:
-        await svc.stop(timeout_s=2.0)
 
 
 class Recording:

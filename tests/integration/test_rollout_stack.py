@@ -32,6 +32,7 @@ from services.rollout.engine import InferenceEngine
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflows.multi_turn import MultiTurnWorkflow
 from services.rollout.workflows.rlvr import RLVRWorkflow
+from tests.support.reward import running_reward
 from tests.support.rollout import RUN, collect, push_prompts, running_worker
 from tests.support.waiting import wait_http_ok
 
@@ -77,12 +78,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture
 async def reward(nc: NATS, nats_url: str) -> AsyncIterator[RewardService]:
-    svc = RewardService(RewardSettings(run=RUN, nats_url=nats_url, processes=1), nc)
-    await svc.start()
-    try:
+    async with running_reward(RewardSettings(run=RUN, nats_url=nats_url, processes=1), nc) as svc:
         yield svc
-    finally:
-        await svc.stop(timeout_s=2.0)
 
 
 @contextlib.asynccontextmanager
