@@ -10,6 +10,7 @@ from nats.js.errors import BucketNotFoundError
 from schemas.subjects import WEIGHTS_BUCKET, stream_specs
 from services.bus.settings import BusSettings
 from services.common.bus import connect, declare_streams
+from services.common.busretry import BusUnavailable
 from services.common.logging import get_logger
 from services.weights.objstore import open_bucket
 
@@ -30,9 +31,11 @@ async def init_bus(settings: BusSettings) -> dict[str, str]:
         except BucketNotFoundError:
             await open_bucket(js, WEIGHTS_BUCKET, replicas=settings.nats_replicas)
             done[f"bucket {WEIGHTS_BUCKET}"] = "created"
-    except (nats.errors.TimeoutError, TimeoutError) as exc:
-        # A request the user may not make is dropped by the server (it answers with a permissions
-        # violation, logged above): the client only sees no answer.
+    except PermissionError as exc:  # the server reported a permissions violation on the JetStream API
+        raise RuntimeError(
+            f"{exc}: run `jetrl bus init` as the admin user (user {settings.nats_auth.user or '(none)'!r} may not create streams)"
+        ) from exc
+    except (nats.errors.TimeoutError, TimeoutError, BusUnavailable) as exc:
         raise RuntimeError(
             f"the JetStream API did not answer {settings.nats_auth.user or 'this client'!r}: run `jetrl bus init` "
             "as the admin user (a restricted user may not create streams), or check that JetStream is enabled"

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ssl
+import time
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
@@ -18,11 +21,14 @@ from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy, StorageType, Str
 from nats.js.errors import NotFoundError
 
 from schemas.subjects import StreamSpec, stream_specs
+from services.common.busretry import with_retries
 from services.common.health import register_check, unregister_check
 from services.common.logging import get_logger
 from services.common.nats_auth import NatsAuth
 
 log = get_logger("bus")
+
+T = TypeVar("T")
 
 # Replies to requests larger than this go over several messages; keep a margin below max_payload.
 DEFAULT_PENDING_BYTES = 256 * 1024 * 1024
@@ -31,6 +37,14 @@ DEFAULT_PENDING_BYTES = 256 * 1024 * 1024
 _default_auth: NatsAuth | None = None
 _default_replicas = 1
 _default_declare = True
+
+_denials: deque[tuple[float, str]] = deque(maxlen=16)
+"""Permissions violations the server reported to this process's clients (monotonic time, text): a
+request the user may not make is dropped, so the request itself only sees a timeout."""
+
+DECLARE_BUDGET_S = 60.0
+"""How long stream declaration rides out a bus that does not answer yet (a cluster still electing its
+JetStream meta leader, a server restarting, first answers slow on a loaded machine)."""
 
 
 class BusNotInitialized(RuntimeError):
@@ -87,6 +101,8 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0, auth:
     async def error_cb(exc: Exception) -> None:
         if not refused.done() and _is_refusal(exc):
             refused.set_result(exc)
+        if "permissions violation" in str(exc).lower():
+            _denials.append((time.monotonic(), str(exc)))
         log.warning("nats error", error=repr(exc))
 
     async def disconnected_cb() -> None:
@@ -203,18 +219,21 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
 
     In a process that does not declare (`bus_declare=false`, a restricted NATS user) each stream is
     only looked up and used as it is configured (that is the admin's): a missing one is
-    `BusNotInitialized` naming `jetrl bus init`; returns "found"."""
+    `BusNotInitialized` naming `jetrl bus init`; returns "found".
+
+    Each JetStream call rides out a bus that does not answer yet (timeouts, no responders, 503) for up
+    to `DECLARE_BUDGET_S`, then `BusUnavailable` says so."""
     replicas = replicas or _default_replicas
     result: dict[str, str] = {}
     for spec in specs if specs is not None else stream_specs():
         want = _config(spec, replicas)
         try:
-            info = await js.stream_info(spec.name)
+            info = await _js_api(f"stream {spec.name}: info", functools.partial(js.stream_info, spec.name))
         except NotFoundError:
             if not _default_declare:
                 raise not_initialized(f"stream {spec.name}") from None
             try:
-                await js.add_stream(want)
+                await _js_api(f"stream {spec.name}: create", functools.partial(js.add_stream, want))
             except nats.js.errors.APIError as exc:
                 raise RuntimeError(f"stream {spec.name}: cannot create it with {replicas} replica(s): {exc}") from exc
             result[spec.name] = "created"
@@ -232,11 +251,25 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
                         replicas_found=have.num_replicas or 1, replicas_wanted=replicas)
         want.subjects = sorted(set(have.subjects or []) | set(want.subjects or []))
         try:
-            await js.update_stream(want)
+            await _js_api(f"stream {spec.name}: update", functools.partial(js.update_stream, want))
         except nats.js.errors.APIError as exc:
             raise RuntimeError(f"stream {spec.name}: cannot update it (replicas {have.num_replicas or 1} -> {replicas}): {exc}") from exc
         result[spec.name] = "updated"
     return result
+
+
+async def _js_api(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """A JetStream API call retried through a bus that does not answer yet, for `DECLARE_BUDGET_S`;
+    but a timeout after the server reported a permissions violation on the JetStream API is the
+    user's rights, not the bus: `PermissionError` at once, with the server's words."""
+    since = time.monotonic()
+
+    def refuse_if_denied(exc: BaseException) -> None:
+        denied = [text for at, text in _denials if at >= since and "$js.api" in text.lower()]
+        if denied:
+            raise PermissionError(f"{what}: {denied[-1]}") from exc
+
+    return await with_retries(what, call, DECLARE_BUDGET_S, on_retry=refuse_if_denied)
 
 
 def _same(a: object, b: object) -> bool:

@@ -125,3 +125,22 @@ def test_jetrl_nats_cluster_prints_the_urls_and_serves(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+@pytest.mark.timeout(120)
+async def test_declaring_streams_waits_out_a_cluster_still_electing(tmp_path: Path) -> None:
+    """A service started beside a cluster that has not elected its JetStream meta leader yet (or whose
+    first API answers are slow) declares its streams once the cluster answers, instead of dying on the
+    first timeout or 503."""
+    c = NatsCluster(tmp_path / "forming", 3)
+    try:
+        for node in c.nodes:
+            node.start_detached()
+        for node in c.nodes:
+            await asyncio.to_thread(node.wait_ready, 60)  # client ports open; no meta leader asked for
+        nc = await connect(c.url, "early-service")
+        created = await declare_streams(nc.jetstream(), replicas=3)
+        assert set(created.values()) == {"created"} and len(created) == len(stream_specs())
+        await nc.close()
+    finally:
+        c.stop()
