@@ -49,6 +49,12 @@ class RunView:
     servers: dict[str, int] = field(default_factory=dict)
     """Weight version loaded per inference server."""
     malformed: int = 0
+    target: float | None = None
+    """A 10-step mean reward to watch for (`stop_at_reward`); None: none."""
+    reached_at: int | None = None
+    """The first step whose 10-step mean reward reached `target`, checked at every step as it arrives
+    (a display refresh every 0.5 s sees only the window at that moment: a mean can cross and fall back
+    between two refreshes)."""
 
     def add(self, event: MetricsEvent) -> None:
         self.latest[f"{event.service}/{event.worker}"] = event
@@ -61,6 +67,8 @@ class RunView:
                 if mean is not None:
                     values.setdefault(names.STALENESS_MEAN, mean)
                 self.steps.append({"step": event.step, "version": event.version, "time": event.time - self.started, **values})
+                if self.target and self.reached_at is None and len(self.steps) >= 10 and (self.recent(REWARD_KEYS) or 0) >= self.target:
+                    self.reached_at = event.step
 
     @property
     def step(self) -> int:

@@ -22,7 +22,7 @@ from services.runs import URL_FILE
 from services.up import SERVICE_SECTIONS
 from services.up.display import Display
 from services.up.layout import layout, priorities
-from services.up.monitor import REWARD_KEYS, RunView, watch
+from services.up.monitor import RunView, watch
 from services.up.report import summary_lines, write_metrics
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
@@ -105,7 +105,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     base_env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     base_env["JETRL_RUN_DIR"] = str(run_dir)  # marks every process of the run, children included
     stack = Stack(run_dir, base_env)
-    view = RunView(started=started)
+    view = RunView(started=started, target=stop_at_reward(s) or None)
     display = Display(s, view, stack)
     outcome = "failed"
     try:
@@ -187,7 +187,6 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         # A server that dies or never loads is reported here, with its log, before the live display.
         await _wait_healthy(servers, stack, s.ready_timeout_s, stop)
 
-        target = stop_at_reward(s)
         with display:
             while not stop.is_set():
                 display.refresh()
@@ -207,7 +206,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
                     print(f"\njetrl up: service {failed.name} exited with code {failed.poll()}; "
                           f"last lines of {failed.log_path}:\n{failed.log_tail()}", file=sys.stderr)
                     break
-                if target and len(view.steps) >= 10 and (view.recent(REWARD_KEYS) or 0) >= target:
+                if view.reached_at is not None:
                     outcome = "converged"
                     break
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -223,12 +222,16 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             nats.stop()
         (run_dir / URL_FILE).unlink(missing_ok=True)
     wall = time.time() - started
-    extra = {"outcome": outcome, "wall_s": wall, "started_at": started, "servers": view.servers, "evals": view.evals}
+    extra = {"outcome": outcome, "reached_at_step": view.reached_at, "wall_s": wall, "started_at": started,
+             "servers": view.servers, "evals": view.evals}
     write_metrics(run_dir, view.steps, extra)
     from services.up.curves import plot_curves  # numpy: imported when the run is over, not before its start
 
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
     summary = [f"run {s.run}: {outcome}", *summary_lines(view.steps, view.servers, wall)]
+    if view.reached_at is not None:
+        at = next(st for st in view.steps if st["step"] == view.reached_at)
+        summary.insert(1, f"reached a 10-step mean reward of {view.target} at step {view.reached_at}, {at['time']:.1f} s after the start")
     if kept is not None:
         summary.append(f"previous run {s.run}: {kept}")
     print("\n".join([*summary, f"metrics: {run_dir / 'metrics.json'}", f"curve: {png}", f"logs: {run_dir / 'logs'}"]))

@@ -78,6 +78,11 @@ def test_default_up_learns_copy3_to_0_9_publishes_versions_and_leaves_nothing_be
     means = [sum(rewards[i - 10 : i]) / 10 for i in range(10, len(rewards) + 1)]
     assert metrics["outcome"] == "converged" and steps <= budget, f"after {steps} of {budget} steps:\n{out[-2000:]}"
     assert max(means) >= DEMO_STOP_AT_REWARD
+    # it stopped at the first step whose 10-step mean reached 0.9 (the steps in flight meanwhile aside),
+    # not at the next display refresh that happened to see a mean above it
+    first = next(i + 9 for i, m in enumerate(means) if m >= DEMO_STOP_AT_REWARD)
+    assert metrics["reached_at_step"] == history[first]["step"] and steps - metrics["reached_at_step"] <= 20, (steps, first)
+    assert f"reached a 10-step mean reward of {DEMO_STOP_AT_REWARD} at step {metrics['reached_at_step']}" in out
     # the end: the steps trained while the stack stopped may dip below 0.9 by a sample or two, not more
     assert means[-1] >= DEMO_STOP_AT_REWARD - 0.05, f"10-step mean reward {means[-1]:.3f} at the end"
     assert "start-up: first step trained" in out and "stale groups:" in out
