@@ -101,6 +101,8 @@ class RolloutWorker:
         self.max_deliver = config.max_deliver
         self.gate = VersionGate(engine, poll_s=config.version_poll_s)
         self._inflight: set[asyncio.Task[None]] = set()
+        self._at_gate: set[asyncio.Task[None]] = set()
+        """Episodes still waiting for their weight version: nothing generated yet."""
         self._wake: asyncio.Event | None = None
 
     # ---------------------------------------------------------------------------------- the consumer
@@ -198,7 +200,13 @@ class RolloutWorker:
     async def _drain(self) -> None:
         if not self._inflight:
             return
-        log.info("draining in-flight episodes", count=len(self._inflight))
+        # A prompt still waiting for its version has nothing to lose and may wait for a version no one
+        # will make now (the trainer stops too): back to the queue at once, for another worker or the
+        # next start, instead of holding the shutdown for `drain_timeout_s`.
+        waiting = [t for t in self._at_gate if not t.done()]
+        for task in waiting:
+            task.cancel()
+        log.info("draining in-flight episodes", count=len(self._inflight) - len(waiting), released_unstarted=len(waiting))
         _, still = await asyncio.wait(set(self._inflight), timeout=self.config.drain_timeout_s)
         for task in still:
             task.cancel()
@@ -217,7 +225,13 @@ class RolloutWorker:
         heartbeat = asyncio.create_task(self._heartbeat(msg), name=f"in-progress-{task.prompt_id}")
         try:
             # held, in progress, until the servers can generate a group the trainer will accept
-            await self.gate.wait(task.min_version, task.prompt_id)
+            me = asyncio.current_task()
+            if me is not None:
+                self._at_gate.add(me)
+            try:
+                await self.gate.wait(task.min_version, task.prompt_id)
+            finally:
+                self._at_gate.discard(me)
             await self._episode(msg, task, is_eval, time.monotonic())
         except asyncio.CancelledError:
             # shutting down mid-episode: hand the prompt straight to another worker

@@ -6,16 +6,19 @@ on `weights.loaded`, the episode runs and its group carries the new version."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import nats
+import nats.js.errors
 import numpy as np
 import pytest
 
-from schemas.messages import PromptTask, WeightsLoaded, encode
+from schemas.messages import PromptTask, WeightsLoaded, decode, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from schemas.trajectory import decode_group
 from services.rollout.client_settings import InferenceClientSettings
@@ -93,3 +96,37 @@ async def test_a_prompt_waits_in_progress_for_its_version_then_runs_on_it(nc: An
         stopping.set()
         await asyncio.wait_for(running, 15)
         await engine.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_stopping_hands_prompts_still_waiting_for_their_version_straight_back(nc: Any, nats_url: str, server: str) -> None:
+    """At shutdown a prompt held for a version no one will make now (the trainer stops too) does not
+    hold the worker for its drain timeout: it goes back to the queue at once, and nothing is lost."""
+    js = nc.jetstream()
+    own = await nats.connect(nats_url)  # the worker's own connection, ended as its process ends it
+    engine = InferenceEngine(InferenceClientSettings(servers=[server]))
+    config = WorkerConfig(worker="w", max_concurrent=4, fetch_timeout_s=0.2, ack_wait_s=60, max_deliver=5, drain_timeout_s=60.0)
+    worker = RolloutWorker(own, RUN, OneSample(), engine, config)
+    stopping = asyncio.Event()
+    running = asyncio.create_task(worker.run(stopping))
+    try:
+        await publish(js, "never", min_version=9)
+        for _ in range(100):  # taken and held, in progress (the worker declares its consumer first)
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                if (await js.consumer_info(PROMPTS_STREAM, S.rollout_consumer)).num_ack_pending == 1:
+                    break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the worker never took the prompt")
+        stopping.set()
+        t0 = time.monotonic()
+        await asyncio.wait_for(running, 30)
+        assert time.monotonic() - t0 < 10, "the held prompt kept the worker for its drain timeout"
+    finally:
+        stopping.set()
+        await own.drain()  # as the service ends its connection
+        await engine.aclose()
+    # back in the queue now, not after ack_wait (60 s): the next worker to ask gets it at once
+    sub = await js.pull_subscribe(S.prompts_all, durable=S.rollout_consumer, stream=PROMPTS_STREAM)
+    [again] = await sub.fetch(1, timeout=10)
+    assert decode(PromptTask, again.data).prompt_id == "never" and again.metadata.num_delivered == 2
