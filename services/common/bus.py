@@ -228,12 +228,12 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
     for spec in specs if specs is not None else stream_specs():
         want = _config(spec, replicas)
         try:
-            info = await _js_api(f"stream {spec.name}: info", functools.partial(js.stream_info, spec.name))
+            info = await js_api_call(f"stream {spec.name}: info", functools.partial(js.stream_info, spec.name))
         except NotFoundError:
             if not _default_declare:
                 raise not_initialized(f"stream {spec.name}") from None
             try:
-                await _js_api(f"stream {spec.name}: create", functools.partial(js.add_stream, want))
+                await js_api_call(f"stream {spec.name}: create", functools.partial(js.add_stream, want))
             except nats.js.errors.APIError as exc:
                 raise RuntimeError(f"stream {spec.name}: cannot create it with {replicas} replica(s): {exc}") from exc
             result[spec.name] = "created"
@@ -251,15 +251,16 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
                         replicas_found=have.num_replicas or 1, replicas_wanted=replicas)
         want.subjects = sorted(set(have.subjects or []) | set(want.subjects or []))
         try:
-            await _js_api(f"stream {spec.name}: update", functools.partial(js.update_stream, want))
+            await js_api_call(f"stream {spec.name}: update", functools.partial(js.update_stream, want))
         except nats.js.errors.APIError as exc:
             raise RuntimeError(f"stream {spec.name}: cannot update it (replicas {have.num_replicas or 1} -> {replicas}): {exc}") from exc
         result[spec.name] = "updated"
     return result
 
 
-async def _js_api(what: str, call: Callable[[], Awaitable[T]]) -> T:
-    """A JetStream API call retried through a bus that does not answer yet, for `DECLARE_BUDGET_S`;
+async def js_api_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """A JetStream API call made at start (declaring streams, opening a bucket), retried through a bus
+    that does not answer yet, for `DECLARE_BUDGET_S`;
     but a timeout after the server reported a permissions violation on the JetStream API is the
     user's rights, not the bus: `PermissionError` at once, with the server's words."""
     since = time.monotonic()

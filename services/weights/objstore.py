@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import json
 from collections import deque
@@ -35,7 +36,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, BucketNotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
-from services.common.bus import declares, default_replicas, not_initialized
+from services.common.bus import declares, default_replicas, js_api_call, not_initialized
 from services.common.busretry import Backoff, retryable
 from services.common.logging import get_logger
 
@@ -82,17 +83,18 @@ def digest_hex(info: ObjectInfo) -> str:
 async def open_bucket(js: JetStreamContext, bucket: str, replicas: int | None = None) -> ObjectStore:
     """Open the bucket, creating it (file storage, `replicas` or the process's `nats_replicas`) if it
     does not exist; safe when several race. A process that does not declare (`bus_declare=false`)
-    only opens it: a missing bucket is `BusNotInitialized` naming `jetrl bus init`."""
+    only opens it: a missing bucket is `BusNotInitialized` naming `jetrl bus init`. A bus that does not
+    answer yet (a cluster still electing) is waited out as `declare_streams` waits it out."""
     try:
-        return await js.object_store(bucket)
+        return await js_api_call(f"bucket {bucket}: open", functools.partial(js.object_store, bucket))
     except BucketNotFoundError:
         if not declares():
             raise not_initialized(f"object store bucket {bucket}") from None
     config = ObjectStoreConfig(storage=StorageType.FILE, replicas=replicas or default_replicas())
     try:
-        return await js.create_object_store(bucket, config=config)
+        return await js_api_call(f"bucket {bucket}: create", functools.partial(js.create_object_store, bucket, config=config))
     except BadRequestError:  # someone else created it between our two calls
-        return await js.object_store(bucket)
+        return await js_api_call(f"bucket {bucket}: open", functools.partial(js.object_store, bucket))
 
 
 async def put_file(

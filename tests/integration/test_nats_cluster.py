@@ -13,9 +13,10 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from schemas.subjects import TRAJECTORIES_STREAM, stream_specs
+from schemas.subjects import TRAJECTORIES_STREAM, WEIGHTS_BUCKET, stream_specs
 from services.common.bus import connect, declare_streams
 from services.common.nats_cluster import NatsCluster
+from services.weights.objstore import open_bucket
 
 N = 400
 
@@ -130,8 +131,8 @@ def test_jetrl_nats_cluster_prints_the_urls_and_serves(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 async def test_declaring_streams_waits_out_a_cluster_still_electing(tmp_path: Path) -> None:
     """A service started beside a cluster that has not elected its JetStream meta leader yet (or whose
-    first API answers are slow) declares its streams once the cluster answers, instead of dying on the
-    first timeout or 503."""
+    first API answers are slow) opens its bucket and declares its streams once the cluster answers,
+    instead of dying on the first timeout or 503."""
     c = NatsCluster(tmp_path / "forming", 3)
     try:
         for node in c.nodes:
@@ -139,6 +140,8 @@ async def test_declaring_streams_waits_out_a_cluster_still_electing(tmp_path: Pa
         for node in c.nodes:
             await asyncio.to_thread(node.wait_ready, 60)  # client ports open; no meta leader asked for
         nc = await connect(c.url, "early-service")
+        store = await open_bucket(nc.jetstream(), WEIGHTS_BUCKET, replicas=3)  # as the weights publisher starts
+        assert (await store.status()).replicas == 3
         created = await declare_streams(nc.jetstream(), replicas=3)
         assert set(created.values()) == {"created"} and len(created) == len(stream_specs())
         await nc.close()
