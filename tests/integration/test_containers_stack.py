@@ -172,10 +172,11 @@ def containers(env: dict[str, str], service: str) -> list[str]:
     return sorted(out.split())
 
 
-def fetch(env: dict[str, str], container: str, url: str) -> str:
-    """GET `url` from inside `container` (the network is internal: the host cannot reach it)."""
-    code = f"import urllib.request as u; print(u.urlopen({url!r}, timeout=5).read().decode())"
-    result = sh(["podman", "exec", container, "python3", "-c", code], env, timeout=60, check=False)
+def fetch(env: dict[str, str], container: str, url: str, timeout_s: float = 5.0) -> str:
+    """GET `url` from inside `container` (the network is internal: the host cannot reach it); "" when
+    it does not answer 2xx within `timeout_s`."""
+    code = f"import urllib.request as u; print(u.urlopen({url!r}, timeout={timeout_s}).read().decode())"
+    result = sh(["podman", "exec", container, "python3", "-c", code], env, timeout=60 + timeout_s, check=False)
     return result.stdout if result.returncode == 0 else ""
 
 
@@ -218,9 +219,20 @@ def test_scaled_stack_consumes_prompts_on_every_replica_and_advances_weights(sta
                              f"inference weight version {seen['version']}\n{logs(env)}") from exc
     per_replica = seen["per_replica"]
     assert len(per_replica) == ROLLOUT_REPLICAS
-    # the side port's readiness sees NATS, the inference server and the reward service from inside
+    # the side port's readiness sees NATS, the inference server and the reward service from inside. Its
+    # inference check waits out a paused server (a weight load) for up to READY_POLL_TIMEOUT_S (30 s),
+    # so one answer can take that long: asked with a longer timeout, and again until ready.
     for name in per_replica:
-        ready = json.loads(fetch(env, name, "http://127.0.0.1:9100/readyz") or "{}")
-        assert ready.get("ready") is True, f"{name}: {ready}"
+        ready: dict[str, Any] = {}
+
+        def replica_ready(name: str = name, ready: dict[str, Any] = ready) -> bool:
+            ready.clear()
+            ready.update(json.loads(fetch(env, name, "http://127.0.0.1:9100/readyz", timeout_s=40) or "{}"))
+            return ready.get("ready") is True
+
+        try:
+            wait_until(f"{name} to report ready", replica_ready, timeout_s=180, interval_s=1.0)
+        except TimeoutError as exc:
+            raise AssertionError(f"{name}: {ready}\n{logs(env)}") from exc
         assert {"inference reachable", "reward reachable"} <= set(ready["checks"]), ready
     phase("up -> every replica consumed, weights advanced, ready", start)
