@@ -221,8 +221,8 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
     only looked up and used as it is configured (that is the admin's): a missing one is
     `BusNotInitialized` naming `jetrl bus init`; returns "found".
 
-    Each JetStream call rides out a bus that does not answer yet (timeouts, no responders, 503) for up
-    to `DECLARE_BUDGET_S`, then `BusUnavailable` says so."""
+    Each JetStream call goes through `js_api_call`: a bus that does not answer yet (timeouts, no
+    responders, 503) is waited out; a permissions violation is `PermissionError` at once."""
     replicas = replicas or _default_replicas
     result: dict[str, str] = {}
     for spec in specs if specs is not None else stream_specs():
@@ -260,9 +260,9 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
 
 async def js_api_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
     """A JetStream API call made at start (declaring streams, opening a bucket), retried through a bus
-    that does not answer yet, for `DECLARE_BUDGET_S`;
-    but a timeout after the server reported a permissions violation on the JetStream API is the
-    user's rights, not the bus: `PermissionError` at once, with the server's words."""
+    that does not answer yet for up to `DECLARE_BUDGET_S` (then `BusUnavailable`). A timeout after the
+    server reported a permissions violation on the JetStream API is the user's rights, not the bus:
+    `PermissionError` at once, with the server's words."""
     since = time.monotonic()
 
     def refuse_if_denied(exc: BaseException) -> None:
