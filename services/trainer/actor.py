@@ -84,7 +84,8 @@ class PPOActor:
         ids = target_ids(mb).long().to(logits.device)
         ent: torch.Tensor | None
         if fused and self.head is not None:
-            logp, ent = head_logp_entropy(logits, self.head.weight, self.head.bias, ids, temp, chunk)
+            logp, ent = head_logp_entropy(logits, self.head.weight, self.head.bias, ids, temp, chunk,
+                                          keep_mb=self.engine.settings.fused_keep_probs_mb, into_grad=self.engine.grads_in_params)
         elif chunk > 0:
             logp, ent = lean_logp_entropy(logits, ids, temp, chunk)
         else:

@@ -117,7 +117,8 @@ def ds_config(settings: TrainerSettings, n_params: int = 0) -> dict[str, Any]:
         # bookkeeping is nominal here.
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": settings.grad_clip,
+        # Without ZeRO in float32 DeepSpeed clips but keeps no norm: `TrainEngine` clips there itself.
+        "gradient_clipping": 0.0 if plain_optimizer(settings) else settings.grad_clip,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
@@ -126,6 +127,13 @@ def ds_config(settings: TrainerSettings, n_params: int = 0) -> dict[str, Any]:
     if settings.dtype == "bfloat16":
         cfg["bf16"] = {"enabled": True}
     return cfg
+
+
+def plain_optimizer(settings: TrainerSettings) -> bool:
+    """ZeRO stage 0 in float32: DeepSpeed steps the torch optimizer on the module's own parameters
+    (no fp32 master copy, no gradient partitions) and the gradients accumulate in `param.grad` over a
+    mini-batch's micro-batches, with nothing hooked to them."""
+    return settings.zero_stage == 0 and settings.dtype == "float32"
 
 
 def sparse_tied_lookup(model: Any) -> None:
@@ -170,6 +178,12 @@ class TrainEngine:
                                       betas=settings.adam_betas, eps=settings.adam_eps, fused=True)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(settings, sum(p.numel() for p in params)),
                                                lr_scheduler=scheduler(settings, optimizer))
+        self.grads_in_params = plain_optimizer(settings)
+        self._clipped = params if self.grads_in_params else []
+        if self.grads_in_params and self.world_size == 1:
+            # One rank has nothing to all-reduce; DeepSpeed would still copy every gradient into a
+            # flat bucket and back at the end of each mini-batch.
+            self.engine.enable_backward_allreduce = False
         self.ref_model: Reference | None = None
         if settings.ppo.kl_coef > 0:  # no KL term, no reference model on any rank
             self.ref_model = Reference(settings, self.device, self.world_size, deepspeed,
@@ -245,11 +259,16 @@ class TrainEngine:
                 del logits
                 self.engine.backward(loss)
                 mb_stats.append(s)
+            norm = self._clip() if self.grads_in_params else None
             self.engine.step()
-            norm = self.engine.get_global_grad_norm()
+            norm = self.engine.get_global_grad_norm() if norm is None else norm
             norms.append(float(norm) if norm is not None else float("nan"))
             stats.append(micro.merge_stats(mb_stats))
         return stats, norms
+
+    def _clip(self) -> float:
+        """Without ZeRO: clip the (already all-reduced) gradients to `grad_clip`; their global norm."""
+        return float(torch.nn.utils.clip_grad_norm_(self._clipped, self.settings.grad_clip, foreach=True))
 
     def lr(self) -> float:
         """The learning rate the next optimizer step uses."""

@@ -32,24 +32,31 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, te
 class _HeadLogpEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
-                temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = h.shape[0]
+                temperature: float, chunk: int, keep_bytes: int, into_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        n, vocab = h.shape[0], weight.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=h.device)
         ent, lse = torch.empty_like(logp), torch.empty_like(logp)
+        # The probabilities are kept for the backward pass when they fit `keep_bytes` (no gradient
+        # wanted: a no-grad pass keeps nothing); otherwise the backward recomputes each chunk's logits.
+        keep = any(ctx.needs_input_grad[:3]) and n * vocab * 4 <= keep_bytes
+        probs = torch.empty(n, vocab, dtype=torch.float32, device=h.device) if keep else None
         for s in range(0, n, chunk):
             rows = slice(s, s + chunk)
             z = _logits(h[rows], weight, bias, temperature)
             # log-sum-exp by hand (torch.logsumexp builds a third chunk-sized temporary): e = exp(z -
-            # max) is the one other one; entropy = lse - sum(e z) / sum(e)
+            # max) is the one other one (kept: the probabilities' rows); entropy = lse - sum(e z) / sum(e)
             top = z.amax(-1, keepdim=True)
-            e = torch.sub(z, top).exp_()
+            e = (torch.sub(z, top, out=probs[rows]) if probs is not None else torch.sub(z, top)).exp_()
             total = e.sum(-1)
             lse[rows] = top.squeeze(-1) + total.log()
             logp[rows] = z.gather(-1, ids[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
-            ent[rows] = lse[rows] - e.mul_(z).sum(-1) / total
+            ent[rows] = lse[rows] - z.mul_(e).sum(-1) / total
+            if probs is not None:
+                e.div_(total.unsqueeze(-1))
             del z, e
         ctx.save_for_backward(h, weight, bias, ids, lse, ent)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.probs = temperature, chunk, probs
+        ctx.param = weight if into_grad and weight.is_leaf else None
         return logp, ent
 
     @staticmethod
@@ -58,18 +65,22 @@ class _HeadLogpEntropy(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(h) if need_h else None
         # One weight-sized buffer, accumulated chunk by chunk (in the weight's dtype, as autograd's
-        # own gradient of the projection would be).
-        grad_w = torch.zeros_like(weight) if need_w else None
+        # own gradient of the projection would be). With `into_grad` and a gradient already
+        # accumulated in the parameter (earlier micro-batches), that gradient is the buffer: this
+        # pass's is added to it in place and none is handed to autograd (which would hold both, and
+        # add a tied lookup's gradient into a third), as Megatron-LM's gradient-accumulation fusion
+        # adds the weight gradient into the accumulated one inside the backward.
+        held = _accumulated_grad(ctx.param) if need_w else None
+        grad_w = held if held is not None else torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_b else None
         g_logp, g_ent = g_logp.float(), g_ent.float()
+        with_entropy = bool(g_ent.any())
         for s in range(0, h.shape[0], ctx.chunk):
             rows = slice(s, s + ctx.chunk)
-            # log p, in the logits' buffer
-            g = _logits(h[rows], weight, bias, ctx.temperature).sub_(lse[rows].unsqueeze(-1))
-            p = torch.exp(g)
-            # dz = -p * (g_logp + g_ent * (log p + H)) (+ g_logp on the chosen token), built in place
-            g.add_(ent[rows].unsqueeze(-1)).mul_(g_ent[rows].unsqueeze(-1)).add_(g_logp[rows].unsqueeze(-1)).mul_(p).neg_()
-            del p
+            if ctx.probs is not None:
+                g = _dz_from_probs(ctx.probs[rows], ent[rows], g_logp[rows], g_ent[rows], with_entropy)
+            else:
+                g = _dz_recomputed(_logits(h[rows], weight, bias, ctx.temperature), lse[rows], ent[rows], g_logp[rows], g_ent[rows])
             g.scatter_add_(-1, ids[rows].unsqueeze(-1), g_logp[rows].unsqueeze(-1))
             if ctx.temperature != 1.0:
                 g.div_(ctx.temperature)
@@ -82,21 +93,59 @@ class _HeadLogpEntropy(torch.autograd.Function):
             if grad_w is not None:
                 grad_w.addmm_(gz.t(), h[rows])
             del gz  # before the next chunk's logits: two chunk-sized buffers at a time, not three
-        return grad_h, grad_w, grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None
+        ctx.probs = None  # used up (overwritten): a second backward through this graph recomputes
+        return (grad_h, None if held is not None else grad_w, grad_b.to(bias.dtype) if grad_b is not None else None,
+                None, None, None, None, None)
+
+
+def _dz_recomputed(g: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor,
+                   g_ent: torch.Tensor) -> torch.Tensor:
+    """A chunk's d(loss)/dz but the chosen token's g_logp, from its recomputed logits (`g`, reused):
+    -p * (g_logp + g_ent * (log p + H))."""
+    g.sub_(lse.unsqueeze(-1))  # log p, in the logits' buffer
+    p = torch.exp(g)
+    return g.add_(ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(g_logp.unsqueeze(-1)).mul_(p).neg_()
+
+
+def _dz_from_probs(p: torch.Tensor, ent: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor,
+                   with_entropy: bool) -> torch.Tensor:
+    """The same from the forward's probabilities `p`, built in their buffer (read once):
+    -(p g_logp + g_ent p (log p + H)), p log p taken as 0 where p underflowed to 0 (its limit)."""
+    if not with_entropy:
+        return p.mul_(g_logp.unsqueeze(-1)).neg_()
+    t = torch.xlogy(p, p).addcmul_(p, ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1))
+    return p.mul_(g_logp.unsqueeze(-1)).add_(t).neg_()
+
+
+def _accumulated_grad(param: torch.Tensor | None) -> torch.Tensor | None:
+    """The gradient autograd has accumulated in the parameter over earlier micro-batches, when this
+    pass's weight gradient can be added to it in place (a plain dense tensor of the weight's kind)."""
+    if param is None or param.grad is None:
+        return None
+    held = param.grad
+    same = held.dtype == param.dtype and held.device == param.device and held.shape == param.shape
+    return held if same and held.layout == torch.strided and held.is_contiguous() else None
 
 
 def head_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor,
-                      temperature: float = 1.0, chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                      temperature: float = 1.0, chunk_tokens: int = 1024, keep_mb: float = 0,
+                      into_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, entropy), each (B, T) float32 aligned with `input_ids` (0 at t = 0), from the last hidden
     states (B, T, hidden) and the output projection `weight` (vocabulary x hidden) and `bias`: the
     values and gradients (to `hidden`, `weight`, `bias`) of `lean_logp_entropy(hidden @ weight.T + bias)`,
-    with at most `chunk_tokens` rows of vocabulary-sized tensors at a time."""
+    with at most `chunk_tokens` rows of vocabulary-sized tensors at a time. When the whole float32
+    (tokens x vocabulary) probabilities take at most `keep_mb` MiB they are kept for the backward pass,
+    which then skips recomputing the logits (one output-projection matmul per token). `into_grad`:
+    the weight's gradient is added in place to the one already accumulated in `weight.grad` (when
+    there is one), not handed to autograd: only where nothing hooks the weight's gradient
+    accumulation (DeepSpeed without ZeRO: its ZeRO optimizers count every parameter's)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     b, t, d = hidden.shape
     # The whole (B*T, hidden) view; the last position's outputs are dropped, so its gradient is zero.
     ids = F.pad(input_ids[:, 1:].to(hidden.device).long(), (0, 1)).reshape(-1)
-    logp, ent = _HeadLogpEntropy.apply(hidden.reshape(-1, d), weight, bias, ids, float(temperature), int(chunk_tokens))
+    logp, ent = _HeadLogpEntropy.apply(hidden.reshape(-1, d), weight, bias, ids, float(temperature), int(chunk_tokens),
+                                      int(keep_mb * 2**20), into_grad)
     return (F.pad(logp.view(b, t)[:, :-1], (1, 0), value=0.0), F.pad(ent.view(b, t)[:, :-1], (1, 0), value=0.0))
 
 

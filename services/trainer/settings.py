@@ -163,8 +163,11 @@ class TrainerSettings(ServiceSettings):
     """HF model directory (config, safetensors, tokenizer): version 0 of the weights."""
     output_dir: str = ".jetrl/trainer"
     """Checkpoints (`checkpoints/`), staged weight dirs (`weights/`) and the step record live here."""
-    zero_stage: Literal[1, 2, 3] = 2
-    """DeepSpeed ZeRO stage."""
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage; 0 is no ZeRO (DeepSpeed's plain data parallel: every rank holds the whole
+    optimizer state): on one rank it needs the least memory (in float32 no master copy, and one
+    gradient buffer: ZeRO-1/2 add an fp32 copy of the weights and gradient partitions that one rank
+    does not share)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training precision: bfloat16 turns on DeepSpeed's bf16 mode (bf16 forward/backward, fp32 master
     weights and Adam states in the optimizer), meant for GPUs; keep float32 on CPU. fp16 is not offered."""
@@ -211,6 +214,11 @@ class TrainerSettings(ServiceSettings):
     the whole (tokens x vocabulary) logits and their gradient never exist. Falls back to the chunked
     function on the logits (saying why, once) where it cannot apply: ZeRO-3, an output projection that
     is not a plain Linear (e.g. LoRA on lm_head), soft-capped or scaled logits."""
+    fused_keep_probs_mb: float = Field(256, ge=0)
+    """With the fused output projection: a micro-batch's float32 (tokens x vocabulary) probabilities
+    are kept from the forward to the backward pass when they take at most this many MiB (the backward
+    then skips recomputing the logits, one output-projection matmul per token); larger, the backward
+    recomputes them a chunk at a time. 0: always recompute."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them (HF gradient
     checkpointing): less memory for about one more forward pass; the gradients are unchanged."""

@@ -1,4 +1,4 @@
-"""The trainer for real models, on the real DeepSpeed engine (one CPU rank, ZeRO-2 and ZeRO-3): a
+"""The trainer for real models, on the real DeepSpeed engine (one CPU rank, ZeRO-0, 2 and 3): a
 mini-batch cut into micro-batches by a token budget trains to the same loss, gradients and weights as
 one pass; chunked log-probs and gradient checkpointing leave them unchanged too; the LR schedule is
 followed optimizer step by optimizer step; no reference model exists while the KL term is off."""
@@ -20,7 +20,7 @@ from tests.support.updates import assert_same_update, one_update, uneven_groups
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_micro_batches_by_token_budget_give_the_one_pass_loss_gradients_and_weights(tiny_model: Path, stage: int) -> None:
     one = one_update(tiny_model, zero_stage=stage)
     # ~8 tokens per row: a budget of 20 cuts each 6-row mini-batch piece into 3 micro-batches of 2 rows
@@ -28,6 +28,13 @@ def test_micro_batches_by_token_budget_give_the_one_pass_loss_gradients_and_weig
     assert_same_update(one, micro)
     assert micro[3] > one[3]  # the budget really cut the mini-batches: more forward passes
     assert any(g.abs().max() > 0 for g in one[1][0].values())
+
+
+@pytest.mark.timeout(300)
+def test_without_zero_the_update_is_zero_2s(tiny_model: Path) -> None:
+    """ZeRO stage 0 (the optimizer on the module's own parameters, gradients accumulated in them,
+    clipped by the trainer) trains to ZeRO-2's loss, gradients, norm and weights."""
+    assert_same_update(one_update(tiny_model, zero_stage=2), one_update(tiny_model, zero_stage=0, max_tokens_per_microbatch=20))
 
 
 @pytest.mark.timeout(300)

@@ -3,6 +3,7 @@ the trainer tests compare two such updates (micro-batches, packing, proximal log
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +38,21 @@ def one_update(model: Path, **settings: Any) -> tuple[dict[str, float], list[dic
     actor = PPOActor(engine, s.ppo)
     grads: list[dict[str, torch.Tensor]] = []
     passes = [0]
-    step, forward = engine.engine.step, engine.engine.forward
+    # Read the accumulated gradients the optimizer is about to use, before clipping: in DeepSpeed's
+    # step, or without ZeRO before the trainer's own clip.
+    probed, attr = (engine, "_clip") if engine.grads_in_params else (engine.engine, "step")
+    inner, forward = getattr(probed, attr), engine.engine.forward
 
-    def probed_step() -> None:  # read the accumulated gradients the optimizer is about to use
+    def probed_step() -> Any:
         grads.append({n: safe_get_full_grad(p).detach().clone() for n, p in engine.engine.module.named_parameters()})
-        step()
+        return inner()
 
     def counted_forward(*args: Any, **kwargs: Any) -> Any:
         passes[0] += 1
         return forward(*args, **kwargs)
 
-    engine.engine.step, engine.engine.forward = probed_step, counted_forward
+    setattr(probed, attr, probed_step)
+    engine.engine.forward = counted_forward
     batch = actor.compute_advantages(collate(uneven_groups(model)))
     stats = actor.ppo_update(shard(batch, 1, 2)[0])
     weights = engine.full_state_dict() or {}
@@ -57,6 +62,7 @@ def one_update(model: Path, **settings: Any) -> tuple[dict[str, float], list[dic
 def assert_same_update(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
     for key in ("loss", "pg_loss", "entropy", "kl", "train_tokens", "clip_fraction", "imp_weight_mean"):
         assert a[0][key] == pytest.approx(b[0][key], abs=1e-5), key
+    assert math.isfinite(a[0]["grad_norm"]) and a[0]["grad_norm"] == pytest.approx(b[0]["grad_norm"], rel=1e-4)
     assert len(a[1]) == len(b[1]) == 2
     for ga, gb in zip(a[1], b[1], strict=True):
         for name in ga:
