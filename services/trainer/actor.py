@@ -59,7 +59,7 @@ class PPOActor:
         self.head: torch.nn.Linear | None = None
         settings = engine.settings
         if settings.logp_chunk_tokens > 0 and settings.fused_output_projection:
-            self.head, why_not = output_head(engine.engine.module, settings.zero_stage)
+            self.head, why_not = output_head(engine.engine.module, engine.stage)
             if why_not is not None:
                 log.info("fused output projection off: log-probs from the model's logits, chunked", reason=why_not)
 

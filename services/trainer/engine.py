@@ -18,7 +18,9 @@ import torch
 
 from services.common.logging import get_logger
 from services.common.stores import init_default_group
+from services.trainer import checkpoint as ckpt
 from services.trainer import fused_head, lora, micro, packing
+from services.trainer import stage as zero
 from services.trainer.reference import Reference
 from services.trainer.schedule import scheduler
 from services.trainer.settings import TrainerSettings
@@ -154,8 +156,12 @@ class TrainEngine:
     def __init__(self, settings: TrainerSettings) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.settings = settings
         self.rank, self.world_size = init_distributed()
+        found = ckpt.resolve_resume(settings.resume, settings.output_dir)
+        stage = zero.resolve(settings.zero_stage, self.world_size, found[0] / found[1] if found else None)
+        # `zero_stage` is a number from here on, for everything that reads the engine's settings.
+        settings = self.settings = settings.model_copy(update={"zero_stage": stage})
+        self.stage: int = stage
         self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu")
         deepspeed = import_deepspeed()
         torch.manual_seed(settings.seed)
@@ -277,7 +283,10 @@ class TrainEngine:
     # ------------------------------------------------------------------------------ checkpoints
 
     def save(self, directory: str | Path, tag: str, client_state: dict[str, Any]) -> None:
-        """DeepSpeed checkpoint (model, optimizer, per-rank partitions) plus `client_state`; collective."""
+        """DeepSpeed checkpoint (model, optimizer, per-rank partitions) plus `client_state`, and the
+        ZeRO stage it is written with; collective."""
+        if self.is_main:
+            zero.record(Path(directory) / tag, self.stage)
         self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state)
 
     def load(self, directory: str | Path, tag: str | None = None) -> dict[str, Any]:
@@ -295,7 +304,7 @@ class TrainEngine:
         from deepspeed.utils import safe_get_full_fp32_param
 
         out: dict[str, torch.Tensor] = {}
-        if self.world_size == 1 and self.settings.zero_stage < 3 and self.settings.dtype == "float32":
+        if self.world_size == 1 and self.stage < 3 and self.settings.dtype == "float32":
             # One rank training in float32 under ZeRO-1/2: the module's parameters are the master
             # copy, bit for bit. Reading them costs no collective per parameter, each of which also
             # hands the GIL back and forth with the event loop (a background publish) on a busy machine.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.settings import Section, ServiceSettings, flag
 from services.trainer.dataset import DatasetOptions
@@ -163,11 +163,12 @@ class TrainerSettings(ServiceSettings):
     """HF model directory (config, safetensors, tokenizer): version 0 of the weights."""
     output_dir: str = ".jetrl/trainer"
     """Checkpoints (`checkpoints/`), staged weight dirs (`weights/`) and the step record live here."""
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    """DeepSpeed ZeRO stage; 0 is no ZeRO (DeepSpeed's plain data parallel: every rank holds the whole
-    optimizer state): on one rank it needs the least memory (in float32 no master copy, and one
-    gradient buffer: ZeRO-1/2 add an fp32 copy of the weights and gradient partitions that one rank
-    does not share)."""
+    zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"
+    """DeepSpeed ZeRO stage. 0 is no ZeRO (every rank holds the whole optimizer state; the gradients
+    accumulate in the parameters): on one rank the leanest, as ZeRO-1/2 add an fp32 master copy and
+    gradient partitions that one rank does not share. auto: the stage of the checkpoint being resumed,
+    else 0 on one rank and 2 on several. A checkpoint resumes only on the stage it was written with."""
+
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training precision: bfloat16 turns on DeepSpeed's bf16 mode (bf16 forward/backward, fp32 master
     weights and Adam states in the optimizer), meant for GPUs; keep float32 on CPU. fp16 is not offered."""
@@ -270,6 +271,12 @@ class TrainerSettings(ServiceSettings):
     long; past it, it checkpoints and exits non-zero (`--resume auto` continues)."""
     ppo: PPOSettings = PPOSettings()
     feeder: FeederSettings = FeederSettings()
+
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _stage_number(cls, value: object) -> object:
+        """A stage given as text (an environment variable, a CLI override) is its number."""
+        return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSettings:
