@@ -49,13 +49,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+REAL = {"logp_chunk_tokens": 1024, "gradient_checkpointing": True, "pack_sequences": True}
 PATHS: dict[str, dict[str, Any]] = {
-    "today": {},
-    # + max_tokens_per_microbatch = --seq-len; fused_output_projection is on by default
-    "new": {"logp_chunk_tokens": 1024, "gradient_checkpointing": True, "pack_sequences": True},
-    # the same, the log-probs from the model's logits: what the fused output projection changes
-    "unfused": {"logp_chunk_tokens": 1024, "gradient_checkpointing": True, "pack_sequences": True, "fused_output_projection": False},
+    "today": {"zero_stage": 2},
+    # today's path without ZeRO: what the stage alone changes
+    "today-z0": {"zero_stage": 0},
+    # + max_tokens_per_microbatch = --budget; fused_output_projection and fused_keep_probs_mb at their defaults
+    "new": {"zero_stage": 0, **REAL},
+    # the new path on ZeRO-2: what the log-prob path, micro-batches and checkpointing change alone
+    "new-z2": {"zero_stage": 2, **REAL},
+    # the new path with the log-probs from the model's logits: what the fused output projection changes
+    "unfused": {"zero_stage": 0, **REAL, "fused_output_projection": False},
 }
+DEFAULT_PATHS = "today,today-z0,new,new-z2"
 
 
 def build(out: Path, layers: int, vocab: int) -> str:
@@ -162,9 +168,9 @@ def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, s
     from services.trainer.settings import TrainerSettings
 
     extra: dict[str, Any] = dict(PATHS[name])
-    if name != "today":
+    if not name.startswith("today"):
         extra["max_tokens_per_microbatch"] = budget or seq_len
-    s = TrainerSettings.model_validate({"model_path": model_path, "zero_stage": 2, **extra})
+    s = TrainerSettings.model_validate({"model_path": model_path, **extra})
     engine = TrainEngine(s)
     actor = PPOActor(engine, s.ppo)
     b = batch(samples, seq_len, vocab, lengths)
@@ -173,8 +179,9 @@ def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, s
     ds = engine.engine
     for obj, attr, phase in ((actor, "_device_logp", "proximal"), (ds, "forward", "forward"), (actor, "_loss", "logp+loss"),
                              (ds, "backward", "backward"), (ds.optimizer, "independent_gradient_partition_epilogue", "zero-reduce"),
-                             (ds, "step", "step")):
-        phases.wrap(obj, attr, phase)
+                             (engine, "_clip", "step"), (ds, "step", "step")):
+        if hasattr(obj, attr):  # no ZeRO (stage 0): no gradient partitions; the trainer's own clip counts as the step
+            phases.wrap(obj, attr, phase)
     elapsed, cpu, before, reset = 0.0, 0.0, 0, False
     for i in range(steps):
         if i == steps - 1:  # the last update: its peak, and what it adds over the model and Adam states
@@ -215,40 +222,48 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--lengths", choices=["uniform", "varied"], default="uniform")
     parser.add_argument("--budget", type=int, default=0, help="the new path's max_tokens_per_microbatch (0: --seq-len)")
+    parser.add_argument("--paths", default=DEFAULT_PATHS, help=f"comma-separated, of {', '.join(PATHS)}; today and new always run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         model_path = build(tmp / "model", args.layers, args.vocab)
-        rows = {name: launch(name, model_path, args, tmp) for name in PATHS}
+        names = ["today", "new"] + [n for n in args.paths.split(",") if n not in ("today", "new")]
+        unknown = [n for n in names if n not in PATHS]
+        if unknown:
+            parser.error(f"--paths: unknown {', '.join(unknown)} (known: {', '.join(PATHS)})")
+        rows = {name: launch(name, model_path, args, tmp) for name in sorted(names, key=list(PATHS).index)}
     gib = 1024**3
     print(f"Qwen2-0.5B-shaped, {args.layers} layers, vocab {args.vocab}; {args.samples} samples x {args.seq_len} tokens "
-          f"({args.lengths}); "
-          f"ZeRO-2, 1 CPU rank, float32; {args.steps} update(s), tokens/s of the last")
-    print(f"{'path':<8}{'peak GiB':>10}{'added GiB':>11}{'tokens/s':>11}{'tokens/CPU-s':>14}")
+          f"({args.lengths}); 1 CPU rank, float32; {args.steps} update(s), tokens/s of the last")
+    budget = {"max_tokens_per_microbatch": args.budget or args.seq_len}
+    for name in rows:
+        print(f"  {name:<9} {PATHS[name] | ({} if name.startswith('today') else budget)}")
+    print(f"{'path':<10}{'peak GiB':>10}{'x today':>9}{'added GiB':>11}{'tokens/s':>11}{'tokens/CPU-s':>14}{'x today':>9}")
+    old = rows["today"]
     for name, r in rows.items():
-        print(f"{name:<8}{r['peak_bytes'] / gib:>10.2f}{r['added_bytes'] / gib:>11.2f}{r['tokens_per_s']:>11.1f}"
-              f"{r['tokens_per_cpu_s']:>14.1f}")
-    print("peak GiB by phase of the update (resident size sampled every 5 ms; before it: the weights, ZeRO's fp32 copy, Adam)")
-    print(f"{'path':<8}{'before':>8}" + "".join(f"{p:>12}" for p in PHASES))
+        print(f"{name:<10}{r['peak_bytes'] / gib:>10.2f}{r['peak_bytes'] / old['peak_bytes']:>9.3f}{r['added_bytes'] / gib:>11.2f}"
+              f"{r['tokens_per_s']:>11.1f}{r['tokens_per_cpu_s']:>14.1f}{r['tokens_per_cpu_s'] / old['tokens_per_cpu_s']:>9.3f}")
+    print("peak GiB by phase of the update (resident size sampled every 5 ms; before it: the weights, Adam, ZeRO's fp32 copy)")
+    print(f"{'path':<10}{'before':>8}" + "".join(f"{p:>12}" for p in PHASES))
     for name, r in rows.items():
-        print(f"{name:<8}{r['base_bytes'] / gib:>8.2f}" + "".join(f"{r['phase_peak_bytes'][p] / gib:>12.2f}" for p in PHASES))
-    old, new, unfused = rows["today"], rows["new"], rows["unfused"]
-    print(json.dumps({
+        print(f"{name:<10}{r['base_bytes'] / gib:>8.2f}" + "".join(f"{r['phase_peak_bytes'][p] / gib:>12.2f}" for p in PHASES))
+    new = rows["new"]
+    figures: dict[str, Any] = {
         "score": new["peak_bytes"] / old["peak_bytes"],
-        "old_peak_gib": old["peak_bytes"] / gib, "new_peak_gib": new["peak_bytes"] / gib,
-        "unfused_peak_gib": unfused["peak_bytes"] / gib, "unfused_score": unfused["peak_bytes"] / old["peak_bytes"],
-        "old_tokens_per_s": old["tokens_per_s"], "new_tokens_per_s": new["tokens_per_s"],
         "tokens_per_s_ratio": new["tokens_per_s"] / old["tokens_per_s"],
         "tokens_per_cpu_s_ratio": new["tokens_per_cpu_s"] / old["tokens_per_cpu_s"],
-        "unfused_tokens_per_cpu_s_ratio": unfused["tokens_per_cpu_s"] / old["tokens_per_cpu_s"],
         "added_ratio": new["added_bytes"] / max(old["added_bytes"], 1),
-        "old_phase_peak_gib": {p: round(v / gib, 3) for p, v in old["phase_peak_bytes"].items()},
-        "new_phase_peak_gib": {p: round(v / gib, 3) for p, v in new["phase_peak_bytes"].items()},
-        "unfused_phase_peak_gib": {p: round(v / gib, 3) for p, v in unfused["phase_peak_bytes"].items()},
-        "layers": args.layers, "vocab": args.vocab, "samples": args.samples, "seq_len": args.seq_len,
-        "lengths": args.lengths, "budget": args.budget or args.seq_len,
-    }))
-
+    }
+    for name, r in rows.items():
+        key = name.replace("-", "_")
+        figures[f"{key}_peak_gib"] = r["peak_bytes"] / gib
+        figures[f"{key}_peak_ratio"] = r["peak_bytes"] / old["peak_bytes"]
+        figures[f"{key}_tokens_per_s"] = r["tokens_per_s"]
+        figures[f"{key}_tokens_per_cpu_s"] = r["tokens_per_cpu_s"]
+        figures[f"{key}_phase_peak_gib"] = {p: round(v / gib, 3) for p, v in r["phase_peak_bytes"].items()}
+    figures.update({"layers": args.layers, "vocab": args.vocab, "samples": args.samples, "seq_len": args.seq_len,
+                    "lengths": args.lengths, "budget": args.budget or args.seq_len})
+    print(json.dumps(figures))
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
