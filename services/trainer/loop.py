@@ -188,7 +188,9 @@ class Trainer:
         if self.publish is None or not self.settings.publish_weights:
             warn_behind(self.settings.run, restored, announced)
             return
-        dropped = await purge_prompts(js, self.subjects)  # the killed incarnation's: answers to them would be foreign
+        # the killed incarnation's feeder's prompts: answers to them would be foreign (pushed prompts stay
+        # without a feeder: nothing would issue them again)
+        dropped = await purge_prompts(js, self.subjects) if self.feeder is not None else 0
         log_caught_up(self.settings.run, restored, announced, dropped)
         cmd = Command("weights", weights_dir=str(self.out / "weights" / f"v{version}"))
         res = await asyncio.to_thread(execute, self.engine, self.actor, scatter(self._all(cmd)))

@@ -8,8 +8,9 @@ weights:
 3. a third one resumes from the version-2 checkpoint while the servers serve the second one's last
    version N. It publishes its restored weights as N+1 and counts from there: it trains its remaining
    steps (the step count goes on from the checkpoint's) on groups generated with its own weights.
-Without that, every group it got was generated with a version newer than the trainer (terminated as
-`impossible_versions`) and it never trained again."""
+Before, it trained on from version 2: it announced versions 3..N again with other weights (a server
+that held the number kept the killed trainer's weights), and trained groups generated with the killed
+trainer's lost weights as its own."""
 
 from __future__ import annotations
 
@@ -23,16 +24,20 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import numpy as np
 import pytest
 
+from schemas.headers import trajectory_headers
 from schemas.subjects import TRAJECTORIES_STREAM
-from schemas.trajectory import decode_group
+from schemas.trajectory import decode_group, encode_group_with_meta
 from services.common.nats_server import free_port
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine
 from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.status.groups import render_groups, trainer_groups
+from services.trainer.intake import Intake
+from services.trainer.ledger import PromptLedger
 from services.weights.publisher import ensure_weight_sync_stream, latest_published
 from tests.integration.test_seed_workflows import rows
 from tests.seed_workflows.rewards import copy3_reward_fn
@@ -89,7 +94,7 @@ async def rollout(nc: Any, tiny_model: Path, url: str) -> AsyncIterator[None]:
 
 
 @pytest.mark.timeout(1200)
-async def test_a_trainer_killed_after_announcing_a_newer_version_than_its_checkpoint_trains_again(
+async def test_a_trainer_killed_past_its_checkpoint_continues_past_the_version_it_announced(
     nats_url: str, tiny_model: Path, tmp_path: Path
 ) -> None:
     dataset = tmp_path / "d.jsonl"
@@ -130,26 +135,76 @@ async def test_a_trainer_killed_after_announcing_a_newer_version_than_its_checkp
             assert code == 0, _tail(logs[2])
             last = await latest_published(nc, RUN)
         status = await trainer_groups(nc, RUN, 5.0)
-
     rows_ = read_steps(out)
     starts = [i for i, r in enumerate(rows_) if r.get("event") == "start"]
+    after = rows_[starts[-1]:]
+    js = nc.jetstream()
+    heads = [decode_group((await js.get_msg(TRAJECTORIES_STREAM, seq)).data or b"").meta.head_version
+             for r in after if "prompt_ids" in r for seq in r["seqs"]]
+    await nc.close()
+
     assert len(starts) == 3
-    after = rows_[starts[2]:]
+    # the second start was a clean restart (the first trainer checkpointed what it announced): as before
+    clean = rows_[starts[1]:starts[2]]
+    assert not [r for r in clean if r.get("event") == "versions_continued"], clean
+    assert [r["version"] for r in clean if "prompt_ids" in r][:2] == [3, 4], clean
     assert after[0]["resumed"] and after[0]["version"] == 2, after[0]  # restored from the version-2 checkpoint
-    moved = [r for r in after if r.get("event") == "versions_continued"]
-    assert [(r["checkpoint_version"], r["announced_version"], r["version"]) for r in moved] == [(2, n, n + 1)], after
     trained = [r["version"] for r in after if "prompt_ids" in r]
     # two more steps (the step count goes on from the checkpoint's 2 to total_steps 4), numbered past N+1
     assert trained == [n + 2, n + 3], after
+    moved = [r for r in after if r.get("event") == "versions_continued"]
+    assert [(r["checkpoint_version"], r["announced_version"], r["version"]) for r in moved] == [(2, n, n + 1)], after
     assert last is not None and last.version == n + 3
     assert status.step == 4, render_groups(status)
     assert "impossible_versions" not in status.terminated, render_groups(status)
 
     # every group it trained was generated with its own weights (N+1 or newer), none with the killed one's
-    js = nc.jetstream()
-    heads = [decode_group((await js.get_msg(TRAJECTORIES_STREAM, seq)).data or b"").meta.head_version
-             for r in after if "prompt_ids" in r for seq in r["seqs"]]
-    await nc.close()
     assert len(heads) == 4 and min(heads) >= n + 1, heads
     said = [json.loads(line) for line in logs[2].read_text().splitlines() if line.startswith("{")]
     assert any(str(e.get("event", "")).startswith("resumed behind the announced weights") for e in said), _tail(logs[2])
+
+
+def test_a_ledger_resumed_behind_counts_on_and_sets_the_killed_incarnations_prompts_apart() -> None:
+    ledger = PromptLedger(run="r", rows=[{"prompt": f"{i:03d}="} for i in range(10)], batch_groups=2, eta=1,
+                          max_in_flight=100, seed=3)
+    issued = []
+    while (task := ledger.next_task(2)) is not None:  # the checkpoint's state at version 2
+        ledger.confirm(task.prompt_id)
+        issued.append(task.prompt_id)
+    bound, failures = ledger.bound(2), [e[2] for e in ledger.in_flight.values()]
+
+    ledger.resume_behind(4, 6, "t2")  # announced 5: the restored weights are version 6
+    assert ledger.bound(6) == bound  # the same step, numbered 4 further
+    assert not ledger.in_flight and ledger.counters.stale == len(issued)
+    again = []
+    while (task := ledger.next_task(6)) is not None:
+        again.append(task)
+    assert [t.prompt_id.rsplit(".", 1)[0] for t in again[:len(issued)]] == [p + "-r1" for p in issued]
+    assert all(t.prompt_id.endswith(".t2") for t in again)
+    assert all(t.min_version >= 6 for t in again)  # nothing asks for the lost weights
+    assert [ledger.in_flight[t.prompt_id][2] for t in again[:len(issued)]] == failures  # uncharged
+    restored = PromptLedger(run="r", rows=ledger.rows, batch_groups=2, eta=1, max_in_flight=100)
+    restored.load_state_dict(ledger.state_dict())
+    assert (restored.first_version, restored.own_from, restored.tag) == (4, 6, "t2")
+
+
+def test_an_intake_resumed_behind_trains_no_group_generated_with_older_weights() -> None:
+    intake = Intake(eta=1, first_version=4, own_from=6)
+
+    def group(pid: str, version: int) -> tuple[bytes, dict[str, str]]:
+        ids = np.tile(np.arange(1, 7, dtype=np.int64), (2, 1))
+        mask = np.zeros_like(ids)
+        mask[:, 3:] = 1
+        tensors = {"input_ids": ids, "attention_mask": np.ones_like(ids), "loss_mask": mask,
+                   "logprobs": np.where(mask > 0, -1.0, 0.0).astype(np.float32),
+                   "rewards": np.array([0.0, 1.0], dtype=np.float32),
+                   "versions": np.where(mask > 0, version, -1).astype(np.int64)}
+        body, meta = encode_group_with_meta(tensors, run="r", prompt_id=pid, worker="w")
+        return body, trajectory_headers(meta)
+
+    old = intake.judge(*group("a", 5), seq=1, version=6)  # the killed trainer's version 5: within eta, but lost
+    assert (old.outcome, old.cause) == ("stale", "earlier_run")
+    assert intake.judge(*group("b", 6), seq=2, version=6).outcome == "accepted"
+    again = Intake(eta=1)
+    again.load_state_dict(intake.state_dict())
+    assert (again.first_version, again.own_from) == (4, 6)
