@@ -147,21 +147,25 @@ async def test_a_trainer_killed_past_its_checkpoint_continues_past_the_version_i
     # the second start was a clean restart (the first trainer checkpointed what it announced): as before
     clean = rows_[starts[1]:starts[2]]
     assert not [r for r in clean if r.get("event") == "versions_continued"], clean
-    assert [r["version"] for r in clean if "prompt_ids" in r][:2] == [3, 4], clean
+    went_on = [r["version"] for r in clean if "prompt_ids" in r]  # (killed maybe after a publish, before its record)
+    assert went_on == list(range(3, 3 + len(went_on))) and went_on, clean
     assert after[0]["resumed"] and after[0]["version"] == 2, after[0]  # restored from the version-2 checkpoint
     trained = [r["version"] for r in after if "prompt_ids" in r]
+    assert trained and min(trained) > n + 1, after  # no version the killed trainer announced is announced again
+    moved = [r for r in after if r.get("event") == "versions_continued"]
+    assert len(moved) == 1 and moved[0]["checkpoint_version"] == 2, after
+    # (an announcement the killed trainer had sent may reach the server after the test read `n`)
+    n = moved[0]["announced_version"]
+    assert moved[0]["version"] == n + 1 and killed.version <= n <= killed.version + 1, after
     # two more steps (the step count goes on from the checkpoint's 2 to total_steps 4), numbered past N+1
     assert trained == [n + 2, n + 3], after
-    moved = [r for r in after if r.get("event") == "versions_continued"]
-    assert [(r["checkpoint_version"], r["announced_version"], r["version"]) for r in moved] == [(2, n, n + 1)], after
     assert last is not None and last.version == n + 3
     assert status.step == 4, render_groups(status)
     assert "impossible_versions" not in status.terminated, render_groups(status)
 
     # every group it trained was generated with its own weights (N+1 or newer), none with the killed one's
     assert len(heads) == 4 and min(heads) >= n + 1, heads
-    said = [json.loads(line) for line in logs[2].read_text().splitlines() if line.startswith("{")]
-    assert any(str(e.get("event", "")).startswith("resumed behind the announced weights") for e in said), _tail(logs[2])
+    assert "resumed behind the announced weights: checkpoint version 2" in logs[2].read_text(), _tail(logs[2])
 
 
 def test_a_ledger_resumed_behind_counts_on_and_sets_the_killed_incarnations_prompts_apart() -> None:
