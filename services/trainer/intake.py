@@ -63,7 +63,8 @@ class Verdict:
     error: str = ""
     cause: str = ""
     """Why a malformed message is terminated: one of `validate.CAUSES`; for a stale group, `earlier_run`
-    when its weights are an earlier run's (empty: merely more than eta versions old)."""
+    when its weights are an earlier run's, or versions a killed trainer announced past its checkpoint
+    (empty: merely more than eta versions old)."""
     worker: str = ""
     """The rollout worker that sent the group, when its metadata could be read."""
 
