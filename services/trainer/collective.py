@@ -20,11 +20,12 @@ from services.weights.bucket_stream import BucketStream
 @dataclass
 class Command:
     op: str
-    """train | save | load | stop"""
+    """train | weights | save | load | stop"""
     pieces: list[dict[str, Any]] = field(default_factory=list)
     """train: this rank's piece of each mini-batch."""
     weights_dir: str | None = None
-    """train: after the update, gather the weights and write a HF dir here (rank 0)."""
+    """train: after the update, gather the weights and write a HF dir here (rank 0); weights: the same,
+    without an update (a resumed trainer publishing its restored weights)."""
     weights_state: bool = False
     """train: after the update, gather the weights into memory for the broadcast (rank 0)."""
     weights_stream: StreamSpec | None = None
@@ -73,6 +74,8 @@ def execute(engine: TrainEngine, actor: PPOActor, cmd: Command, sink: BucketStre
         if cmd.weights_dir or cmd.weights_state or cmd.weights_stream:  # part of what publishing costs the step
             stats = {**stats, "weights_gather_s": time.perf_counter() - t0}
         return Result(stats=stats, weights_dir=weights, state=state)
+    if cmd.op == "weights":
+        return Result(weights_dir=engine.upload_weights(cmd.weights_dir) if cmd.weights_dir else None)
     if cmd.op == "save":
         engine.save(cmd.directory, cmd.tag or "latest", cmd.client_state)
         return Result()

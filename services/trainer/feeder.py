@@ -90,6 +90,12 @@ class Feeder:
         one before): admission counts steps from it and no prompt asks for an older version."""
         self.ledger.first_version = first_version
 
+    def resume_behind(self, delta: int, own_from: int) -> None:
+        """The trainer resumed behind the version it announced before it was killed: its numbering moved
+        by `delta`, its restored weights are version `own_from` (`PromptLedger.resume_behind`); this
+        process's prompt ids are set apart from the killed one's."""
+        self.ledger.resume_behind(delta, own_from, self.nonce)
+
     def wake(self) -> None:
         """A slot may have freed (an answer was judged, a step applied): admit prompts now, not at the next tick."""
         self._wake.set()

@@ -14,6 +14,11 @@ to the new prompts (same seed, same row order, so the same prompt ids).
   trained (`stale`, cause `earlier_run`). Starting again at version 1 instead would train nothing:
   every group would carry version N, newer than the trainer, and be terminated as impossible.
 A new run name avoids all of this.
+
+A trainer resumed from a checkpoint (version C) after it was killed past it has the same problem in
+small: the version N it announced before dying is served, and versions C+1..N are weights nobody holds
+any more. It publishes its restored weights as N+1 and moves its numbering by N+1-C (the loop's
+`_catch_up`); what the killed incarnation's prompts produced is set apart like an earlier run's.
 """
 
 from __future__ import annotations
@@ -58,10 +63,8 @@ async def clear_leftovers(js: JetStreamContext, subjects: Subjects) -> Leftovers
     """Measure and drop what an earlier incarnation of the run left; warn about what cannot be dropped."""
     info = await js.stream_info(TRAJECTORIES_STREAM, subjects_filter=subjects.trajectories)
     trajectories = sum((info.state.subjects or {}).values())
-    prompts = await _count(js, PROMPTS_STREAM, subjects.prompts_all)
-    if prompts:
-        await js.purge_stream(PROMPTS_STREAM, subject=subjects.prompts_all)
-    found = Leftovers(info.state.last_seq, trajectories, prompts, await _announced_version(js, subjects))
+    prompts = await purge_prompts(js, subjects)
+    found = Leftovers(info.state.last_seq, trajectories, prompts, await announced_version(js, subjects))
     if found.used_before:
         log.warning(
             "run name used before; starting it afresh (a new run name avoids this)", run=subjects.run,
@@ -75,7 +78,16 @@ async def _count(js: JetStreamContext, stream: str, subject: str) -> int:
     return sum((info.state.subjects or {}).values())
 
 
-async def _announced_version(js: JetStreamContext, subjects: Subjects) -> int | None:
+async def purge_prompts(js: JetStreamContext, subjects: Subjects) -> int:
+    """Drop the run's queued prompts (train and eval); returns how many there were."""
+    prompts = await _count(js, PROMPTS_STREAM, subjects.prompts_all)
+    if prompts:
+        await js.purge_stream(PROMPTS_STREAM, subject=subjects.prompts_all)
+    return prompts
+
+
+async def announced_version(js: JetStreamContext, subjects: Subjects) -> int | None:
+    """The weight version last announced for the run (None: none; -1: one that does not decode)."""
     try:
         msg = await js.get_last_msg(WEIGHT_SYNC_STREAM, subjects.weights_published)
         return decode(WeightsPublished, msg.data or b"").version
@@ -101,6 +113,26 @@ def log_continued(found: Leftovers, run: str) -> None:
         f"run {run} was used before: last announced version {found.weights_version}; starting at {found.first_version} "
         "(its base weights are published as that version; groups generated with older weights are not trained)",
         run=run, announced_version=found.weights_version, version=found.first_version,
+    )
+
+
+def log_caught_up(run: str, checkpoint_version: int, announced: int, prompts_dropped: int) -> None:
+    """A resumed trainer continues the numbering past the version it announced before it was killed."""
+    log.warning(
+        f"resumed behind the announced weights: checkpoint version {checkpoint_version}, but version {announced} was "
+        f"announced after it (the trainer was killed before checkpointing it); the restored weights are published as "
+        f"version {announced + 1} and training goes on from there (groups generated with older weights are not trained)",
+        run=run, checkpoint_version=checkpoint_version, announced_version=announced, version=announced + 1,
+        queued_prompts_dropped=prompts_dropped,
+    )
+
+
+def warn_behind(run: str, checkpoint_version: int, announced: int) -> None:
+    """Resumed behind the announced version, but this trainer publishes no weights: it cannot move past them."""
+    log.warning(
+        "resumed behind the announced weights, and this trainer publishes none: inference serves version "
+        f"{announced} until an announcement replaces it; groups generated with it are newer than the trainer",
+        run=run, checkpoint_version=checkpoint_version, announced_version=announced, version=checkpoint_version,
     )
 
 

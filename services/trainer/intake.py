@@ -12,7 +12,9 @@ terminated as `unissued_prompt` and never touches the feeder (it must not cost a
 
 A trainer that continued the numbering of a run name used before (`fresh.py`: `first_version` N+1)
 never trains a group generated with older weights: they are the earlier run's. Such a group is judged
-`stale` (its row is re-issued, uncharged), counted as `stale_earlier_run`.
+`stale` (its row is re-issued, uncharged), counted as `stale_earlier_run`. A trainer resumed behind the
+version it announced before it was killed (`own_from`, past `first_version`: see `loop.py` `_catch_up`)
+does the same with groups generated with weights older than its restored ones' new number.
 
 An accepted group is `pending` until its step is applied (`commit`): only then is its prompt id
 `trained`. The checkpointed state is the state at the last commit, so a stop between judging and
@@ -61,7 +63,8 @@ class Verdict:
     error: str = ""
     cause: str = ""
     """Why a malformed message is terminated: one of `validate.CAUSES`; for a stale group, `earlier_run`
-    when its weights are an earlier run's (empty: merely more than eta versions old)."""
+    when its weights are an earlier run's, or versions a killed trainer announced past its checkpoint
+    (empty: merely more than eta versions old)."""
     worker: str = ""
     """The rollout worker that sent the group, when its metadata could be read."""
 
@@ -77,6 +80,9 @@ class Intake:
     first_version: int = 0
     """The version of this run's base weights (0, or one past an earlier run's last: `fresh.py`); a group
     with a trained token older than it is the earlier run's (checkpointed)."""
+    own_from: int = 0
+    """The oldest weight version a group may be generated with to be trained, when above `first_version`:
+    the number a resumed trainer gave its restored weights, past versions it announced and lost (checkpointed)."""
     limits: Limits = field(default_factory=lambda: Limits(None, None))
     """Token ids and row lengths a group must stay within."""
     trained: set[str] = field(default_factory=set)
@@ -179,7 +185,7 @@ class Intake:
             name = group.meta.workflow or "(unnamed workflow)"
             return Verdict("malformed", pid, error=f"workflow {name}: trained tokens carry weight versions {head}..{tail}, "
                            f"but the trainer is at version {version}", cause="impossible_versions", worker=group.meta.worker)
-        if self.own_versions and head < self.first_version:
+        if self.own_versions and head < max(self.first_version, self.own_from):
             return Verdict("stale", pid, cause=EARLIER_RUN, worker=group.meta.worker)
         if version - head > self.eta:
             return Verdict("stale", pid)
@@ -205,6 +211,8 @@ class Intake:
         state: dict[str, Any] = {"trained": sorted(self.trained), "counts": dict(self.committed)}
         if self.first_version:
             state["first_version"] = self.first_version
+        if self.own_from:
+            state["own_from"] = self.own_from
         if self.check_tags:
             state["prompt_key"] = self.run_key.hex()
         return state
@@ -213,6 +221,7 @@ class Intake:
         if state.get("prompt_key"):  # a checkpoint from before prompt tags keeps this process's key
             self.run_key = bytes.fromhex(state["prompt_key"])
         self.first_version = int(state.get("first_version", 0))  # a checkpoint from before: versions from 0
+        self.own_from = int(state.get("own_from", 0))
         self.trained = set(state["trained"])
         self.pending = set()
         self.counts = Counter(state["counts"])

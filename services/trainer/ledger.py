@@ -23,6 +23,10 @@ announced version N (`fresh.py`). The rules above then read `v - first_version` 
 steps so far), and `min_version` is `first_version` plus the expression above: no prompt of this run
 is ever generated with the earlier run's weights.
 
+A trainer resumed behind the version it announced before it was killed moves `first_version` by as
+much as its own version (the step count goes on) and sets `own_from`, the number of its restored
+weights: no prompt asks for older ones (`resume_behind`).
+
 Prompt ids end in `.<tag>` when the trainer was given a tag (a fresh start on a run name that was used
 before): results of the earlier incarnation's prompts then never match ours, and JetStream's
 de-duplication by `Nats-Msg-Id` cannot drop our results as repeats of theirs.
@@ -92,6 +96,8 @@ class PromptLedger:
     ever load a newer version, so nothing may wait for one)."""
     first_version: int = 0
     """The version of this run's base weights (module doc); saved in checkpoints."""
+    own_from: int = 0
+    """The oldest weights any prompt may ask for, when above what the rule gives (`resume_behind`); saved."""
     counters: FeederCounters = field(default_factory=FeederCounters)
     epoch: int = 0
     index: int = 0
@@ -173,7 +179,20 @@ class PromptLedger:
             return 0
         c = self.counters
         expected_step = (c.issued - c.rejected) // self.batch_groups
-        return self.first_version + max(0, min(version - self.first_version, expected_step - self.eta))
+        return max(self.own_from, self.first_version + max(0, min(version - self.first_version, expected_step - self.eta)))
+
+    def resume_behind(self, delta: int, own_from: int, tag: str) -> None:
+        """The trainer resumed behind the version it announced before it was killed, and moved its
+        numbering by `delta` (its restored weights are version `own_from`). Everything the killed
+        incarnation's prompts produce is set apart: prompt ids take the new `tag`, so their answers are
+        foreign and JetStream's de-duplication cannot drop the new prompts and answers as repeats of
+        those, and every prompt in flight is counted stale and goes out again, uncharged (answered, if
+        at all, with weights that are gone)."""
+        self.first_version += delta
+        self.own_from = own_from
+        for prompt_id in list(self.in_flight):
+            self.on_stale(prompt_id)
+        self.tag = tag
 
     def confirm(self, prompt_id: str) -> None:
         """The prompt's publish was acknowledged: it is in the work queue."""
@@ -292,6 +311,7 @@ class PromptLedger:
             "reissue": list(saved.reissue),
             "tag": self.tag,
             "first_version": self.first_version,
+            "own_from": self.own_from,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -301,6 +321,7 @@ class PromptLedger:
         self.reissue = deque(_entry(x) for x in state["reissue"])
         self.tag = str(state.get("tag", ""))
         self.first_version = int(state.get("first_version", 0))  # a checkpoint from before: versions from 0
+        self.own_from = int(state.get("own_from", 0))
         now = time.monotonic()
         self._issued_at = dict.fromkeys(self.in_flight, now)
         self._unconfirmed = set()

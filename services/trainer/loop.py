@@ -37,7 +37,17 @@ from services.trainer.collective import Command, execute, scatter
 from services.trainer.consumer import TrajectoryConsumer
 from services.trainer.engine import TrainEngine
 from services.trainer.feeder import Feeder
-from services.trainer.fresh import Leftovers, clear_leftovers, log_continued, stage_base_weights, warn_served
+from services.trainer.fresh import (
+    Leftovers,
+    announced_version,
+    clear_leftovers,
+    log_caught_up,
+    log_continued,
+    purge_prompts,
+    stage_base_weights,
+    warn_behind,
+    warn_served,
+)
 from services.trainer.gather import StreamSpec, streamable
 from services.trainer.intake import Group, Intake, trust_prompts
 from services.trainer.settings import TrainerSettings
@@ -124,6 +134,8 @@ class Trainer:
         elif self.feeder is not None and self.source is None:
             await self._start_afresh(js)
         self._record({"event": "start", "version": self.version, "last_seq": self.last_seq, "resumed": found is not None})
+        if found is not None and self.source is None:
+            await self._catch_up(js)
         if self.consumer is not None:
             await self.consumer.open(nc, self.metrics, self.last_seq)
         if self.feeder is not None:  # after the consumer: no answer to one of its prompts can be missed
@@ -160,6 +172,41 @@ class Trainer:
         self.version = first
         self.intake.first_version = first
         self.feeder.continue_versions(first)
+
+    async def _catch_up(self, js: Any) -> None:
+        """Resumed from version C while the run's last announced version is N > C: the trainer was killed
+        after publishing N, before checkpointing it. The servers serve N, and versions C+1..N are weights
+        nobody has any more: counting on from C would announce those numbers again with other weights (a
+        server holding the number keeps what it holds) and train groups generated with the lost ones as
+        if they were ours. So the restored weights are published as N+1, the version and the intake's and
+        feeder's `first_version` move by N+1-C (the step count and `total_steps` go on from the
+        checkpoint's), and what the killed incarnation's prompts produce is set apart (`fresh.py`)."""
+        announced = await announced_version(js, self.subjects)
+        if announced is None or announced <= self.version:
+            return  # a clean restart (SIGTERM checkpoints what it announced), or behind us: the next step publishes past it
+        restored, version = self.version, announced + 1
+        if self.publish is None or not self.settings.publish_weights:
+            warn_behind(self.settings.run, restored, announced)
+            return
+        # the killed incarnation's feeder's prompts: answers to them would be foreign (pushed prompts stay
+        # without a feeder: nothing would issue them again)
+        dropped = await purge_prompts(js, self.subjects) if self.feeder is not None else 0
+        log_caught_up(self.settings.run, restored, announced, dropped)
+        cmd = Command("weights", weights_dir=str(self.out / "weights" / f"v{version}"))
+        res = await asyncio.to_thread(execute, self.engine, self.actor, scatter(self._all(cmd)))
+        assert res.weights_dir is not None
+        try:
+            await self.publish(version, restored - self.intake.first_version, res.weights_dir)
+        finally:
+            await asyncio.to_thread(_remove, res.weights_dir)
+        delta = version - restored
+        self.version = version
+        self.intake.first_version += delta
+        self.intake.own_from = version
+        if self.feeder is not None:
+            self.feeder.resume_behind(delta, version)
+        self._record({"event": "versions_continued", "checkpoint_version": restored, "announced_version": announced,
+                      "version": version, "first_version": self.intake.first_version})
 
     def _all(self, cmd: Command) -> list[Command]:
         return [cmd] * self.engine.world_size
