@@ -31,23 +31,13 @@ from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.trainer import checkpoint as ckpt
+from services.trainer import fresh
 from services.trainer.actor import PPOActor
 from services.trainer.batch import collate, shard
 from services.trainer.collective import Command, execute, scatter
 from services.trainer.consumer import TrajectoryConsumer
 from services.trainer.engine import TrainEngine
 from services.trainer.feeder import Feeder
-from services.trainer.fresh import (
-    Leftovers,
-    announced_version,
-    clear_leftovers,
-    log_caught_up,
-    log_continued,
-    purge_prompts,
-    stage_base_weights,
-    warn_behind,
-    warn_served,
-)
 from services.trainer.gather import StreamSpec, streamable
 from services.trainer.intake import Group, Intake, trust_prompts
 from services.trainer.settings import TrainerSettings
@@ -146,14 +136,14 @@ class Trainer:
         stream's current end and is created before the first prompt is issued, so no answer to one of
         ours can be missed."""
         assert self.feeder is not None
-        left = await clear_leftovers(js, self.subjects)
+        left = await fresh.clear_leftovers(js, self.subjects)
         self.last_seq = left.start_seq
         if left.used_before:
             self.feeder.fresh_start()
         if left.weights_version is not None:
             await self._continue_versions(left)
 
-    async def _continue_versions(self, left: Leftovers) -> None:
+    async def _continue_versions(self, left: fresh.Leftovers) -> None:
         """An earlier trainer of the run announced version N, which the inference servers serve (a server
         started later loads it too). Starting at 0 would train nothing: every group would carry a version
         newer than the trainer. So this run's base weights are published as N+1 (on the disk path: every
@@ -161,10 +151,10 @@ class Trainer:
         assert self.feeder is not None
         first = left.first_version
         if not first or self.publish is None or not self.settings.publish_weights:
-            warn_served(left, self.settings.run)
+            fresh.warn_served(left, self.settings.run)
             return
-        log_continued(left, self.settings.run)
-        staged = await asyncio.to_thread(stage_base_weights, self.settings.model_path, self.out / "weights" / f"v{first}")
+        fresh.log_continued(left, self.settings.run)
+        staged = await asyncio.to_thread(fresh.stage_base_weights, self.settings.model_path, self.out / "weights" / f"v{first}")
         try:
             await self.publish(first, 0, staged)
         finally:
@@ -181,17 +171,17 @@ class Trainer:
         if they were ours. So the restored weights are published as N+1, the version and the intake's and
         feeder's `first_version` move by N+1-C (the step count and `total_steps` go on from the
         checkpoint's), and what the killed incarnation's prompts produce is set apart (`fresh.py`)."""
-        announced = await announced_version(js, self.subjects)
+        announced = await fresh.announced_version(js, self.subjects)
         if announced is None or announced <= self.version:
             return  # a clean restart (SIGTERM checkpoints what it announced), or behind us: the next step publishes past it
         restored, version = self.version, announced + 1
         if self.publish is None or not self.settings.publish_weights:
-            warn_behind(self.settings.run, restored, announced)
+            fresh.warn_behind(self.settings.run, restored, announced)
             return
         # the killed incarnation's feeder's prompts: answers to them would be foreign (pushed prompts stay
         # without a feeder: nothing would issue them again)
-        dropped = await purge_prompts(js, self.subjects) if self.feeder is not None else 0
-        log_caught_up(self.settings.run, restored, announced, dropped)
+        dropped = await fresh.purge_prompts(js, self.subjects) if self.feeder is not None else 0
+        fresh.log_caught_up(self.settings.run, restored, announced, dropped)
         cmd = Command("weights", weights_dir=str(self.out / "weights" / f"v{version}"))
         res = await asyncio.to_thread(execute, self.engine, self.actor, scatter(self._all(cmd)))
         assert res.weights_dir is not None
