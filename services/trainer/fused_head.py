@@ -65,11 +65,14 @@ class _HeadLogpEntropy(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(h) if need_h else None
         # One weight-sized buffer, accumulated chunk by chunk (in the weight's dtype, as autograd's
-        # own gradient of the projection would be). With `into_grad` and a gradient already
-        # accumulated in the parameter (earlier micro-batches), that gradient is the buffer: this
-        # pass's is added to it in place and none is handed to autograd (which would hold both, and
-        # add a tied lookup's gradient into a third), as Megatron-LM's gradient-accumulation fusion
-        # adds the weight gradient into the accumulated one inside the backward.
+        # own gradient of the projection would be). With `into_grad` the buffer is the parameter's
+        # gradient itself (created at the first micro-batch, accumulated over the earlier ones after
+        # it): this pass's is added to it in place and none is handed to autograd, which would hold
+        # both and, for a tied lookup, add its gradient into a third; the lookup's gradient then goes
+        # into the parameter's in place. Megatron-LM's gradient-accumulation fusion adds the weight
+        # gradient into the accumulated one inside the backward the same way.
+        if need_w and ctx.param is not None and ctx.param.grad is None:
+            ctx.param.grad = torch.zeros_like(weight)
         held = _accumulated_grad(ctx.param) if need_w else None
         grad_w = held if held is not None else torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_b else None
