@@ -1,15 +1,17 @@
 """Peak memory and tokens/s of one trainer update on a Qwen2-0.5B-shaped model (random weights, built
 locally from a config), the real-model path against today's, in the same run:
 
-- today's: one forward/backward per mini-batch piece, log-probs and entropy over the whole float32
-  (tokens x vocabulary) log-softmax, no gradient checkpointing;
-- new: `max_tokens_per_microbatch` (`--seq-len` tokens: one full sample, or several shorter ones),
+- today: ZeRO-2 (the trainer's default until `zero_stage: auto`), one forward/backward per mini-batch
+  piece, log-probs and entropy over the whole float32 (tokens x vocabulary) log-softmax, no gradient
+  checkpointing;
+- new: no ZeRO (what `auto` picks on one rank), `max_tokens_per_microbatch` (`--budget`),
   `pack_sequences`, `logp_chunk_tokens`, and `gradient_checkpointing`, with the output projection
-  fused into the chunked log-prob function (`fused_output_projection`, on by default);
-- unfused: the new path with `fused_output_projection=false` (the log-probs from the model's logits),
-  so the fusion's own share shows.
+  fused into the chunked log-prob function (`fused_output_projection` and `fused_keep_probs_mb` at
+  their defaults);
+- with `--paths`: today-z0 (today's path without ZeRO: the stage's share alone), new-z2 (the new path
+  on ZeRO-2), unfused (the new path with `fused_output_projection=false`: the fusion's share).
 
-    python bench/trainer_memory.py [--layers 24] [--samples 8] [--seq-len 4096] [--steps 2] [--lengths uniform] [--budget N]
+    python bench/trainer_memory.py [--layers 24] [--samples 8] [--seq-len 4096] [--steps 2] [--lengths uniform] [--budget N] [--paths ...]
 
 `--budget` is the new path's `max_tokens_per_microbatch` (default `--seq-len`): a larger one packs
 several samples per pass (fewer passes, larger logits).
@@ -21,7 +23,7 @@ computes only their tokens. tokens/s counts real tokens either way.
 Defaults are the full shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab
 151936) on 8 samples of 4k tokens: today's path alone needs well over 100 GB there (the logits and
 two log-softmax copies are 20 GB each), so on a small machine scale `--layers` / `--seq-len` down.
-Each path runs in its own process (DeepSpeed ZeRO-2, one CPU rank, the trainer's TrainEngine and
+Each path runs in its own process (DeepSpeed at the path's stage, one CPU rank, the trainer's TrainEngine and
 PPOActor with the default decoupled PPO update, so the proximal forward is included). Peak memory is
 the process's resident high-water mark (VmHWM, reset before the last update; ru_maxrss where /proc has
 no reset) over the last update, model and Adam states included ("added": that peak minus the resident

@@ -185,7 +185,7 @@ class TrainEngine:
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(settings, sum(p.numel() for p in params)),
                                                lr_scheduler=scheduler(settings, optimizer))
         self.grads_in_params = plain_optimizer(settings)
-        self._clipped = params if self.grads_in_params else []
+        self._trainable = params
         if self.grads_in_params and self.world_size == 1:
             # One rank has nothing to all-reduce; DeepSpeed would still copy every gradient into a
             # flat bucket and back at the end of each mini-batch.
@@ -265,16 +265,19 @@ class TrainEngine:
                 del logits
                 self.engine.backward(loss)
                 mb_stats.append(s)
-            norm = self._clip() if self.grads_in_params else None
-            self.engine.step()
-            norm = self.engine.get_global_grad_norm() if norm is None else norm
+            if self.grads_in_params:  # the trainer clips (DeepSpeed would, keeping no norm), then steps
+                norm = self._clip()
+                self.engine.step()
+            else:  # DeepSpeed clips inside its step and keeps the norm
+                self.engine.step()
+                norm = self.engine.get_global_grad_norm()
             norms.append(float(norm) if norm is not None else float("nan"))
             stats.append(micro.merge_stats(mb_stats))
         return stats, norms
 
     def _clip(self) -> float:
         """Without ZeRO: clip the (already all-reduced) gradients to `grad_clip`; their global norm."""
-        return float(torch.nn.utils.clip_grad_norm_(self._clipped, self.settings.grad_clip, foreach=True))
+        return float(torch.nn.utils.clip_grad_norm_(self._trainable, self.settings.grad_clip, foreach=True))
 
     def lr(self) -> float:
         """The learning rate the next optimizer step uses."""
@@ -305,8 +308,8 @@ class TrainEngine:
 
         out: dict[str, torch.Tensor] = {}
         if self.world_size == 1 and self.stage < 3 and self.settings.dtype == "float32":
-            # One rank training in float32 under ZeRO-1/2: the module's parameters are the master
-            # copy, bit for bit. Reading them costs no collective per parameter, each of which also
+            # One rank training in float32 without ZeRO or under ZeRO-1/2: the module's parameters
+            # are the master copy, bit for bit. Reading them costs no collective per parameter, each of which also
             # hands the GIL back and forth with the event loop (a background publish) on a busy machine.
             out = {name: param.detach().cpu().clone() for name, param in self.engine.module.named_parameters()}
             return lora.merge(out, self.settings.lora) if self.settings.lora.enabled else out

@@ -168,7 +168,6 @@ class TrainerSettings(ServiceSettings):
     accumulate in the parameters): on one rank the leanest, as ZeRO-1/2 add an fp32 master copy and
     gradient partitions that one rank does not share. auto: the stage of the checkpoint being resumed,
     else 0 on one rank and 2 on several. A checkpoint resumes only on the stage it was written with."""
-
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training precision: bfloat16 turns on DeepSpeed's bf16 mode (bf16 forward/backward, fp32 master
     weights and Adam states in the optimizer), meant for GPUs; keep float32 on CPU. fp16 is not offered."""
