@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
+import secrets
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -25,6 +27,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import DecodedGroup
+from services.common.bus import js_api_call
+from services.common.consumers import add_consumer
 from services.common.logging import get_logger
 from services.replay.pull import ConsumerLost, Puller
 from services.replay.settings import RangeSettings
@@ -95,9 +99,13 @@ class StreamReader:
         return cfg
 
     async def _open(self, after: int) -> None:
-        """A new consumer starting after `after`, with the first batch asked for."""
+        """A new consumer starting after `after`, with the first batch asked for. A bus that does not
+        answer yet (a cluster still electing) is waited out; the consumer is named before it is
+        created, so that a retry after a lost reply finds it instead of making a second one."""
         await self._close_consumer()
-        info = await self.js.add_consumer(TRAJECTORIES_STREAM, config=self._config(after))
+        config = self._config(after)
+        config.name = f"replay-{secrets.token_hex(8)}"
+        info = await add_consumer(self.js, TRAJECTORIES_STREAM, config)
         self._consumer = info.name
         self._consumer_seq = info.delivered.consumer_seq if info.delivered else 0
         self._pending = info.num_pending or 0
@@ -126,7 +134,7 @@ class StreamReader:
         """The range's last sequence: to_seq, and without follow the stream's last sequence now."""
         end = float(self.rng.to_seq) if self.rng.to_seq else math.inf
         if not self.rng.follow:
-            info = await self.js.stream_info(TRAJECTORIES_STREAM)
+            info = await js_api_call(f"stream {TRAJECTORIES_STREAM}: info", functools.partial(self.js.stream_info, TRAJECTORIES_STREAM))
             end = min(end, float(info.state.last_seq))
         return end
 

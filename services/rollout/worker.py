@@ -35,6 +35,7 @@ from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import TrajectoryError, encode_group_with_meta
 from services.common.bus import declare_streams, publish_acked
 from services.common.busretry import INITIAL_BACKOFF_S, MAX_BACKOFF_S, full_jitter
+from services.common.consumers import add_consumer
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
@@ -120,9 +121,10 @@ class RolloutWorker:
 
     async def declare(self) -> None:
         """Declare the streams and the shared consumer (idempotent: every worker does it). The
-        consumer's own `max_deliver` is what counts, whichever worker declared it."""
+        consumer's own `max_deliver` is what counts, whichever worker declared it. A bus that does not
+        answer yet (a cluster still electing) is waited out, for the consumer as for the streams."""
         await declare_streams(self.js)
-        info = await self.js.add_consumer(PROMPTS_STREAM, self.consumer_config())
+        info = await add_consumer(self.js, PROMPTS_STREAM, self.consumer_config())
         self.max_deliver = info.config.max_deliver or self.config.max_deliver
 
     # ---------------------------------------------------------------------------------- the loop

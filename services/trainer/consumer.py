@@ -16,11 +16,11 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from services.common.bus import unsubscribe_quietly
 from services.common.busretry import Backoff, retryable
+from services.common.consumers import add_consumer, delete_consumer_if_present
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
@@ -57,17 +57,15 @@ class TrajectoryConsumer:
         self.nc, self.metrics = nc, metrics
         js = nc.jetstream()
         name = self.subjects.trainer_consumer
-        try:
-            await js.delete_consumer(TRAJECTORIES_STREAM, name)
-        except NotFoundError:
-            pass
+        # A bus still electing (a cluster forming, the stream's leader just lost) is waited out.
+        await delete_consumer_if_present(js, TRAJECTORIES_STREAM, name)
         cfg = ConsumerConfig(
             durable_name=name, ack_policy=AckPolicy.EXPLICIT, filter_subject=self.subjects.trajectories,
             ack_wait=300.0, max_ack_pending=-1,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after_seq else DeliverPolicy.ALL,
             opt_start_seq=after_seq + 1 if after_seq else None,
         )
-        await js.add_consumer(TRAJECTORIES_STREAM, cfg)
+        await add_consumer(js, TRAJECTORIES_STREAM, cfg)
         self._sub = await js.pull_subscribe_bind(name, stream=TRAJECTORIES_STREAM)
 
     async def close(self) -> None:

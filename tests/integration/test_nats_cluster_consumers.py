@@ -1,0 +1,157 @@
+"""Services that create their consumers while a real 3-node JetStream cluster has lost its majority (two
+nodes just died, so neither the meta leader nor the streams' leaders can be elected) wait the outage
+out and start once the nodes are back: the rollout worker's `declare()`, the trainer's consumer
+`open()` and the replay reader. A consumer config the server refuses still fails at once, naming the
+stream and the consumer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
+from services.common.bus import connect, declare_streams, default_replicas, set_default_replicas
+from services.common.consumers import ConsumerRefused, add_consumer
+from services.common.nats_cluster import NatsCluster
+from services.replay.reader import StreamReader
+from services.replay.settings import RangeSettings
+from services.rollout.client_settings import InferenceClientSettings
+from services.rollout.engine import InferenceEngine
+from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.trainer.consumer import TrajectoryConsumer
+from services.trainer.intake import Intake
+from services.trainer.settings import TrainerSettings
+from tests.integration.test_rollout_version_gate import OneSample
+
+T = TypeVar("T")
+RUN = "outage"
+S = Subjects(RUN)
+
+FAULT_S = 10.0
+"""How long the two nodes stay down after the service's first consumer request reached the survivor:
+longer than nats-py's 5 s request timeout, so the request fails (a timeout or a 503) while they are."""
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    c = NatsCluster(tmp_path / "cluster", 3).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+async def _prepare(cluster: NatsCluster, trajectories: int = 0) -> None:
+    """Streams with 3 replicas, and `trajectories` recorded ones (their sequences are 1..n)."""
+    nc = await connect(cluster.url, "admin")
+    js = nc.jetstream()
+    await declare_streams(js, replicas=3)
+    for i in range(trajectories):
+        await js.publish(S.trajectories, f"t{i}".encode(), stream=TRAJECTORIES_STREAM)
+    await nc.close()
+
+
+async def _started_while_the_majority_is_down(cluster: NatsCluster, start: Callable[[NATS], Awaitable[T]]) -> T:
+    """Kill two of the three nodes, run `start` on a new connection given every node's URL (as a
+    service started right then), keep the nodes down `FAULT_S` after its first consumer request, then
+    restart them; returns what `start` returned."""
+    survivor, downed = cluster.nodes[0], cluster.nodes[1:]
+    for node in downed:
+        node.kill()
+    watcher = await connect(survivor.url, "watcher")
+    asked = asyncio.Event()
+
+    async def seen(_msg: Any) -> None:
+        asked.set()
+
+    await watcher.subscribe("$JS.API.CONSUMER.>", cb=seen)  # the service's consumer requests, as they reach the survivor
+    service = await connect(cluster.url, "service")
+    call = asyncio.create_task(start(service))
+    waiting = asyncio.create_task(asked.wait())
+    try:
+        await asyncio.wait({call, waiting}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+        assert asked.is_set() or call.done(), "the service never asked for its consumer"
+        if not call.done():
+            await asyncio.wait({call}, timeout=FAULT_S)  # the fault: the nodes stay down this long
+        for node in downed:
+            await asyncio.to_thread(node.restart)
+        return await call
+    finally:
+        waiting.cancel()
+        call.cancel()
+        await watcher.close()
+        await service.close()
+
+
+@pytest.fixture
+def three_replicas() -> Iterator[None]:
+    """The service's `nats_replicas=3`, as its entry point sets it beside a 3-node cluster."""
+    before = default_replicas()
+    set_default_replicas(3)
+    try:
+        yield
+    finally:
+        set_default_replicas(before)
+
+
+@pytest.mark.timeout(240)
+async def test_a_rollout_worker_declares_its_consumer_through_the_outage(cluster: NatsCluster, three_replicas: None) -> None:
+    await _prepare(cluster)
+    config = WorkerConfig(worker="w", max_deliver=4)
+    engine = InferenceEngine(InferenceClientSettings(servers=["http://127.0.0.1:9"]))  # never asked: no episode runs
+
+    async def start(nc: NATS) -> Any:
+        worker = RolloutWorker(nc, RUN, OneSample(), engine, config)
+        await worker.declare()
+        return worker.max_deliver, await nc.jetstream().consumer_info(PROMPTS_STREAM, S.rollout_consumer)
+
+    try:
+        max_deliver, info = await _started_while_the_majority_is_down(cluster, start)
+    finally:
+        await engine.aclose()
+    assert max_deliver == 4 and info.config.max_deliver == 4 and info.config.filter_subject == S.prompts_all
+
+
+@pytest.mark.timeout(240)
+async def test_the_trainer_opens_its_consumer_through_the_outage(cluster: NatsCluster) -> None:
+    await _prepare(cluster, trajectories=3)
+    settings = TrainerSettings(run=RUN, nats_url=cluster.url)
+
+    async def start(nc: NATS) -> Any:
+        consumer = TrajectoryConsumer(settings, Intake(eta=0, run=RUN))
+        await consumer.open(nc, None, after_seq=1)  # a resume after sequence 1: the stale consumer is replaced
+        info = await nc.jetstream().consumer_info(TRAJECTORIES_STREAM, S.trainer_consumer)
+        await consumer.close()
+        return info
+
+    nc = await connect(cluster.url, "stale")
+    await nc.jetstream().add_consumer(TRAJECTORIES_STREAM, ConsumerConfig(durable_name=S.trainer_consumer, filter_subject=S.trajectories))
+    await nc.close()
+    info = await _started_while_the_majority_is_down(cluster, start)
+    assert info.config.opt_start_seq == 2 and info.num_pending == 2  # sequences 2 and 3 to train
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("rng", [RangeSettings(), RangeSettings(to_seq=3, follow=True)], ids=["to-the-end", "following"])
+async def test_a_replay_reads_its_range_through_the_outage(cluster: NatsCluster, rng: RangeSettings) -> None:
+    """To the end: the stream's last sequence is asked for first; following: the consumer is the first call."""
+    await _prepare(cluster, trajectories=3)
+
+    async def start(nc: NATS) -> list[int]:
+        return [r.seq async for r in StreamReader(nc.jetstream(), RUN, rng)]
+
+    assert await _started_while_the_majority_is_down(cluster, start) == [1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+async def test_a_consumer_config_the_server_refuses_fails_at_once_naming_it(nc: Any) -> None:
+    js = nc.jetstream()
+    bad = ConsumerConfig(durable_name="bad", filter_subject=S.prompts_all, deliver_policy=DeliverPolicy.BY_START_SEQUENCE)
+    with pytest.raises(ConsumerRefused, match=f"stream {PROMPTS_STREAM}: consumer bad: .*code=400"):
+        await add_consumer(js, PROMPTS_STREAM, bad)  # that policy needs a start sequence; retried, it would end as BusUnavailable
