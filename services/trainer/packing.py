@@ -30,6 +30,8 @@ class Packed:
     """(1, L): 0..n_i - 1 per sample."""
     index: torch.Tensor
     """(L,): for each packed token, its flat index in the padded (rows x length) layout."""
+    kept: torch.Tensor
+    """(K,): the packed positions whose values go back (every sample's tokens but its first)."""
     shape: tuple[int, int]
     """The padded layout's (rows, length)."""
 
@@ -55,7 +57,7 @@ def pack(mb: dict[str, Any]) -> dict[str, Any]:
     positions = torch.cat([torch.arange(n) for n in sizes])
     out = dict(mb)
     out[KEY] = Packed(input_ids=ids.reshape(-1)[index].unsqueeze(0), position_ids=positions.unsqueeze(0),
-                      index=index, shape=(rows, width))
+                      index=index, kept=(positions > 0).nonzero().squeeze(-1), shape=(rows, width))
     return out
 
 
@@ -86,7 +88,9 @@ def unpack(values: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
     if packed is None:
         return values
     flat = values.reshape(-1)
-    keep = packed.position_ids.reshape(-1).to(flat.device) > 0
+    # Integer indices made with the packing (on the CPU), not a boolean mask here: on a GPU a mask's
+    # index waits for the device to count it, twice per micro-batch.
+    kept = packed.kept.to(flat.device)
     out = flat.new_zeros(packed.shape[0] * packed.shape[1])
-    out = out.index_put((packed.index.to(flat.device)[keep],), flat[keep])
+    out = out.index_put((packed.index.to(flat.device)[kept],), flat.index_select(0, kept))
     return out.view(packed.shape)
