@@ -11,7 +11,8 @@ locally from a config), the real-model path against today's, in the same run:
 - with `--paths`: today-z0 (today's path without ZeRO: the stage's share alone), new-z2 (the new path
   on ZeRO-2), unfused (the new path with `fused_output_projection=false`: the fusion's share).
 
-    python bench/trainer_memory.py [--layers 24] [--samples 8] [--seq-len 4096] [--steps 2] [--lengths uniform] [--budget N] [--paths ...]
+    python bench/trainer_memory.py [--layers 24] [--samples 8] [--seq-len 4096] [--steps 2] [--lengths uniform] [--budget N]
+                                   [--paths today,new,...] [--trace today,...]
 
 `--budget` is the new path's `max_tokens_per_microbatch` (default `--seq-len`): a larger one packs
 several samples per pass (fewer passes, larger logits).
@@ -22,7 +23,12 @@ computes only their tokens. tokens/s counts real tokens either way.
 
 Defaults are the full shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab
 151936) on 8 samples of 4k tokens: today's path alone needs well over 100 GB there (the logits and
-two log-softmax copies are 20 GB each), so on a small machine scale `--layers` / `--seq-len` down.
+the log-softmax are 20 GB each), so a small machine runs today's path there as a trace:
+`--trace today` runs its code on fake tensors (bench/tracemem.py: every storage it allocates is counted
+while it lives, nothing is computed) and reports its peak of live tensor bytes plus the process's
+resident size; traced rows have no time. A path both run and traced prints the trace's error against
+the run. The score takes today's run where it ran, else its trace (`today_from` in the JSON).
+
 Each path runs in its own process (DeepSpeed at the path's stage, one CPU rank, the trainer's TrainEngine and
 PPOActor with the default decoupled PPO update, so the proximal forward is included). Peak memory is
 the process's resident high-water mark (VmHWM, reset before the last update; ru_maxrss where /proc has
@@ -45,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -125,22 +132,28 @@ PHASES = ("proximal", "forward", "logp+loss", "backward", "zero-reduce", "step")
 
 
 class PhasePeaks:
-    """The resident size sampled every few ms on a thread, its maximum kept per phase of the update
-    (the innermost running one of `PHASES`, the proximal pass's forward counted as "proximal"): where the peak is, not only how high."""
+    """The maximum of a size per phase of the update (the innermost running one of `PHASES`, the
+    proximal pass's forward counted as "proximal"): where the peak is, not only how high. The size is
+    the resident size sampled every few ms on a thread, or with `sampled=False` what `record` is given
+    (a traced run's live tensor bytes, at each allocation)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sampled: bool = True) -> None:
         import threading
 
         self.phase = "other"
         self.peaks: dict[str, int] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._run, daemon=True) if sampled else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def record(self, size: int) -> None:
+        phase = self.phase
+        self.peaks[phase] = max(self.peaks.get(phase, 0), size)
 
     def _run(self) -> None:
         while not self._stop.wait(0.005):
-            phase = self.phase
-            self.peaks[phase] = max(self.peaks.get(phase, 0), _rss_bytes())
+            self.record(_rss_bytes())
 
     def wrap(self, obj: Any, attr: str, phase: str) -> None:
         inner = getattr(obj, attr)
@@ -158,61 +171,101 @@ class PhasePeaks:
 
     def stop(self) -> dict[str, int]:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         return dict(self.peaks)
 
 
 def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, steps: int, lengths: str, budget: int,
-           result: str) -> None:
+           result: str, traced: bool = False) -> None:
     from services.trainer.actor import PPOActor
     from services.trainer.batch import shard
-    from services.trainer.engine import TrainEngine
+    from services.trainer.engine import TrainEngine, import_deepspeed
     from services.trainer.settings import TrainerSettings
 
     extra: dict[str, Any] = dict(PATHS[name])
     if not name.startswith("today"):
         extra["max_tokens_per_microbatch"] = budget or seq_len
-    s = TrainerSettings.model_validate({"model_path": model_path, **extra})
-    engine = TrainEngine(s)
-    actor = PPOActor(engine, s.ppo)
     b = batch(samples, seq_len, vocab, lengths)
     tokens = int(b["attention_mask"].sum())
-    phases = PhasePeaks()
-    ds = engine.engine
-    for obj, attr, phase in ((actor, "_device_logp", "proximal"), (ds, "forward", "forward"), (actor, "_loss", "logp+loss"),
-                             (ds, "backward", "backward"), (ds.optimizer, "independent_gradient_partition_epilogue", "zero-reduce"),
-                             (engine, "_clip", "step"), (ds, "step", "step")):
-        if hasattr(obj, attr):  # no ZeRO (stage 0): no gradient partitions; the trainer's own clip counts as the step
-            phases.wrap(obj, attr, phase)
-    elapsed, cpu, before, reset = 0.0, 0.0, 0, False
-    for i in range(steps):
-        if i == steps - 1:  # the last update: its peak, and what it adds over the model and Adam states
-            reset = _reset_peak()
-            before = _rss_bytes()
-            phases.peaks.clear()
-        t0, c0 = time.perf_counter(), time.process_time()
-        actor.ppo_update(shard(b, 1, 1)[0])
-        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = _peak_bytes(reset)
-    by_phase = phases.stop()
-    Path(result).write_text(json.dumps({"peak_bytes": peak, "added_bytes": peak - before, "tokens_per_s": tokens / elapsed,
-                                        "tokens_per_cpu_s": tokens / cpu,
-                                        "base_bytes": before, "phase_peak_bytes": {p: by_phase.get(p, 0) for p in PHASES}}))
+    with ExitStack() as stack:
+        live = None
+        if traced:  # see bench/tracemem.py
+            from transformers import Qwen2ForCausalLM  # noqa: F401  (loaded before the process is measured)
+
+            from bench import tracemem
+
+            import_deepspeed()
+            process = _rss_bytes()  # the interpreter and its libraries, and the batch
+            live = stack.enter_context(tracemem.traced())
+        s = TrainerSettings.model_validate({"model_path": model_path, **extra})
+        engine = TrainEngine(s)
+        actor = PPOActor(engine, s.ppo)
+        phases = PhasePeaks(sampled=live is None)
+        if live is not None:
+            live.listeners.append(phases.record)
+        ds = engine.engine
+        for obj, attr, phase in ((actor, "_device_logp", "proximal"), (ds, "forward", "forward"), (actor, "_loss", "logp+loss"),
+                                 (ds, "backward", "backward"), (ds.optimizer, "independent_gradient_partition_epilogue", "zero-reduce"),
+                                 (engine, "_clip", "step"), (ds, "step", "step")):
+            if hasattr(obj, attr):  # no ZeRO (stage 0): no gradient partitions; the trainer's own clip counts as the step
+                phases.wrap(obj, attr, phase)
+        elapsed, cpu, before, reset = 0.0, 0.0, 0, False
+        for i in range(steps):
+            if i == steps - 1:  # the last update: its peak, and what it adds over the model and Adam states
+                if live is not None:
+                    live.reset_peak()
+                    before = live.live
+                else:
+                    reset = _reset_peak()
+                    before = _rss_bytes()
+                phases.peaks.clear()
+            t0, c0 = time.perf_counter(), time.process_time()
+            actor.ppo_update(shard(b, 1, 1)[0])
+            elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        by_phase = phases.stop()
+        if live is not None:  # the process is the same for every phase; nothing was computed, so no time
+            peak, added, base = process + live.peak, live.peak - before, process + before
+            by_phase = {p: process + v for p, v in by_phase.items()}
+            speed: dict[str, float | None] = {"tokens_per_s": None, "tokens_per_cpu_s": None}
+        else:
+            peak = _peak_bytes(reset)
+            added, base = peak - before, before
+            speed = {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / cpu}
+    Path(result).write_text(json.dumps({"peak_bytes": peak, "added_bytes": added, **speed, "base_bytes": base,
+                                        "traced": traced, "phase_peak_bytes": {p: by_phase.get(p, 0) for p in PHASES}}))
     sys.stdout.flush()
     os._exit(0)
 
 
-def launch(name: str, model_path: str, args: argparse.Namespace, tmp: Path) -> dict:
-    result = tmp / f"{name}.json"
+def launch(name: str, model_path: str, args: argparse.Namespace, tmp: Path, traced: bool) -> dict:
+    result = tmp / f"{name}{'-traced' if traced else ''}.json"
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "PYTHONPATH": str(REPO)}
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, __file__, "--worker", name, model_path, str(args.samples), str(args.seq_len), str(args.vocab),
-           str(args.steps), args.lengths, str(args.budget), str(result)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, timeout=3600)
+    cmd = [sys.executable, __file__, "--trace-worker" if traced else "--worker", name, model_path, str(args.samples),
+           str(args.seq_len), str(args.vocab), str(args.steps), args.lengths, str(args.budget), str(result)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, timeout=6 * 3600)
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} path failed:\n{proc.stdout.decode()[-2000:]}{proc.stderr.decode()[-3000:]}")
+        how = " (traced)" if traced else ""
+        raise RuntimeError(f"{name} path failed{how}:\n{proc.stdout.decode()[-2000:]}{proc.stderr.decode()[-3000:]}")
     return json.loads(result.read_text())
+
+
+def _names(parser: argparse.ArgumentParser, option: str, value: str) -> list[str]:
+    names = [n for n in value.split(",") if n]
+    unknown = [n for n in names if n not in PATHS]
+    if unknown:
+        parser.error(f"{option}: unknown {', '.join(unknown)} (known: {', '.join(PATHS)})")
+    return names
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _cell(value: float | None, width: int, digits: int) -> str:
+    return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
 
 def main() -> None:
@@ -224,40 +277,55 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--lengths", choices=["uniform", "varied"], default="uniform")
     parser.add_argument("--budget", type=int, default=0, help="the new path's max_tokens_per_microbatch (0: --seq-len)")
-    parser.add_argument("--paths", default=DEFAULT_PATHS, help=f"comma-separated, of {', '.join(PATHS)}; today and new always run")
+    parser.add_argument("--paths", default=DEFAULT_PATHS, help=f"run, comma-separated, of {', '.join(PATHS)}")
+    parser.add_argument("--trace", default="", help="traced on fake tensors (no time), comma-separated: for a path this "
+                                                    "machine cannot hold, or beside its run to check the trace")
     args = parser.parse_args()
+    run, trace = _names(parser, "--paths", args.paths), _names(parser, "--trace", args.trace)
+    for name in ("today", "new"):
+        if name not in run and name not in trace:
+            parser.error(f"{name} must be run (--paths) or traced (--trace): the score compares them")
+    order = list(PATHS)
+    jobs = sorted([(n, False) for n in run] + [(n, True) for n in trace], key=lambda j: (order.index(j[0]), j[1]))
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         model_path = build(tmp / "model", args.layers, args.vocab)
-        names = ["today", "new"] + [n for n in args.paths.split(",") if n not in ("today", "new")]
-        unknown = [n for n in names if n not in PATHS]
-        if unknown:
-            parser.error(f"--paths: unknown {', '.join(unknown)} (known: {', '.join(PATHS)})")
-        rows = {name: launch(name, model_path, args, tmp) for name in sorted(names, key=list(PATHS).index)}
+        rows = {f"{n}{' traced' if t else ''}": launch(n, model_path, args, tmp, t) for n, t in jobs}
     gib = 1024**3
     print(f"Qwen2-0.5B-shaped, {args.layers} layers, vocab {args.vocab}; {args.samples} samples x {args.seq_len} tokens "
           f"({args.lengths}); 1 CPU rank, float32; {args.steps} update(s), tokens/s of the last")
     budget = {"max_tokens_per_microbatch": args.budget or args.seq_len}
-    for name in rows:
+    for name in dict.fromkeys(n for n, _ in jobs):
         print(f"  {name:<9} {PATHS[name] | ({} if name.startswith('today') else budget)}")
-    print(f"{'path':<10}{'peak GiB':>10}{'x today':>9}{'added GiB':>11}{'tokens/s':>11}{'tokens/CPU-s':>14}{'x today':>9}")
-    old = rows["today"]
-    for name, r in rows.items():
-        print(f"{name:<10}{r['peak_bytes'] / gib:>10.2f}{r['peak_bytes'] / old['peak_bytes']:>9.3f}{r['added_bytes'] / gib:>11.2f}"
-              f"{r['tokens_per_s']:>11.1f}{r['tokens_per_cpu_s']:>14.1f}{r['tokens_per_cpu_s'] / old['tokens_per_cpu_s']:>9.3f}")
-    print("peak GiB by phase of the update (resident size sampled every 5 ms; before it: the weights, Adam, ZeRO's fp32 copy)")
-    print(f"{'path':<10}{'before':>8}" + "".join(f"{p:>12}" for p in PHASES))
-    for name, r in rows.items():
-        print(f"{name:<10}{r['base_bytes'] / gib:>8.2f}" + "".join(f"{r['phase_peak_bytes'][p] / gib:>12.2f}" for p in PHASES))
-    new = rows["new"]
+    if trace:
+        print("  traced: the path's code on fake tensors, its peak of live tensor bytes plus the process's resident size "
+              "(bench/tracemem.py); nothing computed, so no time")
+    # today's figures: its run where it ran, else its trace
+    old = rows["today"] if "today" in run else rows["today traced"]
+    new = rows["new"] if "new" in run else rows["new traced"]
+    print(f"{'path':<17}{'peak GiB':>10}{'x today':>9}{'added GiB':>11}{'tokens/s':>11}{'tokens/CPU-s':>14}{'x today':>9}")
+    for label, r in rows.items():
+        print(f"{label:<17}{r['peak_bytes'] / gib:>10.2f}{r['peak_bytes'] / old['peak_bytes']:>9.3f}{r['added_bytes'] / gib:>11.2f}"
+              f"{_cell(r['tokens_per_s'], 11, 1)}{_cell(r['tokens_per_cpu_s'], 14, 1)}"
+              f"{_cell(_ratio(r['tokens_per_cpu_s'], old['tokens_per_cpu_s']), 9, 3)}")
+    for name in run:
+        if name in trace:
+            print(f"  {name}: traced peak / measured peak {rows[name + ' traced']['peak_bytes'] / rows[name]['peak_bytes']:.3f}")
+    print("peak GiB by phase of the update (run: resident size sampled every 5 ms; traced: at each allocation; "
+          "before it: the weights, Adam, ZeRO's fp32 copy)")
+    print(f"{'path':<17}{'before':>8}" + "".join(f"{p:>12}" for p in PHASES))
+    for label, r in rows.items():
+        print(f"{label:<17}{r['base_bytes'] / gib:>8.2f}" + "".join(f"{r['phase_peak_bytes'][p] / gib:>12.2f}" for p in PHASES))
     figures: dict[str, Any] = {
         "score": new["peak_bytes"] / old["peak_bytes"],
-        "tokens_per_s_ratio": new["tokens_per_s"] / old["tokens_per_s"],
-        "tokens_per_cpu_s_ratio": new["tokens_per_cpu_s"] / old["tokens_per_cpu_s"],
+        "today_from": "trace" if "today" not in run else "run",
+        "new_from": "trace" if "new" not in run else "run",
+        "tokens_per_s_ratio": _ratio(new["tokens_per_s"], old["tokens_per_s"]),
+        "tokens_per_cpu_s_ratio": _ratio(new["tokens_per_cpu_s"], old["tokens_per_cpu_s"]),
         "added_ratio": new["added_bytes"] / max(old["added_bytes"], 1),
     }
-    for name, r in rows.items():
-        key = name.replace("-", "_")
+    for label, r in rows.items():
+        key = label.replace("-", "_").replace(" ", "_")
         figures[f"{key}_peak_gib"] = r["peak_bytes"] / gib
         figures[f"{key}_peak_ratio"] = r["peak_bytes"] / old["peak_bytes"]
         figures[f"{key}_tokens_per_s"] = r["tokens_per_s"]
@@ -267,9 +335,11 @@ def main() -> None:
                     "lengths": args.lengths, "budget": args.budget or args.seq_len})
     print(json.dumps(figures))
 
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _, _, name, path, samples, seq_len, vocab, steps, lengths, budget, result = sys.argv
-        worker(name, path, int(samples), int(seq_len), int(vocab), int(steps), lengths, int(budget), result)
+    if len(sys.argv) > 1 and sys.argv[1] in ("--worker", "--trace-worker"):
+        _, mode, name, path, samples, seq_len, vocab, steps, lengths, budget, result = sys.argv
+        worker(name, path, int(samples), int(seq_len), int(vocab), int(steps), lengths, int(budget), result,
+               traced=mode == "--trace-worker")
     else:
         main()
