@@ -24,7 +24,7 @@ computes only their tokens. tokens/s counts real tokens either way.
 Defaults are the full shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab
 151936) on 8 samples of 4k tokens: today's path alone needs well over 100 GB there (the logits and
 the log-softmax are 20 GB each), so a small machine runs today's path there as a trace:
-`--trace today` runs its code on fake tensors (bench/tracemem.py: every storage it allocates is counted
+`--trace today` runs its code on fake tensors (bench/support/tracemem.py: every storage it allocates is counted
 while it lives, nothing is computed) and reports its peak of live tensor bytes plus the process's
 resident size; traced rows have no time. A path both run and traced prints the trace's error against
 the run. The score takes today's run where it ran, else its trace (`today_from` in the JSON).
@@ -176,6 +176,37 @@ class PhasePeaks:
         return dict(self.peaks)
 
 
+class Resident:
+    """A run's memory: the process's resident size, its high-water mark over the last update."""
+
+    def __init__(self) -> None:
+        self.reset, self.before = False, 0
+
+    def last_update(self) -> None:
+        self.reset = _reset_peak()
+        self.before = _rss_bytes()
+
+    def figures(self) -> tuple[int, int, int]:
+        """(peak, added by the last update, before it), in bytes."""
+        peak = _peak_bytes(self.reset)
+        return peak, peak - self.before, self.before
+
+
+class Traced:
+    """A traced run's memory (bench/support/tracemem.py): the live tensor bytes plus `process`, the
+    resident size before the model (the interpreter, its libraries, the batch)."""
+
+    def __init__(self, live: Any, process: int) -> None:
+        self.live, self.process, self.before = live, process, 0
+
+    def last_update(self) -> None:
+        self.live.reset_peak()
+        self.before = self.live.live
+
+    def figures(self) -> tuple[int, int, int]:
+        return self.process + self.live.peak, self.live.peak - self.before, self.process + self.before
+
+
 def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, steps: int, lengths: str, budget: int,
            result: str, traced: bool = False) -> None:
     from services.trainer.actor import PPOActor
@@ -189,49 +220,38 @@ def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, s
     b = batch(samples, seq_len, vocab, lengths)
     tokens = int(b["attention_mask"].sum())
     with ExitStack() as stack:
-        live = None
-        if traced:  # see bench/tracemem.py
+        meter: Resident | Traced = Resident()
+        phases = PhasePeaks(sampled=not traced)
+        if traced:
             from transformers import Qwen2ForCausalLM  # noqa: F401  (loaded before the process is measured)
 
-            from bench import tracemem
+            from bench.support import tracemem
 
             import_deepspeed()
-            process = _rss_bytes()  # the interpreter and its libraries, and the batch
-            live = stack.enter_context(tracemem.traced())
+            meter = Traced(stack.enter_context(tracemem.traced()), _rss_bytes())
+            meter.live.listeners.append(lambda size: phases.record(meter.process + size))
         s = TrainerSettings.model_validate({"model_path": model_path, **extra})
         engine = TrainEngine(s)
         actor = PPOActor(engine, s.ppo)
-        phases = PhasePeaks(sampled=live is None)
-        if live is not None:
-            live.listeners.append(phases.record)
         ds = engine.engine
         for obj, attr, phase in ((actor, "_device_logp", "proximal"), (ds, "forward", "forward"), (actor, "_loss", "logp+loss"),
                                  (ds, "backward", "backward"), (ds.optimizer, "independent_gradient_partition_epilogue", "zero-reduce"),
                                  (engine, "_clip", "step"), (ds, "step", "step")):
             if hasattr(obj, attr):  # no ZeRO (stage 0): no gradient partitions; the trainer's own clip counts as the step
                 phases.wrap(obj, attr, phase)
-        elapsed, cpu, before, reset = 0.0, 0.0, 0, False
+        elapsed, cpu = 0.0, 0.0
         for i in range(steps):
             if i == steps - 1:  # the last update: its peak, and what it adds over the model and Adam states
-                if live is not None:
-                    live.reset_peak()
-                    before = live.live
-                else:
-                    reset = _reset_peak()
-                    before = _rss_bytes()
+                meter.last_update()
                 phases.peaks.clear()
             t0, c0 = time.perf_counter(), time.process_time()
             actor.ppo_update(shard(b, 1, 1)[0])
             elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         by_phase = phases.stop()
-        if live is not None:  # the process is the same for every phase; nothing was computed, so no time
-            peak, added, base = process + live.peak, live.peak - before, process + before
-            by_phase = {p: process + v for p, v in by_phase.items()}
-            speed: dict[str, float | None] = {"tokens_per_s": None, "tokens_per_cpu_s": None}
-        else:
-            peak = _peak_bytes(reset)
-            added, base = peak - before, before
-            speed = {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / cpu}
+        peak, added, base = meter.figures()
+    # a trace computes nothing: no time
+    speed = {"tokens_per_s": None, "tokens_per_cpu_s": None} if traced else {"tokens_per_s": tokens / elapsed,
+                                                                          "tokens_per_cpu_s": tokens / cpu}
     Path(result).write_text(json.dumps({"peak_bytes": peak, "added_bytes": added, **speed, "base_bytes": base,
                                         "traced": traced, "phase_peak_bytes": {p: by_phase.get(p, 0) for p in PHASES}}))
     sys.stdout.flush()
@@ -299,7 +319,7 @@ def main() -> None:
         print(f"  {name:<9} {PATHS[name] | ({} if name.startswith('today') else budget)}")
     if trace:
         print("  traced: the path's code on fake tensors, its peak of live tensor bytes plus the process's resident size "
-              "(bench/tracemem.py); nothing computed, so no time")
+              "(bench/support/tracemem.py); nothing computed, so no time")
     # today's figures: its run where it ran, else its trace
     old = rows["today"] if "today" in run else rows["today traced"]
     new = rows["new"] if "new" in run else rows["new traced"]

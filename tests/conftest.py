@@ -18,6 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # with it, as `jetrl prompts push --issuer-key-file` would tag pushed prompts (docs/security.md).
 os.environ.setdefault("JETRL_TRAINER__TRUST__PROMPT_ISSUER_KEY", "jetrl-tests-prompt-issuer")
 
+from services.common.nats_cluster import NatsCluster
 from services.common.nats_server import NatsServer
 
 
@@ -28,6 +29,16 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    """A real 3-node JetStream cluster on 127.0.0.1, started and ready."""
+    c = NatsCluster(tmp_path / "cluster", 3).start()
+    try:
+        yield c
+    finally:
+        c.stop()
 
 
 @pytest.fixture

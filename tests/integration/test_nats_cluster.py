@@ -6,7 +6,6 @@ restarted, catches up."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import nats.errors
@@ -19,15 +18,6 @@ from services.common.nats_cluster import NatsCluster
 from services.weights.objstore import open_bucket
 
 N = 400
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[NatsCluster]:
-    c = NatsCluster(tmp_path / "cluster", 3).start()
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 async def _retry(what: str, call: object, deadline_s: float = 60.0) -> object:

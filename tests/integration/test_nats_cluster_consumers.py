@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -36,15 +35,6 @@ S = Subjects(RUN)
 FAULT_S = 10.0
 """How long the two nodes stay down after the service's first consumer request reached the survivor:
 longer than nats-py's 5 s request timeout, so the request fails (a timeout or a 503) while they are."""
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[NatsCluster]:
-    c = NatsCluster(tmp_path / "cluster", 3).start()
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 async def _prepare(cluster: NatsCluster, trajectories: int = 0) -> None:

@@ -9,7 +9,7 @@ import gc
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from bench.tracemem import LiveBytes, traced
+from bench.support.tracemem import LiveBytes, traced
 
 
 def test_live_bytes_counts_each_storage_once_while_it_lives_and_keeps_the_peak() -> None:
