@@ -29,6 +29,12 @@ T = TypeVar("T")
 INITIAL_BACKOFF_S = 0.2
 MAX_BACKOFF_S = 5.0
 
+
+class NoStreamLeader(ConnectionError):
+    """A clustered stream answered from a replica while it has no leader (`streaminfo.py`): the answer
+    may lack the newest messages, so the call is retried like an outage until a leader answers."""
+
+
 _RETRYABLE: tuple[type[BaseException], ...] = (
     TimeoutError,  # includes nats.errors.TimeoutError and FlushTimeoutError
     nats.errors.UnexpectedEOF,  # the server went away mid-request
@@ -39,6 +45,7 @@ _RETRYABLE: tuple[type[BaseException], ...] = (
     nats.errors.NoRespondersError,
     nats.js.errors.NoStreamResponseError,  # JetStream not (yet) answering after a restart
     nats.js.errors.ServiceUnavailableError,  # 503
+    NoStreamLeader,
 )
 _FATAL: tuple[type[BaseException], ...] = (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)
 
@@ -52,6 +59,7 @@ def full_jitter(attempt: int, initial_s: float, max_s: float) -> float:
 
 class BusUnavailable(ConnectionError):
     """NATS calls kept failing with retryable errors for longer than the retry budget."""
+
 
 
 def retryable(exc: BaseException) -> bool:

@@ -5,7 +5,8 @@ a sequence or a time, read one pull request per batch (`pull.Puller`). The reade
 consumer sequences are contiguous; on a gap (a lost pull reply, a reconnect) or a vanished consumer
 it recreates the consumer right after the last sequence it yielded, so the range is read exactly
 once, in order. It works while a live run is still writing: the range ends at the last message
-present at the start unless `follow` is set. `batches()` gives the range as each pull brought it
+present at the start unless `follow` is set; that message is asked of the stream's leader, as a
+consumer (or a replica answering while its stream has no leader) may see an older copy. `batches()` gives the range as each pull brought it
 (replay decodes a pull's groups together).
 """
 
@@ -23,7 +24,7 @@ from datetime import datetime
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import DecodedGroup
@@ -79,7 +80,6 @@ class StreamReader:
         self._consumer: str | None = None
         self._puller: Puller | None = None
         self._consumer_seq = 0
-        self._pending = 0
 
     @property
     def consumer(self) -> str | None:
@@ -108,7 +108,6 @@ class StreamReader:
         info = await add_consumer(self.js, TRAJECTORIES_STREAM, config)
         self._consumer = info.name
         self._consumer_seq = info.delivered.consumer_seq if info.delivered else 0
-        self._pending = info.num_pending or 0
         self._puller = Puller(self.js._nc, TRAJECTORIES_STREAM, info.name)  # the context's own connection
         await self._puller.start()
         await self._request()
@@ -131,12 +130,36 @@ class StreamReader:
                 pass  # ephemeral: the server deletes it after `inactive_threshold` anyway
 
     async def _snapshot_end(self) -> float:
-        """The range's last sequence: to_seq, and without follow the stream's last sequence now."""
+        """The range's last sequence: to_seq, and without follow the range's newest message now, as the
+        stream's leader has it (0: the range is empty). Not the consumer's count of pending messages:
+        a consumer placed on a replica that is catching up counts what that replica has."""
         end = float(self.rng.to_seq) if self.rng.to_seq else math.inf
-        if not self.rng.follow:
-            info = await js_api_call(f"stream {TRAJECTORIES_STREAM}: info", functools.partial(self.js.stream_info, TRAJECTORIES_STREAM))
-            end = min(end, float(info.state.last_seq))
-        return end
+        if self.rng.follow:
+            return end
+        newest = await self._newest()
+        if newest is None or newest.seq is None:
+            return 0.0
+        if self.rng.since is not None and newest.time is not None and newest.time < self.rng.since:
+            return 0.0  # it starts after the newest message
+        return min(end, float(newest.seq))
+
+    async def _newest(self) -> RawStreamMsg | None:
+        """The newest message on the range's subjects (None: none). The leader answers; a bus that does
+        not answer yet, or a stream electing its leader, is waited out (`js_api_call`)."""
+        newest: RawStreamMsg | None = None
+        for subject in self.subjects:
+            last = functools.partial(self.js.get_last_msg, TRAJECTORIES_STREAM, subject)
+            try:
+                msg = await js_api_call(f"stream {TRAJECTORIES_STREAM}: last message on {subject}", last)
+            except nats.js.errors.NotFoundError:
+                continue
+            if newest is None or (msg.seq or 0) > (newest.seq or 0):
+                newest = msg
+        return newest
+
+    def _read_all(self) -> bool:
+        """Without follow: the range's last message is read (or the range starts after it)."""
+        return not self.rng.follow and max(self.last_seq, self.rng.from_seq - 1) >= self.end_seq
 
     async def __aiter__(self) -> AsyncIterator[Record]:
         async with contextlib.aclosing(self.batches()) as batches:
@@ -151,7 +174,7 @@ class StreamReader:
         await self._open(self.start_after)
         try:
             while True:
-                if not self.rng.follow and self._pending == 0:
+                if self._read_all():
                     return
                 assert self._puller is not None and self._consumer is not None
                 try:
@@ -162,14 +185,18 @@ class StreamReader:
                     except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as exc:
                         await self._reset(f"consumer lost: {exc!r}")
                         continue
-                    if not self.rng.follow:  # nothing came though something was pending: ask again
-                        self._pending = info.num_pending or 0
+                    if not self.rng.follow and not info.num_pending:
+                        # the consumer has nothing more, and the range is not read: its replica is
+                        # catching up, or the rest was deleted since the start (then the end moves back)
+                        self.end_seq = min(self.end_seq, await self._snapshot_end())
+                        if self._read_all():
+                            continue
                     await self._request()
                     continue
                 except ConsumerLost as exc:
                     await self._reset(f"consumer lost: {exc}")
                     continue
-                if self.rng.follow or msgs[-1].metadata.num_pending > 0:
+                if self.rng.follow or msgs[-1].metadata.sequence.stream < self.end_seq:
                     # Ask for the next batch now, and let nats-py's flusher send the request: the
                     # server sends the batch while the caller decodes this one.
                     await self._request()
@@ -182,7 +209,6 @@ class StreamReader:
                         await self._reset(f"consumer sequence gap {self._consumer_seq} -> {meta.sequence.consumer}")
                         break
                     self._consumer_seq = meta.sequence.consumer
-                    self._pending = meta.num_pending
                     seq = meta.sequence.stream
                     if seq > self.end_seq or (self.rng.until is not None and meta.timestamp > self.rng.until):
                         end = True

@@ -23,6 +23,7 @@ any more. It publishes its restored weights as N+1 and moves its numbering by N+
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ from nats.js.errors import NotFoundError
 
 from schemas.messages import MessageError, WeightsPublished, decode
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, WEIGHT_SYNC_STREAM, Subjects
+from services.common.bus import js_api_call
 from services.common.logging import get_logger
+from services.common.streaminfo import leader_stream_info
 
 log = get_logger("trainer")
 
@@ -61,7 +64,7 @@ class Leftovers:
 
 async def clear_leftovers(js: JetStreamContext, subjects: Subjects) -> Leftovers:
     """Measure and drop what an earlier incarnation of the run left; warn about what cannot be dropped."""
-    info = await js.stream_info(TRAJECTORIES_STREAM, subjects_filter=subjects.trajectories)
+    info = await leader_stream_info(js, TRAJECTORIES_STREAM, subjects.trajectories)  # where the consumer starts
     trajectories = sum((info.state.subjects or {}).values())
     prompts = await purge_prompts(js, subjects)
     found = Leftovers(info.state.last_seq, trajectories, prompts, await announced_version(js, subjects))
@@ -74,7 +77,7 @@ async def clear_leftovers(js: JetStreamContext, subjects: Subjects) -> Leftovers
 
 
 async def _count(js: JetStreamContext, stream: str, subject: str) -> int:
-    info = await js.stream_info(stream, subjects_filter=subject)
+    info = await leader_stream_info(js, stream, subject)
     return sum((info.state.subjects or {}).values())
 
 
@@ -82,14 +85,16 @@ async def purge_prompts(js: JetStreamContext, subjects: Subjects) -> int:
     """Drop the run's queued prompts (train and eval); returns how many there were."""
     prompts = await _count(js, PROMPTS_STREAM, subjects.prompts_all)
     if prompts:
-        await js.purge_stream(PROMPTS_STREAM, subject=subjects.prompts_all)
+        await js_api_call(f"stream {PROMPTS_STREAM}: purge the run's prompts",
+                          functools.partial(js.purge_stream, PROMPTS_STREAM, subject=subjects.prompts_all))
     return prompts
 
 
 async def announced_version(js: JetStreamContext, subjects: Subjects) -> int | None:
     """The weight version last announced for the run (None: none; -1: one that does not decode)."""
     try:
-        msg = await js.get_last_msg(WEIGHT_SYNC_STREAM, subjects.weights_published)
+        msg = await js_api_call(f"stream {WEIGHT_SYNC_STREAM}: last announced version",
+                                functools.partial(js.get_last_msg, WEIGHT_SYNC_STREAM, subjects.weights_published))
         return decode(WeightsPublished, msg.data or b"").version
     except NotFoundError:
         return None

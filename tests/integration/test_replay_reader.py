@@ -1,5 +1,6 @@
 """The range reader, export and import against a real nats-server (no training): ranges by sequence,
-time and kind in stream order, other runs ignored, reading while a live run writes, a lost consumer
+time and kind in stream order, other runs ignored, reading while a live run writes (or deletes the
+range's last message), a lost consumer
 recreated without gaps or repeats (while reading, and while waiting for a live run), and a recording
 moved through Parquet into another run unchanged."""
 
@@ -65,8 +66,10 @@ async def test_ranges_by_sequence_time_and_kind(js: Any) -> None:
     slack = timedelta(microseconds=1)
     by_time = await read(js, LIVE, RangeSettings(since=everything[2].time - slack, until=everything[5].time + slack))
     assert [r.seq for r in by_time] == train[2:6]
-    # an empty range ends at once
+    # an empty range ends at once: starting after the stream, or after the range's newest message (the
+    # other run's messages come later)
     assert await read(js, LIVE, RangeSettings(from_seq=train[-1] + 100)) == []
+    assert await read(js, LIVE, RangeSettings(since=everything[-1].time + slack)) == []
     # resume after a checkpoint's sequence
     assert [r.seq for r in await read(js, LIVE, RangeSettings(), start_after=train[4])] == train[5:]
 
@@ -91,6 +94,16 @@ async def test_reading_while_a_live_run_writes(js: Any) -> None:
     task = asyncio.create_task(read_all(follow))
     more = [await publish(js, LIVE, i) for i in range(9, 13)]
     assert await asyncio.wait_for(task, 20) == first[1:] + later + more[:2]
+
+
+@pytest.mark.timeout(60)
+async def test_a_range_whose_last_message_is_deleted_while_reading_ends_at_what_is_left(js: Any) -> None:
+    seqs = [await publish(js, LIVE, i) for i in range(4)]
+    records = aiter(StreamReader(js, LIVE, RangeSettings(), batch=1, fetch_timeout_s=0.2))
+    got = [(await anext(records)).seq]  # the range is fixed: it ends at seqs[-1]
+    await js.delete_msg(TRAJECTORIES_STREAM, seqs[-1])
+    got += [r.seq async for r in records]
+    assert got == seqs[:-1]
 
 
 async def read_all(reader: StreamReader) -> list[int]:
