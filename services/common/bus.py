@@ -210,8 +210,9 @@ _COMPARED = ("subjects", "retention", "max_msgs_per_subject", "max_age", "max_by
              "num_replicas")
 
 
-async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | None = None, *,
-                          replicas: int | None = None) -> dict[str, str]:
+async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | None = None, *, replicas: int | None = None,
+                          budget_s: float = DECLARE_BUDGET_S, on_retry: Callable[[BaseException], None] | None = None
+                          ) -> dict[str, str]:
     """Create each stream, or update it if its config differs; a stream that matches is left alone.
     `replicas` (default: the process's `nats_replicas`) is part of the config: a stream found with
     another replica count is scaled to it (NATS moves the data); a cluster too small for it is an
@@ -222,18 +223,19 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
     `BusNotInitialized` naming `jetrl bus init`; returns "found".
 
     Each JetStream call goes through `js_api_call`: a bus that does not answer yet (timeouts, no
-    responders, 503) is waited out; a permissions violation is `PermissionError` at once."""
+    responders, 503) is waited out for `budget_s` (a service passes its own `bus_retry_timeout_s`);
+    a permissions violation is `PermissionError` at once."""
     replicas = replicas or _default_replicas
     result: dict[str, str] = {}
     for spec in specs if specs is not None else stream_specs():
         want = _config(spec, replicas)
         try:
-            info = await js_api_call(f"stream {spec.name}: info", functools.partial(js.stream_info, spec.name))
+            info = await js_api_call(f"stream {spec.name}: info", functools.partial(js.stream_info, spec.name), budget_s, on_retry)
         except NotFoundError:
             if not _default_declare:
                 raise not_initialized(f"stream {spec.name}") from None
             try:
-                await js_api_call(f"stream {spec.name}: create", functools.partial(js.add_stream, want))
+                await js_api_call(f"stream {spec.name}: create", functools.partial(js.add_stream, want), budget_s, on_retry)
             except nats.js.errors.APIError as exc:
                 raise RuntimeError(f"stream {spec.name}: cannot create it with {replicas} replica(s): {exc}") from exc
             result[spec.name] = "created"
@@ -251,26 +253,29 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
                         replicas_found=have.num_replicas or 1, replicas_wanted=replicas)
         want.subjects = sorted(set(have.subjects or []) | set(want.subjects or []))
         try:
-            await js_api_call(f"stream {spec.name}: update", functools.partial(js.update_stream, want))
+            await js_api_call(f"stream {spec.name}: update", functools.partial(js.update_stream, want), budget_s, on_retry)
         except nats.js.errors.APIError as exc:
             raise RuntimeError(f"stream {spec.name}: cannot update it (replicas {have.num_replicas or 1} -> {replicas}): {exc}") from exc
         result[spec.name] = "updated"
     return result
 
 
-async def js_api_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
+async def js_api_call(what: str, call: Callable[[], Awaitable[T]], budget_s: float = DECLARE_BUDGET_S,
+                      on_retry: Callable[[BaseException], None] | None = None) -> T:
     """A JetStream API call made at start (declaring streams, opening a bucket), retried through a bus
-    that does not answer yet for up to `DECLARE_BUDGET_S` (then `BusUnavailable`). A timeout after the
-    server reported a permissions violation on the JetStream API is the user's rights, not the bus:
-    `PermissionError` at once, with the server's words."""
+    that does not answer yet for up to `budget_s` (then `BusUnavailable`; `on_retry` sees each retry).
+    A timeout after the server reported a permissions violation on the JetStream API is the user's
+    rights, not the bus: `PermissionError` at once, with the server's words."""
     since = time.monotonic()
 
     def refuse_if_denied(exc: BaseException) -> None:
         denied = [text for at, text in _denials if at >= since and "$js.api" in text.lower()]
         if denied:
             raise PermissionError(f"{what}: {denied[-1]}") from exc
+        if on_retry is not None:
+            on_retry(exc)
 
-    return await with_retries(what, call, DECLARE_BUDGET_S, on_retry=refuse_if_denied)
+    return await with_retries(what, call, budget_s, on_retry=refuse_if_denied)
 
 
 def _same(a: object, b: object) -> bool:

@@ -306,7 +306,7 @@ async def _start(sup: Supervisor, settings: WeightsSettings) -> None:
     bind_context(server=settings.server_name)
     nc = await connect(settings.nats_url, f"jetrl-weights-{settings.server_name}")
     sup.stack.push_async_callback(nc.drain)
-    await with_retries("declare the weight-sync stream", lambda: ensure_weight_sync_stream(nc), settings.bus_retry_timeout_s)
+    await ensure_weight_sync_stream(nc, settings.bus_retry_timeout_s)
     server = ServerClient(settings.server, settings.request_timeout_s, settings.pause_mode, settings.trust.inference_keys())
     sup.stack.push_async_callback(server.aclose)
     register_check("inference reachable", http_check(*readiness_urls(settings.server), timeout_s=READY_POLL_TIMEOUT_S))

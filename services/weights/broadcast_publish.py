@@ -167,7 +167,7 @@ class BroadcastPublisher:
     # ---- one version ---------------------------------------------------------------------------
     async def _prepare(self) -> None:
         if not self._ready:
-            await ensure_weight_sync_stream(self.nc)
+            await ensure_weight_sync_stream(self.nc, self.retry_s)
             if self.last_disk is None and self.disk is not None:
                 self.last_disk = await self._latest_disk()
             self._ready = True

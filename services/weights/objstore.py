@@ -20,7 +20,7 @@ import functools
 import hashlib
 import json
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import BinaryIO
@@ -36,7 +36,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, BucketNotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
-from services.common.bus import declares, default_replicas, js_api_call, not_initialized
+from services.common.bus import DECLARE_BUDGET_S, declares, default_replicas, js_api_call, not_initialized
 from services.common.busretry import Backoff, retryable
 from services.common.logging import get_logger
 
@@ -80,21 +80,26 @@ def digest_hex(info: ObjectInfo) -> str:
     return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
 
 
-async def open_bucket(js: JetStreamContext, bucket: str, replicas: int | None = None) -> ObjectStore:
+async def open_bucket(js: JetStreamContext, bucket: str, replicas: int | None = None, budget_s: float = DECLARE_BUDGET_S,
+                      on_retry: Callable[[BaseException], None] | None = None) -> ObjectStore:
     """Open the bucket, creating it (file storage, `replicas` or the process's `nats_replicas`) if it
     does not exist; safe when several race. A process that does not declare (`bus_declare=false`)
     only opens it: a missing bucket is `BusNotInitialized` naming `jetrl bus init`. A bus that does not
-    answer yet (a cluster still electing) is waited out as `declare_streams` waits it out."""
+    answer yet (a cluster still electing) is waited out for `budget_s`, as `declare_streams` waits it out."""
+
+    async def call(what: str, fn: Callable[[], Awaitable[ObjectStore]]) -> ObjectStore:
+        return await js_api_call(f"bucket {bucket}: {what}", fn, budget_s, on_retry)
+
     try:
-        return await js_api_call(f"bucket {bucket}: open", functools.partial(js.object_store, bucket))
+        return await call("open", functools.partial(js.object_store, bucket))
     except BucketNotFoundError:
         if not declares():
             raise not_initialized(f"object store bucket {bucket}") from None
     config = ObjectStoreConfig(storage=StorageType.FILE, replicas=replicas or default_replicas())
     try:
-        return await js_api_call(f"bucket {bucket}: create", functools.partial(js.create_object_store, bucket, config=config))
+        return await call("create", functools.partial(js.create_object_store, bucket, config=config))
     except BadRequestError:  # someone else created it between our two calls
-        return await js_api_call(f"bucket {bucket}: open", functools.partial(js.object_store, bucket))
+        return await call("open", functools.partial(js.object_store, bucket))
 
 
 async def put_file(

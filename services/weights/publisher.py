@@ -19,7 +19,7 @@ from nats.js.errors import NotFoundError
 
 from schemas.messages import WeightFile, WeightsPublished, decode, encode
 from schemas.subjects import WEIGHT_SYNC_STREAM, WEIGHTS_BUCKET, Subjects, stream_specs
-from services.common.bus import declare_streams
+from services.common.bus import DECLARE_BUDGET_S, declare_streams
 from services.common.busretry import with_retries
 from services.common.logging import get_logger
 from services.weights import objstore
@@ -40,9 +40,12 @@ from services.weights.trust import sign
 log = get_logger("weights.publisher")
 
 
-async def ensure_weight_sync_stream(nc: NATS) -> None:
-    """Declare the WEIGHT_SYNC stream (idempotent), so publisher and agents can start in any order."""
-    await declare_streams(nc.jetstream(), [s for s in stream_specs() if s.name == WEIGHT_SYNC_STREAM])
+async def ensure_weight_sync_stream(nc: NATS, budget_s: float = DECLARE_BUDGET_S,
+                                    on_retry: Callable[[BaseException], None] | None = None) -> None:
+    """Declare the WEIGHT_SYNC stream (idempotent), so publisher and agents can start in any order; a
+    bus that does not answer is waited out for `budget_s` (the caller's `bus_retry_timeout_s`)."""
+    specs = [s for s in stream_specs() if s.name == WEIGHT_SYNC_STREAM]
+    await declare_streams(nc.jetstream(), specs, budget_s=budget_s, on_retry=on_retry)
 
 
 async def latest_published(nc: NATS, run: str) -> WeightsPublished | None:
@@ -95,11 +98,9 @@ class WeightPublisher:
 
     async def _setup(self) -> None:
         if not self._ready:
-            await with_retries("declare the weight-sync stream", lambda: ensure_weight_sync_stream(self.nc),
-                               self.bus_retry_timeout_s, self.on_retry)
+            await ensure_weight_sync_stream(self.nc, self.bus_retry_timeout_s, self.on_retry)
             if self.shared_dir is None:
-                await with_retries(f"open bucket {self.bucket}", lambda: objstore.open_bucket(self.js, self.bucket),
-                                   self.bus_retry_timeout_s, self.on_retry)
+                await objstore.open_bucket(self.js, self.bucket, budget_s=self.bus_retry_timeout_s, on_retry=self.on_retry)
             self._ready = True
 
     async def publish_dir(self, version: int, step: int, hf_dir: str | Path, *, consume: bool = False) -> WeightsPublished:
