@@ -171,6 +171,8 @@ class StreamReader:
         """The range in order, as the (never empty) lists of records that each pull brought."""
         self.end_seq = await self._snapshot_end()
         self.last_seq = self.start_after
+        if self._read_all():
+            return  # an empty range: no consumer needed
         await self._open(self.start_after)
         try:
             while True:

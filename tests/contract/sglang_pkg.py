@@ -11,6 +11,7 @@ runs, so a warm cache downloads nothing; `JETRL_SGLANG_CACHE` moves the cache.
 from __future__ import annotations
 
 import ast
+import fcntl
 import os
 import subprocess
 import sys
@@ -46,6 +47,14 @@ def cache_dir() -> Path:
 
 
 def _pip_target(target: Path, packages: list[str]) -> Path:
+    """Install `packages` into `target` once; a second process (an xdist worker) waits for the first."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _pip_target_locked(target, packages)
+
+
+def _pip_target_locked(target: Path, packages: list[str]) -> Path:
     stamp = target / ".jetrl-installed"
     want = " ".join(packages)
     if stamp.is_file() and stamp.read_text() == want:
