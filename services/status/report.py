@@ -1,17 +1,28 @@
-"""Run `jetrl status` once: connect, collect each section, print it."""
+"""Run `jetrl status` once: connect, collect each section, print it.
+
+A section the bus does not answer (a cluster that lost its majority, a server restarting) is shown
+as unanswered, with the error, beside the ones that answered; the exit code is then 2."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from services.common.bus import connect
+from services.common.busretry import retryable
 from services.runs import URL_FILE
 from services.status.feeder import feeder_status, render_feeder
 from services.status.groups import render_groups, trainer_groups
 from services.status.settings import StatusSettings
 from services.status.streams import bus_status, render_bus
 from services.status.weights import render_weights, weights_status
+
+T = TypeVar("T")
+INCOMPLETE = 2
+"""The exit code when some part got no answer from the bus."""
 
 
 def nats_url_for(settings: StatusSettings) -> str:
@@ -24,18 +35,40 @@ def nats_url_for(settings: StatusSettings) -> str:
 
 async def run_status(settings: StatusSettings) -> None:
     nc = await connect(nats_url_for(settings), "jetrl-status", connect_timeout_s=settings.timeout_s)
-    try:
-        weights = await weights_status(nc, settings.run, settings.timeout_s)
-        bus = await bus_status(nc, settings.run, settings.timeout_s, settings.alive_within_s)
-        feeder = await feeder_status(nc, settings.run, settings.timeout_s)
-        groups = await trainer_groups(nc, settings.run, settings.timeout_s)
+    unanswered: dict[str, str] = {}
+
+    async def section(name: str, collect: Awaitable[T]) -> T | None:
+        try:
+            return await collect
+        except Exception as exc:
+            if not retryable(exc):
+                raise
+            unanswered[name] = repr(exc)
+            return None
+
+    t = settings.timeout_s
+    try:  # asked together: during an outage each waits its timeout for nothing
+        weights, bus, feeder, groups = await asyncio.gather(
+            section("weights", weights_status(nc, settings.run, t)),
+            section("bus", bus_status(nc, settings.run, t, settings.alive_within_s)),
+            section("feeder", feeder_status(nc, settings.run, t)),
+            section("groups", trainer_groups(nc, settings.run, t)),
+        )
     finally:
         await nc.close()
+    if bus is not None:
+        unanswered.update(bus.unanswered)
+    parts = {"weights": weights, "bus": bus, "feeder": feeder, "groups": groups}
     if settings.format == "json":
-        out = {"weights": weights.as_dict(), "bus": bus.as_dict(), "feeder": feeder.as_dict(), "groups": groups.as_dict()}
-        print(json.dumps(out, indent=2))
+        out = {name: None if part is None else part.as_dict() for name, part in parts.items()}
+        print(json.dumps({**out, "unanswered": unanswered}, indent=2))
     else:
-        print(render_weights(weights))
-        print(render_bus(bus))
-        print(render_feeder(feeder))
-        print(render_groups(groups))
+        def shown(name: str, part: T | None, render: Callable[[T], str]) -> str:
+            return render(part) if part is not None else f"{name}: NO ANSWER from the bus: {unanswered[name]}"
+
+        print(shown("weights", weights, render_weights))
+        print(shown("bus", bus, render_bus))
+        print(shown("feeder", feeder, render_feeder))
+        print(shown("groups", groups, render_groups))
+    if unanswered:
+        raise SystemExit(INCOMPLETE)  # what is shown is incomplete: scripts must not take it for the whole

@@ -1,11 +1,18 @@
 """The bus part of `jetrl status`: each stream's size, the run's consumers and their lag, prompts in
-flight, and which workers are alive (their last METRICS event is recent)."""
+flight, and which workers are alive (their last METRICS event is recent).
+
+While a cluster has lost its majority some of these get no answer (a timeout, a 503): each is named
+in `unanswered` and the rest is still shown. A stream with no leader is answered by a surviving
+replica from its own copy, which may be behind: it is shown, marked as such."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -13,6 +20,8 @@ from nats.js.errors import NotFoundError
 
 from schemas.messages import MessageError, MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects, stream_specs
+from services.common.busretry import retryable
+from services.common.streaminfo import led
 
 
 @dataclass
@@ -37,30 +46,49 @@ class Worker:
 @dataclass
 class BusStatus:
     streams: dict[str, dict[str, int]] = field(default_factory=dict)
+    """{stream: messages, bytes, consumers, leaderless (1: a replica's own copy answered, no leader)}"""
     consumers: list[ConsumerLag] = field(default_factory=list)
     workers: list[Worker] = field(default_factory=list)
+    unanswered: dict[str, str] = field(default_factory=dict)
+    """What the bus did not answer ("stream PROMPTS", "consumer ...", "workers"): the error."""
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 async def bus_status(nc: NATS, run: str, timeout_s: float, alive_within_s: float) -> BusStatus:
-    js = nc.jetstream()
+    """Each part asked at once (during an outage each may wait `timeout_s` for nothing)."""
+    js = nc.jetstream(timeout=timeout_s)
     subjects = Subjects(run)
     status = BusStatus()
-    for spec in stream_specs():
+
+    async def ask(what: str, call: Awaitable[Any]) -> Any:
+        """The answer; None when there is nothing (not found) or no answer (named in `unanswered`)."""
         try:
-            info = await js.stream_info(spec.name)
+            return await call
         except NotFoundError:
-            continue
-        status.streams[spec.name] = {"messages": info.state.messages, "bytes": info.state.bytes, "consumers": info.state.consumer_count}
-    for stream, name in ((PROMPTS_STREAM, subjects.rollout_consumer), (TRAJECTORIES_STREAM, subjects.trainer_consumer)):
-        try:
-            c = await js.consumer_info(stream, name)
-        except NotFoundError:
-            continue
-        status.consumers.append(ConsumerLag(stream, name, c.num_pending, c.num_ack_pending, c.num_redelivered))
-    status.workers = await _workers(nc, subjects, timeout_s, alive_within_s)
+            return None
+        except Exception as exc:
+            if not retryable(exc):
+                raise
+            status.unanswered[what] = repr(exc)
+            return None
+
+    specs = stream_specs()
+    consumers = ((PROMPTS_STREAM, subjects.rollout_consumer), (TRAJECTORIES_STREAM, subjects.trainer_consumer))
+    streams, lags, workers = await asyncio.gather(
+        asyncio.gather(*(ask(f"stream {spec.name}", js.stream_info(spec.name)) for spec in specs)),
+        asyncio.gather(*(ask(f"consumer {stream}/{name}", js.consumer_info(stream, name)) for stream, name in consumers)),
+        ask("workers", _workers(nc, subjects, timeout_s, alive_within_s)),
+    )
+    for spec, info in zip(specs, streams, strict=True):
+        if info is not None:
+            status.streams[spec.name] = {"messages": info.state.messages, "bytes": info.state.bytes,
+                                         "consumers": info.state.consumer_count, "leaderless": int(not led(info))}
+    for (stream, name), c in zip(consumers, lags, strict=True):
+        if c is not None:
+            status.consumers.append(ConsumerLag(stream, name, c.num_pending, c.num_ack_pending, c.num_redelivered))
+    status.workers = workers or []
     return status
 
 
@@ -103,16 +131,19 @@ async def _workers(nc: NATS, subjects: Subjects, timeout_s: float, alive_within_
 def render_bus(status: BusStatus) -> str:
     lines = ["streams"]
     for name, s in status.streams.items():
-        lines.append(f"  {name:<13} {s['messages']:>9} msgs {s['bytes'] / 1e6:>10.1f} MB  {s['consumers']} consumers")
+        leaderless = "  NO LEADER: a replica's own copy, may be behind" if s.get("leaderless") else ""
+        lines.append(f"  {name:<13} {s['messages']:>9} msgs {s['bytes'] / 1e6:>10.1f} MB  {s['consumers']} consumers{leaderless}")
     lines.append("consumers (pending = lag, ack pending = in flight)")
-    if not status.consumers:
+    if not status.consumers and not any(k.startswith("consumer ") for k in status.unanswered):
         lines.append("  none for this run yet")
     for c in status.consumers:
         lines.append(f"  {c.stream}/{c.name:<24} pending {c.pending:>6}  ack pending {c.ack_pending:>5}  redelivered {c.redelivered}")
     lines.append("workers (from their last metrics event)")
-    if not status.workers:
+    if not status.workers and "workers" not in status.unanswered:
         lines.append("  none has reported")
     for w in status.workers:
         state = "alive" if w.alive else "SILENT"
         lines.append(f"  {w.service:<10} {w.worker or '-':<28} {state:<7} last seen {w.seconds_ago:.0f}s ago")
+    for what, error in status.unanswered.items():
+        lines.append(f"  NO ANSWER for {what}: {error}")
     return "\n".join(lines)

@@ -3,7 +3,8 @@ surviving node was behind: it was frozen while the other two stored sequences 3 
 before it caught up. It answers "stream info" for itself, with no leader, and its answer says the
 stream ends before 18. The end of a replay's range and the point a fresh trainer starts reading from come from that
 state; taking the survivor's answer would end the replay one message short and start the trainer on
-a message of the run's earlier incarnation. Both wait for a leader instead, and get 18."""
+a message of the run's earlier incarnation. Both wait for a leader instead, and get 18. Meanwhile
+`jetrl status` shows what answered (the stream marked as a replica's copy) and names what did not."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import asyncio
 import functools
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -59,6 +62,12 @@ async def test_a_replica_left_behind_is_not_taken_for_the_streams_end(cluster: N
         # what the survivor says for itself (the stale view this test is about)
         own = await with_retries("stream info", lambda: js.stream_info(TRAJECTORIES_STREAM), 60)
         assert own.cluster is not None and own.cluster.leader is None and own.state.last_seq < 2 + LATE
+        # `jetrl status` meanwhile: what answered, the stream marked as a replica's copy; what did not, named
+        status = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.status", f"nats_url={behind.url}",
+                                         f"run={RUN}", "timeout_s=2"], capture_output=True, text=True, timeout=120)
+        shown = {line.split()[0]: line for line in status.stdout.splitlines() if line.startswith("  ")}
+        assert status.returncode == 2, status.stdout + status.stderr
+        assert "NO LEADER" in shown[TRAJECTORIES_STREAM] and "NO ANSWER" in status.stdout, status.stdout
 
         async def replay() -> list[int]:
             return [r.seq async for r in StreamReader(js, RUN, RangeSettings())]
