@@ -15,7 +15,9 @@ from pydantic import ValidationError
 from schemas.messages import MessageError, MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, Subjects
 from services.common.bus import connect
+from services.common.busretry import BusUnavailable
 from services.common.nats_auth import NatsAuth
+from services.common.streaminfo import leader_stream_info
 from services.runs import run_directory, run_nats
 from services.up.curves import plot_curves
 from services.up.monitor import RunView
@@ -27,7 +29,7 @@ async def read_metrics(url: str, run: str, auth: NatsAuth | None = None) -> RunV
     nc = await connect(url, "jetrl-plot", connect_timeout_s=10, auth=auth)
     js = nc.jetstream()
     view = RunView(started=0.0)
-    info = await js.stream_info(METRICS_STREAM)
+    info = await leader_stream_info(js, METRICS_STREAM)  # a replica with no leader may be behind
     last = info.state.last_seq
     sub = await js.subscribe(Subjects(run).metrics_all, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL, stream=METRICS_STREAM)
     try:
@@ -84,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             view = asyncio.run(read_metrics(url, path.name, auth))
     except ConnectionRefusedError as exc:  # credentials or TLS: the server's own words, no traceback
         print(f"jetrl plot: {exc}; a secured bus needs --nats-auth (e.g. user=observer, password_file=F)", file=sys.stderr)
+        return 1
+    except BusUnavailable as exc:  # a cluster without a majority, a server that does not come back
+        print(f"jetrl plot: the bus did not answer: {exc}", file=sys.stderr)
         return 1
     out = Path(args.out) if args.out else path
     out.mkdir(parents=True, exist_ok=True)
