@@ -61,7 +61,6 @@ class BusUnavailable(ConnectionError):
     """NATS calls kept failing with retryable errors for longer than the retry budget."""
 
 
-
 def retryable(exc: BaseException) -> bool:
     return isinstance(exc, _RETRYABLE) and not isinstance(exc, _FATAL)
 

@@ -5,7 +5,8 @@ way) answers `STREAM.INFO` itself after a few seconds, from its own copy, which 
 messages: a node that was behind when the others died reports a last sequence they had passed. The
 end of a replay's range and the point a fresh trainer starts reading from are taken from that state,
 so a leaderless answer is refused and retried as an outage (`js_api_call`) until a leader answers.
-`jetrl status` and stream declaration read the stream as any node has it; they need no leader.
+`jetrl plot` bounds its read the same way. `jetrl status` shows a leaderless answer, marked as such;
+stream declaration reads only the stream's config, which every node holds.
 """
 
 from __future__ import annotations

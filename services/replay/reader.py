@@ -6,8 +6,8 @@ consumer sequences are contiguous; on a gap (a lost pull reply, a reconnect) or 
 it recreates the consumer right after the last sequence it yielded, so the range is read exactly
 once, in order. It works while a live run is still writing: the range ends at the last message
 present at the start unless `follow` is set; that message is asked of the stream's leader, as a
-consumer (or a replica answering while its stream has no leader) may see an older copy. `batches()` gives the range as each pull brought it
-(replay decodes a pull's groups together).
+consumer (or a replica answering while its stream has no leader) may see an older copy.
+`batches()` gives the range as each pull brought it (replay decodes a pull's groups together).
 """
 
 from __future__ import annotations
