@@ -9,6 +9,7 @@ its answers).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 from collections.abc import Callable
@@ -187,18 +188,24 @@ class Feeder:
 
     async def _watch_dead_letters(self) -> None:
         """A prompt that exhausted the rollout consumer's max_deliver is a dead letter: count it as
-        rejected (so it is re-issued) and delete it, or it would sit in the work queue forever."""
+        rejected (so it is re-issued) and delete it, or it would sit in the work queue forever. The
+        advisory comes once: reading the prompt it names waits out a bus that does not answer (a stream
+        electing its leader) for `bus_retry_timeout_s`, or the row would stay in flight for good."""
         assert self.nc is not None
         js = self.nc.jetstream()
         subject = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{PROMPTS_STREAM}.{self.subjects.rollout_consumer}"
+        budget = self.settings.bus_retry_timeout_s
 
         async def on_advisory(msg: Any) -> None:
             try:
                 seq = int(json.loads(msg.data)["stream_seq"])
-                stored = await js.get_msg(PROMPTS_STREAM, seq)
+                stored = await with_retries(f"read dead letter {seq}", functools.partial(js.get_msg, PROMPTS_STREAM, seq), budget)
                 task = decode(PromptTask, stored.data or b"")  # no payload: MessageError below
             except (MessageError, KeyError, ValueError, NotFoundError) as exc:
                 log.warning("dead-letter advisory not usable", error=repr(exc))
+                return
+            except BusUnavailable as exc:
+                log.error("dead letter not read: its prompt stays in flight", error=str(exc))
                 return
             if self.metrics is not None:
                 self.metrics.count("dead_letters")
@@ -206,9 +213,11 @@ class Feeder:
                 self.wake()
             log.warning("prompt dead-lettered; treated as rejected", prompt_id=task.prompt_id, stream_seq=seq)
             try:
-                await js.delete_msg(PROMPTS_STREAM, seq)
+                await with_retries(f"delete dead letter {seq}", functools.partial(js.delete_msg, PROMPTS_STREAM, seq), budget)
             except NotFoundError:
                 pass
+            except BusUnavailable as exc:  # counted and re-issued; only the stream keeps a copy
+                log.warning("dead letter not deleted", error=str(exc))
 
         self._dead_letters = await self.nc.subscribe(subject, cb=on_advisory)
 

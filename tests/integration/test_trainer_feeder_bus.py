@@ -1,9 +1,12 @@
 """The trainer's feeder on a real nats-server, on its own (no model, no engine): it opens its
 subscriptions when started, turns a dead-lettered prompt into a rejection that is issued again, and
-leaves no subscription behind when closed."""
+leaves no subscription behind when closed. On a 3-node cluster, a dead-letter advisory that arrives
+while the prompts' stream has no leader (the advisory comes once) is still turned into a rejection."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from services.common.bus import connect, declare_streams
 from services.common.metrics import MetricsPublisher
+from services.common.nats_cluster import NatsCluster
 from services.trainer.feeder import Feeder
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import until, write_dataset
@@ -56,5 +60,39 @@ async def test_the_feeder_owns_its_subscriptions_and_reissues_a_dead_letter(nats
 
         await feeder.close()
         assert len(nc._subs) == before, "closed, the feeder leaves no subscription behind"
+    finally:
+        await nc.close()
+
+
+FAULT_S = 10.0
+"""How long the prompts' stream stays without a leader after the advisory: past nats-py's 5 s request timeout."""
+
+
+@pytest.mark.timeout(180)
+async def test_a_dead_letter_advised_while_the_stream_has_no_leader_is_still_reissued(cluster: NatsCluster, tmp_path: Path) -> None:
+    survivor, downed = cluster.nodes[0], cluster.nodes[1:]
+    settings = TrainerSettings(run=RUN, nats_url=survivor.url, batch_groups=2, eta=0, bus_retry_timeout_s=120,
+                               feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1})
+    feeder = Feeder(settings, version=lambda: 0, is_trained=lambda _: False, gate_versions=False, tag=lambda _: "")
+    admin = await connect(cluster.url, "admin")
+    await declare_streams(admin.jetstream(), replicas=3)
+    await admin.close()
+    nc = await connect(survivor.url, "trainer")  # on the node that stays: its subscriptions live through the fault
+    try:
+        await feeder.start(nc, None)
+        assert await feeder.feed_once() == 1
+        first = next(iter(feeder.ledger.in_flight))
+        seq = (await nc.jetstream().stream_info(PROMPTS_STREAM)).state.last_seq
+        for node in downed:
+            node.kill()
+        # what the server sends once a prompt's last delivery failed (the server's own is tested above)
+        await nc.publish(f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{PROMPTS_STREAM}.{Subjects(RUN).rollout_consumer}",
+                         json.dumps({"stream_seq": seq}).encode())
+        await asyncio.sleep(FAULT_S)  # the fault itself: the stream stays without a leader this long
+        for node in downed:
+            await asyncio.to_thread(node.restart)
+        await until("the dead letter to be counted", lambda: feeder.ledger.counters.rejected == 1, 90)
+        assert first not in feeder.ledger.in_flight and len(feeder.ledger.reissue) == 1
+        await feeder.close()
     finally:
         await nc.close()
