@@ -4,12 +4,14 @@ user, with the run's replica count; afterwards the services run as restricted us
 
 from __future__ import annotations
 
+import functools
+
 import nats.errors
 from nats.js.errors import BucketNotFoundError
 
 from schemas.subjects import WEIGHTS_BUCKET, stream_specs
 from services.bus.settings import BusSettings
-from services.common.bus import connect, declare_streams
+from services.common.bus import connect, declare_streams, js_api_call
 from services.common.busretry import BusUnavailable
 from services.common.logging import get_logger
 from services.weights.objstore import open_bucket
@@ -26,7 +28,7 @@ async def init_bus(settings: BusSettings) -> dict[str, str]:
         specs = stream_specs(settings.trajectories_max_bytes, settings.trajectories_max_age_s, settings.metrics_max_age_s)
         done = await declare_streams(js, specs, replicas=settings.nats_replicas)
         try:
-            await js.object_store(WEIGHTS_BUCKET)
+            await js_api_call(f"bucket {WEIGHTS_BUCKET}: open", functools.partial(js.object_store, WEIGHTS_BUCKET))
             done[f"bucket {WEIGHTS_BUCKET}"] = "unchanged"
         except BucketNotFoundError:
             await open_bucket(js, WEIGHTS_BUCKET, replicas=settings.nats_replicas)
