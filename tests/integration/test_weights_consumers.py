@@ -12,13 +12,16 @@ from schemas.messages import WeightsLoaded
 from schemas.subjects import WEIGHTS_BUCKET
 from services.common.nats_server import free_port
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
+from tests.support.trainer import until
 from tests.support.weights import Stack, make_version, process, server_version, wait_healthy
 
 VERSIONS = 2000
 MAX_CONSUMERS = 8
 """A flat bound, not a growing count: the agent's fetch consumers (one per file being read, each
-deleted when read; a delete may still be in flight as the next is made, more so on a loaded machine)
-and the publisher's transient listing. The old agent held 22 by version 10; nats-server refuses the 1,001st."""
+deleted when read) and the publisher's transient listing. A delete may still be in flight as the next
+is made, more so on a loaded machine: a count above the bound must come back under it within
+`SETTLE_S` (a leak never does). The old agent held 22 by version 10; nats-server refuses the 1,001st."""
+SETTLE_S = 10.0
 
 
 @pytest.mark.timeout(900)
@@ -42,6 +45,9 @@ async def test_agent_keeps_up_with_thousands_of_versions_holding_few_consumers(
             consumers.append(n)
             return n
 
+        async def within_bound() -> bool:
+            return await count_consumers() <= MAX_CONSUMERS
+
         with (
             process(stack.server_args(port), tmp_path / "server.log") as server,
             process(stack.agent_args(url, 0), tmp_path / "agent.log") as agent,
@@ -56,14 +62,15 @@ async def test_agent_keeps_up_with_thousands_of_versions_holding_few_consumers(
                     loads += isinstance(stack.reports.get_nowait(), WeightsLoaded)
                 if v % 10 == 0:
                     assert agent.poll() is None, f"agent exited at v{v}:\n{(tmp_path / 'agent.log').read_text()[-3000:]}"
-                    assert await count_consumers() <= MAX_CONSUMERS, f"v{v}: {consumers[-1]} consumers on the object store"
+                    if await count_consumers() > MAX_CONSUMERS:
+                        await until(f"v{v}: the {consumers[-1]} consumers on the object store to settle to {MAX_CONSUMERS}",
+                                    within_bound, SETTLE_S)
 
             # current: it ends on the last version (the versions it skipped were superseded, not failed)
             await stack.expect(WeightsLoaded, VERSIONS, 1)
             assert await server_version(url) == str(VERSIONS)
             assert agent.poll() is None
-            assert await count_consumers() <= MAX_CONSUMERS
-            assert max(consumers) <= MAX_CONSUMERS, consumers
+            assert await count_consumers() <= MAX_CONSUMERS, consumers
             assert loads > 1, "the agent loaded nothing while versions were being published"
     finally:
         await nc.close()
