@@ -40,7 +40,7 @@ class FeederStatus:
 async def feeder_status(nc: NATS, run: str, timeout_s: float = 5.0) -> FeederStatus:
     """The feeder's counts in the trainer's last metrics event (an ephemeral consumer reading the last
     message of the trainer's metrics subject)."""
-    js = nc.jetstream()
+    js = nc.jetstream(timeout=timeout_s)
     try:
         sub = await js.pull_subscribe(
             Subjects(run).metrics("trainer"),

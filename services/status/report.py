@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 from services.common.bus import connect
-from services.common.busretry import retryable
 from services.runs import URL_FILE
+from services.status.answers import answered
 from services.status.feeder import feeder_status, render_feeder
 from services.status.groups import render_groups, trainer_groups
 from services.status.settings import StatusSettings
@@ -36,23 +36,13 @@ def nats_url_for(settings: StatusSettings) -> str:
 async def run_status(settings: StatusSettings) -> None:
     nc = await connect(nats_url_for(settings), "jetrl-status", connect_timeout_s=settings.timeout_s)
     unanswered: dict[str, str] = {}
-
-    async def section(name: str, collect: Awaitable[T]) -> T | None:
-        try:
-            return await collect
-        except Exception as exc:
-            if not retryable(exc):
-                raise
-            unanswered[name] = repr(exc)
-            return None
-
     t = settings.timeout_s
     try:  # asked together: during an outage each waits its timeout for nothing
         weights, bus, feeder, groups = await asyncio.gather(
-            section("weights", weights_status(nc, settings.run, t)),
-            section("bus", bus_status(nc, settings.run, t, settings.alive_within_s)),
-            section("feeder", feeder_status(nc, settings.run, t)),
-            section("groups", trainer_groups(nc, settings.run, t)),
+            answered("weights", weights_status(nc, settings.run, t), unanswered),
+            answered("bus", bus_status(nc, settings.run, t, settings.alive_within_s), unanswered),
+            answered("feeder", feeder_status(nc, settings.run, t), unanswered),
+            answered("groups", trainer_groups(nc, settings.run, t), unanswered),
         )
     finally:
         await nc.close()

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -20,8 +18,8 @@ from nats.js.errors import NotFoundError
 
 from schemas.messages import MessageError, MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects, stream_specs
-from services.common.busretry import retryable
 from services.common.streaminfo import led
+from services.status.answers import answered
 
 
 @dataclass
@@ -62,24 +60,13 @@ async def bus_status(nc: NATS, run: str, timeout_s: float, alive_within_s: float
     subjects = Subjects(run)
     status = BusStatus()
 
-    async def ask(what: str, call: Awaitable[Any]) -> Any:
-        """The answer; None when there is nothing (not found) or no answer (named in `unanswered`)."""
-        try:
-            return await call
-        except NotFoundError:
-            return None
-        except Exception as exc:
-            if not retryable(exc):
-                raise
-            status.unanswered[what] = repr(exc)
-            return None
-
     specs = stream_specs()
     consumers = ((PROMPTS_STREAM, subjects.rollout_consumer), (TRAJECTORIES_STREAM, subjects.trainer_consumer))
     streams, lags, workers = await asyncio.gather(
-        asyncio.gather(*(ask(f"stream {spec.name}", js.stream_info(spec.name)) for spec in specs)),
-        asyncio.gather(*(ask(f"consumer {stream}/{name}", js.consumer_info(stream, name)) for stream, name in consumers)),
-        ask("workers", _workers(nc, subjects, timeout_s, alive_within_s)),
+        asyncio.gather(*(answered(f"stream {spec.name}", js.stream_info(spec.name), status.unanswered) for spec in specs)),
+        asyncio.gather(*(answered(f"consumer {stream}/{name}", js.consumer_info(stream, name), status.unanswered)
+                         for stream, name in consumers)),
+        answered("workers", _workers(nc, subjects, timeout_s, alive_within_s), status.unanswered),
     )
     for spec, info in zip(specs, streams, strict=True):
         if info is not None:
@@ -94,7 +81,7 @@ async def bus_status(nc: NATS, run: str, timeout_s: float, alive_within_s: float
 
 async def _workers(nc: NATS, subjects: Subjects, timeout_s: float, alive_within_s: float) -> list[Worker]:
     """Last metrics event per service subject, then per worker among them."""
-    js = nc.jetstream()
+    js = nc.jetstream(timeout=timeout_s)
     try:
         sub = await js.pull_subscribe(
             subjects.metrics_all,

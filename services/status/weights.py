@@ -82,7 +82,7 @@ async def weights_status(nc: NATS, run: str, timeout_s: float = 5.0) -> WeightsS
 
 async def _last_per_subject(nc: NATS, subject: str, timeout_s: float, stream: str = WEIGHT_SYNC_STREAM) -> list[Msg]:
     """Every subject's last message (an ephemeral pull consumer, no acks), read until none pend."""
-    js = nc.jetstream()
+    js = nc.jetstream(timeout=timeout_s)
     try:
         sub = await js.pull_subscribe(
             subject,

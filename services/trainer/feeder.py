@@ -205,7 +205,7 @@ class Feeder:
                 log.warning("dead-letter advisory not usable", error=repr(exc))
                 return
             except BusUnavailable as exc:
-                log.error("dead letter not read: its prompt stays in flight", error=str(exc))
+                log.error("dead letter not read: its prompt stays in flight until in_flight_timeout_s fails it", error=str(exc))
                 return
             if self.metrics is not None:
                 self.metrics.count("dead_letters")
