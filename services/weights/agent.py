@@ -190,16 +190,21 @@ class WeightsAgent:
         fetch = asyncio.ensure_future(fetch_version(self.js, target, self.cache_dir, retry))
         self._fetching = (target.version, fetch)
         try:
-            path = await fetch
+            path: Path | None = await fetch
+            failure = ""
         except asyncio.CancelledError:
             if fetch.cancelled() and not _current_task_cancelling():
                 return False  # superseded by a newer announcement; the loop moves on to it
             raise
         except FetchError as exc:
-            await self._failed(target.version, str(exc))
-            return False
+            path, failure = None, str(exc)
         finally:
+            # no longer fetching before the failure is reported: a reconnect meanwhile re-reads the
+            # announcement, and `missing` must see this version as not being handled, or it is lost
             self._fetching = None
+        if path is None:
+            await self._failed(target.version, failure)
+            return False
         fetch_s = time.perf_counter() - t0
         ok, reason, paused_s = await self._swap(path, target.version)
         if not ok:
