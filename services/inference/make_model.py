@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import string
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from services.common.model_dirs import NotOurs, claim, looks_like_model, made_by_jetrl
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list(string.digits) + list("+-=*?:>") + [" "] + list(string.ascii_lowercase)
@@ -48,16 +51,17 @@ def build_model(
     force: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
-    """Write tokenizer + model to `out_dir` (skipped if a model is already there, unless `force`);
-    `progress` is told each stage as it starts."""
+    """Write tokenizer + model to `out_dir`, which must not exist yet or be a directory jetrl made
+    (`services/common/model_dirs.py`; anything else raises NotOurs and nothing is written). A complete
+    model jetrl made there is kept, unless `force`. `progress` is told each stage as it starts."""
     say = progress or (lambda _: None)
     out = Path(out_dir)
-    if (out / "config.json").exists() and (out / "model.safetensors").exists() and not force:
+    if made_by_jetrl(out) and (out / "config.json").exists() and (out / "model.safetensors").exists() and not force:
         return out
+    claim(out)
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    out.mkdir(parents=True, exist_ok=True)
     say("writing the tokenizer")
     build_tokenizer(out)
     config = LlamaConfig(
@@ -82,6 +86,16 @@ def build_model(
     return out
 
 
+def ensure_model(model_path: str | Path, progress: Callable[[str], None] | None = None) -> Path:
+    """`jetrl up`'s model: a model directory jetrl did not make is used as it is (never written); a
+    path that does not exist, or a directory jetrl made, gets the default tiny model (kept once
+    complete). Any other directory raises NotOurs."""
+    path = Path(model_path)
+    if path.is_dir() and not made_by_jetrl(path) and looks_like_model(path):
+        return path
+    return build_model(path, progress=progress)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jetrl make-model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=".jetrl/models/tiny", help="output directory")
@@ -90,15 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=4, help="attention heads")
     parser.add_argument("--ffn", type=int, default=256, help="MLP intermediate size")
     parser.add_argument("--seed", type=int, default=0, help="init seed")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing model")
+    parser.add_argument("--force", action="store_true", help="rebuild a model jetrl made at --out (never one it did not make)")
     args = parser.parse_args(argv)
     started = time.monotonic()
 
     def progress(stage: str) -> None:
         print(f"[{time.monotonic() - started:6.1f} s] {stage}", flush=True)
 
-    out = build_model(args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn, seed=args.seed,
-                      force=args.force, progress=progress)
+    try:
+        out = build_model(args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn,
+                          seed=args.seed, force=args.force, progress=progress)
+    except NotOurs as exc:
+        print(f"jetrl make-model: {exc}", file=sys.stderr)
+        return 2
     print(f"model ready at {out} ({time.monotonic() - started:.1f} s)")
     return 0
 

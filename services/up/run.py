@@ -16,6 +16,7 @@ import httpx
 
 from services.common.bus import connect, declare_streams, set_default_auth, set_default_declare
 from services.common.logging import configure_logging, get_logger
+from services.common.model_dirs import NotOurs, check_model_dir
 from services.common.nats_server import NatsServer, free_port
 from services.common.settings import SettingsError
 from services.runs import URL_FILE
@@ -37,8 +38,9 @@ _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TORCH_EXTENSIONS_DIR",
 def run_stack(settings: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
     configure_logging(settings.log_level, settings.log_format, run=settings.run, service="up")
     try:
+        check_model_dir(settings.model_path)  # before anything starts: jetrl never writes into a user's model
         run_dir, kept = prepare_run_dir(Path(settings.run_dir), settings.run)
-    except RunDirInUse as exc:
+    except (RunDirInUse, NotOurs) as exc:
         print(f"jetrl up: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_run(settings, sections, run_dir, kept))
@@ -246,9 +248,9 @@ def _simulated(inference: dict[str, Any]) -> bool:
 
 
 def _make_model(path: str) -> None:
-    from services.inference.make_model import build_model
+    from services.inference.make_model import ensure_model
 
-    build_model(path)
+    ensure_model(path)
 
 
 def _make_dataset(run_dir: Path, n: int, name: str = "copy3.jsonl", seed: int = 0) -> Path:
