@@ -10,6 +10,7 @@ updates happen, so a load always falls between two steps.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ class TransformersBackend:
         # No progress bar: its tqdm monitor thread would outlive the load and wake for the server's lifetime.
         hf_logging.disable_progress_bar()
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self._cache_kw = cache_kwarg(self.model)
         self.model_path = str(path)
         self.tokenizer: Any = None
         if tokenizer:
@@ -121,7 +123,7 @@ class TransformersBackend:
             ids = torch.tensor(unique, dtype=torch.long)
             cache = DynamicCache()
             self.forward_rows["prefill"][len(unique)] += 1
-            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+            logits = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}).logits[:, -1, :]
             layers = _keys_values(cache)
             if which is not None:
                 logits = logits.index_select(0, which)
@@ -185,7 +187,7 @@ class TransformersBackend:
         cache = DynamicCache(ddp_cache_data=list(zip(keys, values, strict=True)))
         started = time.thread_time()
         logits = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}
         ).logits[:, -1, :]
         if not joining:
             self.cost.observe(run, time.thread_time() - started)
@@ -257,6 +259,12 @@ def _dedup(prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor | No
     if len(index) == len(prompts):
         return prompts, None
     return [list(p) for p in index], torch.tensor(which, dtype=torch.long)
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its KV cache by: `cache` (transformers >= 5.x; the old
+    `past_key_values` is deprecated there and goes in 5.40), else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _keys_values(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
