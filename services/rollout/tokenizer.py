@@ -15,10 +15,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-#: model types for which AutoTokenizer loads a `TokenizersBackend` tokenizer_config as is (no
-#: model-specific tokenizer, no correction of the declared class); tests/unit/test_rollout_groups.py
-#: checks each against the installed transformers
-GENERIC_MODEL_TYPES = frozenset({"llama"})
+#: model types for which AutoTokenizer loads a `TokenizersBackend` tokenizer_config as is: transformers
+#: registers no tokenizer class of its own for them, or registers one but keeps the declared class
+#: (the type is not in its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, as qwen2 is: there it loads its
+#: Qwen2Tokenizer instead). tests/unit/test_rollout_tokenizer.py checks each against the installed
+#: transformers, tests/integration/test_architectures.py loads a tiny model of each.
+GENERIC_MODEL_TYPES = frozenset({"llama", "mistral", "qwen3", "gemma", "phi"})
 
 
 def _json(path: Path) -> dict[str, Any] | None:
