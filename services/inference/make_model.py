@@ -89,12 +89,12 @@ def build_model(
 
 
 def ensure_model(model_path: str | Path, progress: Callable[[str], None] | None = None) -> Path:
-    """`jetrl up`'s model: a model directory jetrl did not make is used as it is (never written); a
-    path that does not exist, or a directory jetrl made, gets the default tiny model (kept once
-    complete). Any other directory raises NotOurs."""
+    """`jetrl up`'s model: a model directory is used as it is (never written, unless jetrl made it and
+    it has no config yet: an interrupted build); a path that does not exist gets the default tiny
+    model. Any other directory raises NotOurs."""
     path = Path(model_path)
-    if path.is_dir() and not made_by_jetrl(path) and looks_like_model(path):
-        return path
+    if path.is_dir() and looks_like_model(path) and (not made_by_jetrl(path) or (path / "config.json").is_file()):
+        return path  # also a model jetrl made by name (make-model NAME): never replaced by the tiny one
     return build_model(path, progress=progress)
 
 

@@ -96,3 +96,16 @@ def test_jetrl_writes_only_where_it_made_the_directory(tmp_path: Path) -> None:
     stamp = (fresh / "model.safetensors").read_bytes()
     build_model(fresh, seed=3, force=True)  # its own directory: rebuilt on request
     assert (fresh / "model.safetensors").read_bytes() != stamp
+
+
+def test_a_model_jetrl_made_by_name_is_never_replaced_by_the_tiny_one(sharded: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from services.common.model_dirs import claim
+
+    named = claim(tmp_path / "named")  # as make-model NAME leaves it: marked, sharded (no model.safetensors)
+    for f in sharded.iterdir():
+        shutil.copy2(f, named / f.name)
+    before = hashes(named)
+    _make_model(str(named))
+    assert hashes(named) == before
