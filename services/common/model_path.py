@@ -9,7 +9,10 @@
   (docs/up.md), a service fails to load it with its own message.
 
 Every service's `model_path` field has the type `ModelPath`, so a name resolves once, when settings
-are read, and every process of a run (server, trainer, rollout tokenizer) sees the same directory.
+are read, and every process of a run (server, trainer, rollout tokenizer) sees the same directory. A
+name this machine does not have yet stays as it is (a config file is valid before its model is made):
+each service, and `jetrl up` before it starts anything, calls `require_model`, which fails with the
+message saying what to do.
 """
 
 from __future__ import annotations
@@ -99,5 +102,19 @@ def _hub_snapshot(repo_id: str) -> str:
         ) from None
 
 
-ModelPath = Annotated[str, AfterValidator(resolve_model_path)]
-"""A `model_path` setting: resolved to a local directory when read (see `resolve_model_path`)."""
+def _resolved_if_here(value: str) -> str:
+    try:
+        return resolve_model_path(value)
+    except ModelNotFound:  # a config is valid before its model is made: `require_model` says so at start
+        return value
+
+
+def require_model(value: str) -> str:
+    """The local directory of `model_path` `value`, or ModelNotFound saying what to do: what each
+    service (and `jetrl up`, before it starts anything) calls before loading."""
+    return resolve_model_path(value)
+
+
+ModelPath = Annotated[str, AfterValidator(_resolved_if_here)]
+"""A `model_path` setting: resolved to a local directory when read, where this machine has the model
+(see `resolve_model_path`); a name it does not have yet is kept, and fails at start (`require_model`)."""

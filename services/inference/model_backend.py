@@ -23,6 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.utils import logging as hf_logging
 
 from services.common.logging import get_logger
+from services.common.model_path import require_model
 from services.inference.cost import CallCost
 from services.inference.requests import Joining, SamplingParams
 from services.inference.sampling import TopLogprobs, sample_top
@@ -46,7 +47,7 @@ class TransformersBackend:
     def __init__(self, model_path: str, *, seed: int = 0, version: str = "0", threads: int = 1, tokenizer: bool = True) -> None:
         """`tokenizer=False` (a `skip_tokenizer_init` server) loads none: ids in, ids out."""
         torch.set_num_threads(threads)
-        path = Path(model_path)
+        path = Path(require_model(model_path))  # a name this machine does not have: says what to do
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model_path {model_path!r} has no config.json (build one with `jetrl make-model`)")
         config = AutoConfig.from_pretrained(path)

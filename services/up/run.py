@@ -17,6 +17,7 @@ import httpx
 from services.common.bus import connect, declare_streams, set_default_auth, set_default_declare
 from services.common.logging import configure_logging, get_logger
 from services.common.model_dirs import NotOurs, check_model_dir
+from services.common.model_path import ModelNotFound, require_model
 from services.common.nats_server import NatsServer, free_port
 from services.common.settings import SettingsError
 from services.runs import URL_FILE
@@ -38,9 +39,10 @@ _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TORCH_EXTENSIONS_DIR",
 def run_stack(settings: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
     configure_logging(settings.log_level, settings.log_format, run=settings.run, service="up")
     try:
-        check_model_dir(settings.model_path)  # before anything starts: jetrl never writes into a user's model
+        # before anything starts: the model is here, and jetrl never writes into a user's model
+        check_model_dir(require_model(settings.model_path))
         run_dir, kept = prepare_run_dir(Path(settings.run_dir), settings.run)
-    except (RunDirInUse, NotOurs) as exc:
+    except (RunDirInUse, NotOurs, ModelNotFound) as exc:
         print(f"jetrl up: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_run(settings, sections, run_dir, kept))
