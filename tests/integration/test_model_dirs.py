@@ -60,6 +60,7 @@ def test_up_uses_a_sharded_or_bin_model_as_it_is_and_writes_nothing(kind: str, r
     with pytest.raises(NotOurs, match=f"{model}.*config.json.*jetrl never writes into it"):
         build_model(model, force=True)
     assert cli_main(["make-model", "--out", str(model), "--force"]) == 2
+    assert cli_main(["make-model", "smollm2-135m-instruct", "--out", str(model)]) == 2  # refused before any download
     assert hashes(model) == before and not (model / MARKER).exists()
 
 
