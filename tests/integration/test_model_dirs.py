@@ -50,7 +50,9 @@ def bin_model(tiny_model: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("kind", ["sharded", "bin_model"])
-def test_up_uses_a_sharded_or_bin_model_as_it_is_and_writes_nothing(kind: str, request: pytest.FixtureRequest) -> None:
+def test_up_uses_a_sharded_or_bin_model_as_it_is_and_writes_nothing(kind: str, request: pytest.FixtureRequest,
+                                                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("JETRL_CACHE", str(tmp_path / "cache"))  # make-model NAME's locks
     model: Path = request.getfixturevalue(kind)
     before = hashes(model)
     check_model_dir(model)  # `jetrl up`'s check before it starts anything: accepted
