@@ -107,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None,
                         help="output directory (default: .jetrl/models/tiny; a known model: jetrl's cache, where "
                              "model_path: NAME finds it)")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden size")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--ffn", type=int, default=256, help="MLP intermediate size")
-    parser.add_argument("--seed", type=int, default=0, help="init seed")
-    parser.add_argument("--force", action="store_true", help="rebuild a model jetrl made at --out (never one it did not make)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size (tiny)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (tiny)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (tiny)")
+    parser.add_argument("--ffn", type=int, default=256, help="MLP intermediate size (tiny)")
+    parser.add_argument("--seed", type=int, default=0, help="init seed (tiny)")
+    parser.add_argument("--force", action="store_true", help="rebuild the tiny model jetrl made at --out (never one it did not make)")
     args = parser.parse_args(argv)
     started = time.monotonic()
 
@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             from services.inference.known_models import make_known_model
 
             out = make_known_model(args.name, args.out, progress)
-            print(f"model ready at {out} ({time.monotonic() - started:.1f} s); model_path: {args.name} (or that path) uses it")
+            use = f"model_path: {out}" if args.out else f"model_path: {args.name} (or {out})"
+            print(f"model ready at {out} ({time.monotonic() - started:.1f} s); {use} uses it")
             return 0
         out = build_model(args.out or ".jetrl/models/tiny", hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn,
                           seed=args.seed, force=args.force, progress=progress)
