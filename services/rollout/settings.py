@@ -52,6 +52,11 @@ class RolloutSettings(ServiceSettings):
     """On SIGTERM, how long in-flight episodes may finish before their prompts are handed back."""
     episode_timeout_s: float = Field(1800.0, ge=0)
     """Longest run of one episode; past it the attempt fails (retried after nak_delay_s, rejected at max_deliver). 0 = no limit."""
+    fail_fast_after: int = Field(64, ge=0)
+    """A worker none of whose episodes has succeeded stops after this many failed episode attempts,
+    with the last one's exception (a workflow that fails every episode would burn the dataset in
+    silence; `jetrl up` then stops with it on screen). Once one succeeded, failures are counted and
+    logged but never stop the worker. 0: never stop."""
     worker: str = Field(default_factory=_default_worker)
     """This worker's name in trajectories and metrics (default hostname-pid)."""
     dump_to_file: bool = False

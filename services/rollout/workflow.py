@@ -21,7 +21,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from services.common.refs import RefError, resolve_ref
+from services.rollout.failures import note_shrunk
 from services.rollout.tensors import TensorDict, concat_padded
 
 
@@ -111,14 +114,55 @@ def interactions_to_tensors(interactions: Mapping[str, Any]) -> TensorDict:
         row = to_tensors()
         if not isinstance(row, Mapping) and not hasattr(row, "items"):
             raise WorkflowError(f"interaction {key!r}: to_tensor_dict() returned {type(row).__name__}, not a tensor dict")
+        check_tensor_dict(dict(row.items()), f"interaction {key!r}: to_tensor_dict()")
         rows.append(dict(row.items()))
     if not rows:
         raise WorkflowError("the workflow returned an empty dict of interactions")
     return concat_padded(rows)
 
 
+TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
+"""Per-token tensors of the contract: `[batch, seq]`, all of one shape."""
+
+
+def _shape(key: str, value: Any) -> tuple[int, ...]:
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        try:
+            shape = np.shape(value)
+        except ValueError as exc:  # ragged nested lists
+            raise WorkflowError(f"returned tensor dict: {key} is not an array ({type(value).__name__}): {exc}") from exc
+    return tuple(int(n) for n in shape)
+
+
+def check_tensor_dict(result: Mapping[str, Any], where: str = "returned tensor dict") -> None:
+    """The shapes of one returned tensor dict, before anything indexes into them: per-token keys
+    `[batch, seq]` (a `[seq]` tensor where `[1, seq]` is meant is the usual slip), `rewards` `[batch]`,
+    any other key `[batch]` or `[batch, seq]`. A mistake is a WorkflowError naming the key, its shape
+    and the shape expected: the workflow's bug, which no retry fixes."""
+    shapes = {key: _shape(key, value) for key, value in result.items()}
+    anchor = "attention_mask" if "attention_mask" in shapes else "input_ids" if "input_ids" in shapes else None
+    if anchor is None:
+        raise WorkflowError(f"{where}: no input_ids or attention_mask (keys: {sorted(result)})")
+    ref = shapes[anchor]
+    if len(ref) != 2:
+        hint = f" (e.g. [1, {ref[0]}]: add the batch dimension, `t.unsqueeze(0)`)" if len(ref) == 1 else ""
+        raise WorkflowError(f"{where}: {anchor} has shape {list(ref)}, expected [batch, seq]{hint}")
+    batch, seq = ref
+    for key, shape in shapes.items():
+        if key in TOKEN_KEYS:
+            if shape != ref:
+                raise WorkflowError(f"{where}: {key} has shape {list(shape)}, expected [batch, seq] = {[batch, seq]} like {anchor}")
+        elif key == "rewards":
+            if shape != (batch,):
+                raise WorkflowError(f"{where}: rewards has shape {list(shape)}, expected [batch] = [{batch}] (one reward per sample)")
+        elif shape not in ((batch,), (batch, seq)):
+            raise WorkflowError(f"{where}: {key} has shape {list(shape)}, expected [{batch}] (per sample) or {[batch, seq]} (per token)")
+
+
 def as_tensor_dict(result: TensorDict | dict[str, Any] | None) -> TensorDict | None:
-    """Normalise what `arun_episode` returned: a tensor dict or None; anything else is a WorkflowError."""
+    """Normalise what `arun_episode` returned: a tensor dict (shapes checked) or None; anything else is
+    a WorkflowError."""
     if result is None:
         return None
     if not isinstance(result, Mapping):
@@ -127,6 +171,7 @@ def as_tensor_dict(result: TensorDict | dict[str, Any] | None) -> TensorDict | N
         )
     if is_interactions(result):
         return interactions_to_tensors(result)
+    check_tensor_dict(result)
     return dict(result)
 
 
@@ -153,6 +198,8 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
             raise first from group
         results = [as_tensor_dict(t.result()) for t in tasks]
         kept = [r for r in results if r is not None]
+        if kept and len(kept) < self.group_size:
+            note_shrunk(len(kept), self.group_size)
         return concat_padded(kept) if kept else None
 
 

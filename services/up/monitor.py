@@ -19,6 +19,7 @@ REWARD_KEYS = (names.REWARD_MEAN,)
 ACCURACY_KEYS = (names.ACCURACY,)
 STALENESS_KEYS = (names.STALENESS_MEAN,)
 WAIT_KEYS = (names.DATA_WAIT_FRACTION,)
+OUTCOME_KEYS = ("episodes_failed_total", "rejected_total", "groups_shrunk_total")
 
 
 def pick(values: dict[str, float], keys: tuple[str, ...]) -> float | None:
@@ -80,6 +81,19 @@ class RunView:
 
     def rollout_rate(self, key: str = names.EPISODES_PER_S) -> float:
         return sum(e.values.get(key, 0.0) for k, e in self.latest.items() if k.startswith("rollout/"))
+
+    def episode_outcomes(self) -> dict[str, float]:
+        """What went wrong in the rollout workers, summed over them (their latest totals): episode
+        attempts failed (`failed_by_<Type>`, and `episodes_failed_total`), prompts rejected, groups
+        shrunk by episodes that returned None."""
+        out: dict[str, float] = {}
+        for key, event in self.latest.items():
+            if not key.startswith("rollout/"):
+                continue
+            for name, value in event.values.items():
+                if name.startswith("failed_by_") or name in OUTCOME_KEYS:
+                    out[name] = out.get(name, 0.0) + value
+        return out
 
     def live_workers(self, service: str, within_s: float = 30.0) -> int:
         now = time.time()

@@ -23,7 +23,7 @@ from services.up import SERVICE_SECTIONS
 from services.up.display import Display
 from services.up.layout import layout, priorities
 from services.up.monitor import RunView, watch
-from services.up.report import summary_lines, write_metrics
+from services.up.report import last_error, summary_lines, write_metrics
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
 from services.up.stack import Stack, settings_class, to_env
@@ -205,6 +205,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
                     display.stop()
                     print(f"\njetrl up: service {failed.name} exited with code {failed.poll()}; "
                           f"last lines of {failed.log_path}:\n{failed.log_tail()}", file=sys.stderr)
+                    print(last_error(failed.log_path), file=sys.stderr)
                     break
                 if view.reached_at is not None:
                     outcome = "converged"
@@ -228,7 +229,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     from services.up.curves import plot_curves  # numpy: imported when the run is over, not before its start
 
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
-    summary = [f"run {s.run}: {outcome}", *summary_lines(view.steps, view.servers, wall)]
+    summary = [f"run {s.run}: {outcome}", *summary_lines(view.steps, view.servers, wall, view.episode_outcomes())]
     if view.reached_at is not None:
         at = next(st for st in view.steps if st["step"] == view.reached_at)
         summary.insert(1, f"reached a 10-step mean reward of {view.target} at step {view.reached_at}, {at['time']:.1f} s after the start")
