@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,11 @@ def run_stack(settings: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
         print(f"jetrl up: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_run(settings, sections, run_dir, kept))
+
+
+def passed_env(s: UpSettings, environ: Mapping[str, str]) -> dict[str, str]:
+    """What of `jetrl up`'s environment every service gets: a fixed few, and `up.pass_env`."""
+    return {k: environ[k] for k in (*_PASS_ENV, *s.pass_env) if k in environ}
 
 
 def validate_sections(sections: dict[str, dict[str, Any]]) -> None:
@@ -101,7 +107,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
 
     started = time.time()
     nats = NatsServer(run_dir / "nats", log_file=run_dir / "nats-server.log") if s.bus == "embedded" else None
-    base_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+    base_env = passed_env(s, os.environ)
     base_env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     base_env["JETRL_RUN_DIR"] = str(run_dir)  # marks every process of the run, children included
     stack = Stack(run_dir, base_env)

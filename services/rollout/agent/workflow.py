@@ -5,8 +5,12 @@ rewards, and exports the session's completions as training samples (a dict of in
 the worker turns into a tensor dict). The proxy server starts with the first episode, inside the
 worker's event loop, and serves every episode of this worker.
 
-- `mode="inline"`: `await agent.run(data, base_url=<session>/v1, http_client=<httpx.AsyncClient>)` in
-  the worker's loop; the agent builds `AsyncOpenAI(base_url=base_url, http_client=http_client)`.
+- `mode="inline"`: `await agent.run(data, base_url=<session>, api_key=<session key>, http_client=<client>)`
+  in the worker's loop, as AReaL calls it (each only if `run` accepts it); the agent builds
+  `AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client)` or
+  `AsyncAnthropic(...)` alike: the session's root serves the OpenAI routes and Anthropic's
+  `/v1/messages`. `http_client` is an `httpx.AsyncClient`, or an `httpx2.AsyncClient` (anthropic's
+  own kind) for an agent whose module uses anthropic and not openai (`http_client_kind`).
 - `mode="subproc"` (AReaL's name; "subprocess" is accepted too): the agent runs in a process pool
   with `OPENAI_BASE_URL`/`OPENAI_API_KEY` (and `ANTHROPIC_BASE_URL`/`ANTHROPIC_API_KEY`) set to its
   session, so blocking code (`OpenAI()`) works; `run` may then be synchronous. The agent must be importable ("module:Class") or picklable.
@@ -126,11 +130,15 @@ class AgentWorkflow(RolloutWorkflow):
             server = ProxyServer(self.proxy, self.host, self.port)
             await server.start()
             self.server = server
-            if self.mode == "inline":
-                import httpx
-
-                self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=10.0))
             return server
+
+    async def _client(self) -> Any:
+        """The http client agents get: httpx's, or httpx2's for an agent written against anthropic
+        (anthropic >= 2.14 refuses an httpx client); made once, closed with the workflow."""
+        if self._http is None:
+            module = __import__("httpx2" if http_client_kind(self.agent) == "httpx2" else "httpx")
+            self._http = module.AsyncClient(timeout=module.Timeout(self.timeout_s, connect=10.0))
+        return self._http
 
     async def aclose(self) -> None:
         if self.server is not None:
@@ -167,7 +175,10 @@ class AgentWorkflow(RolloutWorkflow):
     async def _run(self, server: ProxyServer, session: Session, data: dict[str, Any]) -> Any:
         base_url = server.base_url(session.id)
         if self.mode == "inline":
-            return await asyncio.wait_for(self.agent.run(data, base_url=base_url, http_client=self._http), self.timeout_s)
+            extra = {"base_url": server.session_url(session.id), "api_key": f"jetrl-session-{session.id}",
+                     "http_client": await self._client()}
+            accepted = _accepted(self.agent.run, extra)
+            return await asyncio.wait_for(self.agent.run(data, **accepted), self.timeout_s)
         from services.rollout.agent.child import run_agent
 
         future = self._process_pool().schedule(
@@ -206,6 +217,25 @@ class AgentWorkflow(RolloutWorkflow):
         raise WorkflowError(
             f"the agent's run returned {type(result).__name__}; expected a float, a dict of completion id -> reward, or None"
         )
+
+
+def http_client_kind(agent: Any) -> str:
+    """"httpx2" for an agent whose module imports anthropic and not openai, else "httpx"."""
+    import sys
+
+    module = sys.modules.get(getattr(type(agent) if not isinstance(agent, type) else agent, "__module__", ""), None)
+    names = vars(module) if module is not None else {}
+    uses = {getattr(v, "__name__", "").split(".")[0] for v in names.values() if inspect.ismodule(v)}
+    uses |= {getattr(v, "__module__", "").split(".")[0] for v in names.values() if isinstance(v, type)}
+    return "httpx2" if "anthropic" in uses and "openai" not in uses else "httpx"
+
+
+def _accepted(run: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of `extra` that `run` accepts (all of them with a `**kwargs`)."""
+    params = inspect.signature(run).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return extra
+    return {k: v for k, v in extra.items() if k in params}
 
 
 async def _load_tokenizer(tokenizer: Any, engine: Any) -> Any:
