@@ -380,4 +380,7 @@ class RolloutWorker:
         gate = {"version_waits": float(self.gate.waits), "version_wait_s": self.gate.waited_s}
         if self.gate.version is not None:
             gate["servers_version"] = float(self.gate.version)
-        return {**self.stats.snapshot(), **gate, **self.failures.counters()}
+        # the workflow's own statistics (AReaL's stats_tracker), means over the interval, by scope/key
+        from services.rollout.compat import stats_tracker
+
+        return {**self.stats.snapshot(), **gate, **self.failures.counters(), **stats_tracker.export_all(reset=True)}

@@ -14,10 +14,9 @@ context variable, so it follows the episode's task and every task it starts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,21 +50,32 @@ _CURRENT: contextvars.ContextVar[WorkflowContext] = contextvars.ContextVar(
 )
 
 
+class _ContextSet:
+    """What `workflow_context.set(...)` returns: the context is set at once (AReaL's `set(ctx)`), and
+    as a `with` block it is put back when the block ends (jetrl's worker uses it so)."""
+
+    def __init__(self, ctx: WorkflowContext) -> None:
+        self.ctx = ctx
+        self._token = _CURRENT.set(ctx)
+
+    def __enter__(self) -> WorkflowContext:
+        return self.ctx
+
+    def __exit__(self, *exc: Any) -> None:
+        _CURRENT.reset(self._token)
+
+
 class _WorkflowContextAccess:
-    """`workflow_context.is_eval`, `.task_id`, `.stat_scope()` read the running episode's context;
-    `with workflow_context.set(is_eval=..., task_id=...)` sets it (the worker does this)."""
+    """`workflow_context.is_eval`, `.task_id`, `.stat_scope()`, `.get()` read the running episode's
+    context; `workflow_context.set(ctx)` or `with workflow_context.set(is_eval=..., task_id=...)` sets
+    it (the worker does this); `await workflow_context.get_httpx_client()` /
+    `get_aiohttp_session()` give the shared HTTP client of the running event loop, as AReaL's do."""
 
     def get(self) -> WorkflowContext:
         return _CURRENT.get()
 
-    @contextlib.contextmanager
-    def set(self, *, is_eval: bool = False, task_id: str | None = None) -> Iterator[WorkflowContext]:
-        ctx = WorkflowContext(is_eval=is_eval, task_id=task_id)
-        token = _CURRENT.set(ctx)
-        try:
-            yield ctx
-        finally:
-            _CURRENT.reset(token)
+    def set(self, ctx: WorkflowContext | None = None, *, is_eval: bool = False, task_id: str | None = None) -> _ContextSet:
+        return _ContextSet(ctx if ctx is not None else WorkflowContext(is_eval=is_eval, task_id=task_id))
 
     @property
     def is_eval(self) -> bool:
@@ -77,6 +87,28 @@ class _WorkflowContextAccess:
 
     def stat_scope(self) -> str:
         return _CURRENT.get().stat_scope()
+
+    async def get_httpx_client(self) -> Any:
+        """One `httpx.AsyncClient` per event loop, shared by the episodes it runs."""
+        return _shared("httpx", lambda: __import__("httpx").AsyncClient(timeout=3600.0))
+
+    async def get_aiohttp_session(self) -> Any:
+        """One `aiohttp.ClientSession` per event loop, shared by the episodes it runs."""
+        import aiohttp
+
+        return _shared("aiohttp", lambda: aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600.0)))
+
+
+_CLIENTS: dict[tuple[int, str], Any] = {}
+
+
+def _shared(kind: str, make: Any) -> Any:
+    loop = asyncio.get_running_loop()
+    key = (id(loop), kind)
+    client = _CLIENTS.get(key)
+    if client is None or getattr(client, "is_closed", False) or getattr(client, "closed", False):
+        client = _CLIENTS[key] = make()
+    return client
 
 
 workflow_context = _WorkflowContextAccess()

@@ -49,6 +49,9 @@ class RunView:
     """One dict per eval round (service "eval"): step and the round's values."""
     servers: dict[str, int] = field(default_factory=dict)
     """Weight version loaded per inference server."""
+    workflow_stats: list[dict[str, Any]] = field(default_factory=list)
+    """The workflows' own statistics (AReaL's `stats_tracker`, keys `<scope>/<name>`): one dict per
+    rollout metrics event that carried any, with its time and worker."""
     malformed: int = 0
     target: float | None = None
     """A 10-step mean reward to watch for (`stop_at_reward`); None: none."""
@@ -59,6 +62,10 @@ class RunView:
 
     def add(self, event: MetricsEvent) -> None:
         self.latest[f"{event.service}/{event.worker}"] = event
+        if event.service == "rollout":
+            scoped = {k: v for k, v in event.values.items() if "/" in k}
+            if scoped:
+                self.workflow_stats.append({"time": event.time - self.started, "worker": event.worker, **scoped})
         if event.service == "eval" and event.step is not None:
             self.evals.append({"step": event.step, "time": event.time - self.started, **event.values})
         if event.service == "trainer" and event.step is not None:

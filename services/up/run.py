@@ -230,7 +230,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         (run_dir / URL_FILE).unlink(missing_ok=True)
     wall = time.time() - started
     extra = {"outcome": outcome, "reached_at_step": view.reached_at, "wall_s": wall, "started_at": started,
-             "servers": view.servers, "evals": view.evals}
+             "servers": view.servers, "evals": view.evals, "workflow_stats": view.workflow_stats}
     write_metrics(run_dir, view.steps, extra)
     from services.up.curves import plot_curves  # numpy: imported when the run is over, not before its start
 
