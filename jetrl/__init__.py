@@ -91,9 +91,9 @@ __all__ = [
 
 #: AReaL's utility modules, under the same names: `from jetrl import stats_tracker, logging, perf_tracer`
 _MODULES: dict[str, str] = {
-    "stats_tracker": "services.rollout.compat.stats_tracker",
-    "logging": "services.rollout.compat.logs",
-    "perf_tracer": "services.rollout.compat.perf_tracer",
+    "stats_tracker": "jetrl.stats_tracker",
+    "logging": "jetrl.logging",
+    "perf_tracer": "jetrl.perf_tracer",
 }
 
 
