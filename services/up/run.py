@@ -108,7 +108,9 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     started = time.time()
     nats = NatsServer(run_dir / "nats", log_file=run_dir / "nats-server.log") if s.bus == "embedded" else None
     base_env = passed_env(s, os.environ)
-    base_env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    # PYTHONPATH: jetrl's root, then the caller's own when `up.pass_env` names it (a workflow's package)
+    extra_path = [os.environ["PYTHONPATH"]] if "PYTHONPATH" in s.pass_env and os.environ.get("PYTHONPATH") else []
+    base_env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *extra_path]), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     base_env["JETRL_RUN_DIR"] = str(run_dir)  # marks every process of the run, children included
     stack = Stack(run_dir, base_env)
     view = RunView(started=started, target=stop_at_reward(s) or None)
@@ -230,7 +232,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         (run_dir / URL_FILE).unlink(missing_ok=True)
     wall = time.time() - started
     extra = {"outcome": outcome, "reached_at_step": view.reached_at, "wall_s": wall, "started_at": started,
-             "servers": view.servers, "evals": view.evals, "workflow_stats": view.workflow_stats}
+             "servers": view.servers, "evals": view.evals, "workflow_stats": view.workflow_stats,
+             "rollout_outcomes": view.episode_outcomes()}
     write_metrics(run_dir, view.steps, extra)
     from services.up.curves import plot_curves  # numpy: imported when the run is over, not before its start
 

@@ -53,7 +53,8 @@ class UpSettings(ServiceSettings):
     pass_env: list[str] = []
     """Environment variables of `jetrl up`'s own environment passed through to every service, beside the
     few it always passes (PATH, HOME, ...), e.g. `[OPENAI_API_KEY, HF_HOME]` for an agent that reads
-    them; names not set are skipped. Nothing else of the caller's environment reaches a service."""
+    them; names not set are skipped. Nothing else of the caller's environment reaches a service. `PYTHONPATH`
+    listed here is appended to jetrl's own (so a workflow's package outside the repository imports)."""
     display: str = "auto"
     """auto (live table on a terminal, a line per step otherwise) | live | lines | none."""
     stop_timeout_s: float = Field(20.0, gt=0)
