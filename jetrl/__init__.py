@@ -62,9 +62,6 @@ __all__ = [
     "Algorithm",
     "ArealOpenAI",
     "AsyncRewardWrapper",
-    "apply_chat_template",
-    "import_from_string",
-    "load_hf_tokenizer",
     "GenerationHyperparameters",
     "GroupedRolloutWorkflow",
     "InferenceEngine",
@@ -77,9 +74,12 @@ __all__ = [
     "Standard",
     "TensorDict",
     "WorkflowError",
+    "apply_chat_template",
     "concat_padded",
     "concat_padded_tensors",
     "encode_chat",
+    "import_from_string",
+    "load_hf_tokenizer",
     "resolve_ref",
     "reward_items",
     "sample_tensors",
@@ -116,10 +116,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from services.common.refs import resolve_ref
-    from services.rollout.compat.helpers import apply_chat_template, import_from_string, load_hf_tokenizer
-    from services.rollout.compat.reward import AsyncRewardWrapper
     from services.rollout.agent.direct import ArealOpenAI
     from services.rollout.api import TensorDict, concat_padded_tensors
+    from services.rollout.compat.helpers import apply_chat_template, import_from_string, load_hf_tokenizer
+    from services.rollout.compat.reward import AsyncRewardWrapper
     from services.rollout.engine import InferenceEngine
     from services.rollout.gconfig import GenerationHyperparameters
     from services.rollout.io_struct import ModelRequest, ModelResponse

@@ -110,7 +110,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     base_env = passed_env(s, os.environ)
     # PYTHONPATH: jetrl's root, then the caller's own when `up.pass_env` names it (a workflow's package)
     extra_path = [os.environ["PYTHONPATH"]] if "PYTHONPATH" in s.pass_env and os.environ.get("PYTHONPATH") else []
-    base_env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *extra_path]), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    base_env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *extra_path]), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                    TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     base_env["JETRL_RUN_DIR"] = str(run_dir)  # marks every process of the run, children included
     stack = Stack(run_dir, base_env)
     view = RunView(started=started, target=stop_at_reward(s) or None)

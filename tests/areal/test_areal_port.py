@@ -94,10 +94,10 @@ def test_the_map_covers_every_areal_import_and_each_jetrl_name_exists(ported: Pa
 
 
 class _DropImports(ast.NodeTransformer):
-    def visit_Import(self, node: ast.Import) -> ast.Pass:  # noqa: N802
+    def visit_Import(self, node: ast.Import) -> ast.Pass:
         return ast.Pass()
 
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> ast.Pass:  # noqa: N802
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> ast.Pass:
         return ast.Pass()
 
 
