@@ -53,7 +53,7 @@ async def test_a_multi_turn_direct_client_episode_as_areal_writes_it(engine: Inf
         messages.append(completion.choices[0].message)  # the SDK's ChatCompletionMessage, as AReaL's example appends it
         messages.append({"role": "user", "content": "Try again."})
     client.set_last_reward(1.0)
-    first, last = list(client.get_interactions())
+    _first, last = list(client.get_interactions())
     assert client.get_interaction(last).model_response.output_len >= 1
     assert client.get_interaction(last).messages[-1] == {"role": "user", "content": "Try again."}
     client.apply_reward_discount(turn_discount=0.5)
@@ -62,6 +62,15 @@ async def test_a_multi_turn_direct_client_episode_as_areal_writes_it(engine: Inf
     samples = client.export_interactions(style="individual")
     tensors = as_tensor_dict(samples)
     assert tensors is not None and tensors["rewards"].tolist() == pytest.approx([0.5, 1.0])
+
+
+async def test_responses_validate_with_the_installed_sdk_and_omit_is_dropped(engine: InferenceEngine, tokenizer: Any) -> None:
+    import openai
+
+    client = ArealOpenAI(engine=engine, tokenizer=tokenizer)
+    response = await client.responses.create(model="default", input="What is 2 + 3?", max_output_tokens=4,
+                                             stream=openai.omit, temperature=openai.NOT_GIVEN)
+    assert response.usage is not None and response.usage.output_tokens >= 1  # the SDK's own type validated
 
 
 async def test_openai_agents_drive_the_direct_client(engine: InferenceEngine, tokenizer: Any) -> None:

@@ -332,7 +332,7 @@ def test_streamed_events_rebuild_text_and_tool_calls_in_the_sdks_own_accumulator
 
 
 def test_areals_creation_order_discount_is_offered_beside_the_tree() -> None:
-    cache, (a, b, c) = three_turns()
+    cache, (_, _, c) = three_turns()
     m = [user("q"), bot("a1"), user("more")]
     make(cache, m, "b2", [1, 5, 6, 7, 8], [13], cache.find_parent(m))  # a branch: i3, made last
     cache.set_reward(1.0, c.id)

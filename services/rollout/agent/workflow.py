@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.common.logging import get_logger
+from services.rollout.agent.cache import DISCOUNT_RULES
 from services.rollout.agent.errors import ProxyError
 from services.rollout.agent.export import STYLES, AgentSample
 from services.rollout.agent.proxy import AgentProxy, SamplingDefaults, Session
@@ -53,6 +54,7 @@ class AgentWorkflow(RolloutWorkflow):
         mode: str = "inline",
         discount: float = 1.0,
         export_style: str = "individual",
+        discount_rule: str = "tree",
         agent_kwargs: Mapping[str, Any] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -62,7 +64,9 @@ class AgentWorkflow(RolloutWorkflow):
         """`agent`: an object, a class (built with `agent_kwargs`) or a "module:Name" reference;
         `tokenizer`: a tokenizer or model directory (default: the inference server's, from
         /model_info); `discount`: reward discount per turn back through the conversation tree;
-        `export_style`: "individual" or "concat"; `host`/`port`: where the proxy listens (0: a free
+        `export_style`: "individual" or "concat"; `discount_rule`: "tree" (jetrl's: back through the
+        conversation tree, continuations averaged) or "creation_order" (AReaL's: linear, back through
+        the completions in the order they were made); `host`/`port`: where the proxy listens (0: a free
         port); `max_workers`: subprocess-mode pool size; `timeout_s`: longest episode.
 
         Numbers may arrive as strings and `agent_kwargs` as JSON text: `jetrl up` hands
@@ -79,6 +83,9 @@ class AgentWorkflow(RolloutWorkflow):
             raise WorkflowError(f"agent mode must be one of {MODES}, got {mode!r}")
         if export_style not in STYLES:
             raise WorkflowError(f"export_style must be one of {STYLES}, got {export_style!r}")
+        if discount_rule not in DISCOUNT_RULES:
+            raise WorkflowError(f"discount_rule must be one of {DISCOUNT_RULES}, got {discount_rule!r}")
+        self.discount_rule = discount_rule
         if not 0.0 <= discount <= 1.0:
             raise WorkflowError(f"discount must be in [0, 1], got {discount}")
         if max_workers < 1 or timeout_s <= 0 or max_new_tokens < 1:
@@ -166,7 +173,7 @@ class AgentWorkflow(RolloutWorkflow):
             if not session.cache.has_rewards():
                 raise WorkflowError("the agent returned no reward and set none (return a float or a dict of completion id -> reward)")
             try:
-                return proxy.export(session.id, self.discount, self.export_style)
+                return proxy.export(session.id, self.discount, self.export_style, self.discount_rule)
             except ProxyError as exc:
                 raise WorkflowError(f"agent episode cannot be exported: {exc.message}") from exc
         finally:
