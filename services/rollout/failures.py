@@ -39,6 +39,8 @@ class EpisodeFailures:
     by_type: Counter[str] = field(default_factory=Counter)
     shrunk: int = 0
     """Groups that lost episodes which returned None (the rest trained)."""
+    not_accepted: int = 0
+    """Groups `should_accept_fn` refused."""
     successes: int = 0
     last: BaseException | None = None
     _logged_at: dict[str, float] = field(default_factory=dict)
@@ -85,6 +87,7 @@ class EpisodeFailures:
         values = {f"failed_by_{kind}": float(n) for kind, n in self.by_type.items()}
         values["episodes_failed_total"] = float(sum(self.by_type.values()))
         values["groups_shrunk_total"] = float(self.shrunk)
+        values["groups_not_accepted_total"] = float(self.not_accepted)
         return values
 
 
@@ -104,3 +107,11 @@ def note_shrunk(kept: int, size: int) -> None:
         book.group_shrunk(kept, size)
     else:
         log.warning("episodes returned None; the group trains with fewer samples", kept=kept, group_size=size)
+
+
+def note_not_accepted() -> None:
+    """`should_accept_fn` refused a group (logged at debug: it is a choice, counted on METRICS)."""
+    book = _CURRENT.get()
+    if book is not None:
+        book.not_accepted += 1
+        log.debug("group not accepted by should_accept_fn", workflow=book.workflow, groups_not_accepted=book.not_accepted)

@@ -32,6 +32,7 @@ from services.common.runner import Supervisor, supervise
 from services.rollout.dump import TrajectoryDumper
 from services.rollout.kwargs import resolve_callable_kwargs
 from services.rollout.resolve import is_agent, resolve_workflow
+from services.rollout.selection import Accepting, EvalOrTrain
 from services.rollout.settings import RolloutSettings
 from services.rollout.sglang_protocol import READY_POLL_TIMEOUT_S, readiness_urls
 from services.rollout.tokenizer import load_pretrained_tokenizer
@@ -63,6 +64,21 @@ _AGENT_STANDARD = ("tokenizer", "max_new_tokens", "temperature")
 
 
 def build_workflow(settings: RolloutSettings, standard: dict[str, Callable[[], Any]]) -> RolloutWorkflow:
+    """The workflow `jetrl rollout` runs: `workflow` (and `eval_workflow` for evaluation prompts),
+    grouped, version-checked, filtered by `should_accept_fn`."""
+    workflow = _build_one(settings, standard)
+    if settings.eval_workflow:
+        evaluating = settings.model_copy(update={"workflow": settings.eval_workflow, "workflow_kwargs": settings.eval_workflow_kwargs})
+        workflow = EvalOrTrain(workflow, _build_one(evaluating, standard))
+    if settings.should_accept_fn:
+        accept = import_ref(settings.should_accept_fn)
+        if not callable(accept):
+            raise WorkflowError(f"should_accept_fn {settings.should_accept_fn!r} is a {type(accept).__name__}, not a function")
+        workflow = Accepting(workflow, accept)
+    return workflow
+
+
+def _build_one(settings: RolloutSettings, standard: dict[str, Callable[[], Any]]) -> RolloutWorkflow:
     cls = import_ref(settings.workflow)
     if not (isinstance(cls, type) and cls.__module__.startswith("services.")):
         standard = {k: v for k, v in standard.items() if k not in _DEMO_STANDARD or k in settings.model_fields_set}

@@ -28,6 +28,13 @@ class RolloutSettings(ServiceSettings):
     """The workflow, "package.module:Class" or "package.module.Class" (a RolloutWorkflow subclass, or an agent with `async def run`)."""
     workflow_kwargs: dict[str, Any] = {}
     """Keyword arguments of the workflow's constructor (override the standard ones below)."""
+    eval_workflow: str = ""
+    """The workflow evaluation prompts run (AReaL's `eval_workflow`, same spellings as `workflow`); empty: `workflow`."""
+    eval_workflow_kwargs: dict[str, Any] = {}
+    """Keyword arguments of `eval_workflow`'s constructor (the standard ones are offered as to `workflow`)."""
+    should_accept_fn: str = ""
+    """AReaL's `should_accept_fn`, "pkg.mod:fn" or "pkg.mod.fn": called with each group's tensor dict;
+    a group it returns false for is rejected, counted (`groups_not_accepted_total`). Empty: keep all."""
     group_size: int = Field(8, ge=1)
     """Samples per prompt (GRPO's group). A workflow without a `group_size` argument is run this many times per prompt."""
     max_new_tokens: int = Field(32, ge=1)

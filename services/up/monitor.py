@@ -19,7 +19,7 @@ REWARD_KEYS = (names.REWARD_MEAN,)
 ACCURACY_KEYS = (names.ACCURACY,)
 STALENESS_KEYS = (names.STALENESS_MEAN,)
 WAIT_KEYS = (names.DATA_WAIT_FRACTION,)
-OUTCOME_KEYS = ("episodes_failed_total", "rejected_total", "groups_shrunk_total")
+OUTCOME_KEYS = ("episodes_failed_total", "rejected_total", "groups_shrunk_total", "groups_not_accepted_total")
 
 
 def pick(values: dict[str, float], keys: tuple[str, ...]) -> float | None:

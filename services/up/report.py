@@ -22,12 +22,14 @@ def outcome_text(outcomes: dict[str, float]) -> str:
     failed = outcomes.get("episodes_failed_total", 0.0)
     rejected = outcomes.get("rejected_total", 0.0)
     shrunk = outcomes.get("groups_shrunk_total", 0.0)
-    if not (failed or rejected or shrunk):
+    refused = outcomes.get("groups_not_accepted_total", 0.0)
+    if not (failed or rejected or shrunk or refused):
         return ""
     kinds = sorted(((k.removeprefix("failed_by_"), n) for k, n in outcomes.items() if k.startswith("failed_by_") and n),
                    key=lambda kv: -kv[1])
     by = f" ({', '.join(f'{k} {n:.0f}' for k, n in kinds)})" if kinds else ""
-    return f"episodes failed {failed:.0f}{by} rejected {rejected:.0f} groups shrunk {shrunk:.0f}"
+    text = f"episodes failed {failed:.0f}{by} rejected {rejected:.0f} groups shrunk {shrunk:.0f}"
+    return text + (f" not accepted {refused:.0f}" if refused else "")
 
 
 def summary_lines(steps: list[dict[str, Any]], servers: dict[str, int], wall_s: float,

@@ -78,3 +78,36 @@ def test_up_passes_the_configured_environment_through_and_nothing_else() -> None
     environ = {"PATH": "/bin", "OPENAI_API_KEY": "sk-1", "SECRET": "x"}
     assert passed_env(UpSettings(), environ) == {"PATH": "/bin"}
     assert passed_env(UpSettings(pass_env=["OPENAI_API_KEY", "UNSET"]), environ) == {"PATH": "/bin", "OPENAI_API_KEY": "sk-1"}
+
+
+def keep_long(group: dict[str, Any]) -> bool:
+    return int(group["attention_mask"].sum()) > 3
+
+
+class Tagged(RolloutWorkflow):
+    def __init__(self, tag: str, tokenizer: Any = None) -> None:
+        self.tag = tag
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Any:
+        from services.rollout.tensors import sample_tensors
+
+        return sample_tensors([1], [2] * data["n"], [-0.1] * data["n"], [0] * data["n"], 1.0 if self.tag == "eval" else 0.0)
+
+
+async def test_eval_workflow_runs_eval_prompts_and_should_accept_fn_filters_counted() -> None:
+    from services.rollout.failures import EpisodeFailures, set_current
+    from services.rollout.versions import workflow_name
+    from services.rollout.workflow import workflow_context
+
+    s = RolloutSettings(workflow=f"{__name__}:Tagged", workflow_kwargs={"tag": "train"}, group_size=1,
+                        eval_workflow=f"{__name__}.Tagged", eval_workflow_kwargs={"tag": "eval"},
+                        should_accept_fn=f"{__name__}:keep_long")
+    workflow = build_workflow(s, standard_kwargs(s, lambda: "TOKENIZER", None))
+    assert workflow_name(workflow) == f"{__name__}.Tagged"
+    book = EpisodeFailures("w")
+    set_current(book)
+    with workflow_context.set(is_eval=True):
+        assert float((await workflow.arun_episode(None, {"n": 3}))["rewards"][0]) == 1.0
+    assert float((await workflow.arun_episode(None, {"n": 3}))["rewards"][0]) == 0.0
+    assert await workflow.arun_episode(None, {"n": 1}) is None  # 2 tokens: not accepted
+    assert book.counters()["groups_not_accepted_total"] == 1
