@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,8 @@ from services.up.layout import layout, priorities
 from services.up.monitor import RunView, watch
 from services.up.presets import preset_for, preset_name, summarize, summary_lines
 from services.up.presets import section as preset_section
+from services.up.report import last_error, write_metrics
 from services.up.report import summary_lines as report_lines
-from services.up.report import write_metrics
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
 from services.up.stack import Stack, settings_class, to_env
@@ -49,6 +50,11 @@ def run_stack(settings: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
         print(f"jetrl up: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_run(settings, sections, run_dir, kept))
+
+
+def passed_env(s: UpSettings, environ: Mapping[str, str]) -> dict[str, str]:
+    """What of `jetrl up`'s environment every service gets: a fixed few, and `up.pass_env`."""
+    return {k: environ[k] for k in (*_PASS_ENV, *s.pass_env) if k in environ}
 
 
 def validate_sections(sections: dict[str, dict[str, Any]]) -> None:
@@ -88,8 +94,11 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
 
     started = time.time()
     nats = NatsServer(run_dir / "nats", log_file=run_dir / "nats-server.log") if s.bus == "embedded" else None
-    base_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
-    base_env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    base_env = passed_env(s, os.environ)
+    # PYTHONPATH: jetrl's root, then the caller's own when `up.pass_env` names it (a workflow's package)
+    extra_path = [os.environ["PYTHONPATH"]] if "PYTHONPATH" in s.pass_env and os.environ.get("PYTHONPATH") else []
+    base_env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *extra_path]), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                    TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     base_env["JETRL_RUN_DIR"] = str(run_dir)  # marks every process of the run, children included
     stack = Stack(run_dir, base_env)
     view = RunView(started=started, target=stop_at_reward(s) or None)
@@ -198,6 +207,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
                     display.stop()
                     print(f"\njetrl up: service {failed.name} exited with code {failed.poll()}; "
                           f"last lines of {failed.log_path}:\n{failed.log_tail()}", file=sys.stderr)
+                    print(last_error(failed.log_path), file=sys.stderr)
                     break
                 if view.reached_at is not None:
                     outcome = "converged"
@@ -216,12 +226,13 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         (run_dir / URL_FILE).unlink(missing_ok=True)
     wall = time.time() - started
     extra = {"outcome": outcome, "reached_at_step": view.reached_at, "wall_s": wall, "started_at": started,
-             "servers": view.servers, "evals": view.evals, "settings": used}
+             "servers": view.servers, "evals": view.evals, "settings": used, "workflow_stats": view.workflow_stats,
+             "rollout_outcomes": view.episode_outcomes()}
     write_metrics(run_dir, view.steps, extra)
     from services.up.curves import plot_curves  # numpy: imported when the run is over, not before its start
 
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
-    summary = [f"run {s.run}: {outcome}", *report_lines(view.steps, view.servers, wall)]
+    summary = [f"run {s.run}: {outcome}", *report_lines(view.steps, view.servers, wall, view.episode_outcomes())]
     if view.reached_at is not None:
         at = next(st for st in view.steps if st["step"] == view.reached_at)
         summary.insert(1, f"reached a 10-step mean reward of {view.target} at step {view.reached_at}, {at['time']:.1f} s after the start")
