@@ -265,6 +265,14 @@ class TrainerSettings(ServiceSettings):
     max_seq_len: int | None = Field(None, ge=1)
     """Longest trajectory row (tokens) the trainer accepts; a longer group is terminated and counted
     (`terminated_too_long`). Unset: the model config's `max_position_embeddings`."""
+    max_abs_reward: float = Field(1e6, gt=0)
+    """Largest |reward| a trained group may carry; a group beyond it is terminated and counted
+    (`terminated_out_of_bounds`): no real reward comes near, and one finite 3e38 would make a step's
+    reward mean (and `stop_at_reward`) meaningless (services/trainer/validate.py)."""
+    min_logprob: float = Field(-1e4, lt=0)
+    """Lowest behaviour log-prob a trained token may carry (the highest is 0, plus 1e-3 of rounding); a
+    group beyond it is terminated and counted (`terminated_out_of_bounds`). A sampler cannot draw a
+    token below float32's ~-103 (services/trainer/validate.py)."""
     fetch_batch: int = Field(16, ge=1)
     """Trajectory messages per pull request."""
     fetch_timeout_s: float = Field(1.0, gt=0)

@@ -19,10 +19,11 @@ from services.common.bus import connect, declare_streams, set_default_auth, set_
 from services.common.logging import configure_logging, get_logger
 from services.common.model_dirs import NotOurs, check_model_dir
 from services.common.model_path import ModelNotFound, require_model
-from services.common.nats_server import NatsServer, free_port
+from services.common.nats_server import free_port
 from services.common.settings import SettingsError, deep_merge
 from services.runs import URL_FILE
 from services.up import SERVICE_SECTIONS
+from services.up.credentials import ADMIN, declare_as_admin, make_credentials
 from services.up.display import Display
 from services.up.layout import layout, priorities
 from services.up.monitor import RunView, watch
@@ -93,7 +94,9 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         loop.add_signal_handler(sig, on_signal, sig)
 
     started = time.time()
-    nats = NatsServer(run_dir / "nats", log_file=run_dir / "nats-server.log") if s.bus == "embedded" else None
+    # the run's NATS users and inference admin key (credentials.py); an open bus only when asked
+    creds = make_credentials(run_dir, s.run, locked=s.bus == "embedded" and not s.open_bus)
+    nats = creds.nats_server(run_dir / "nats", run_dir / "nats-server.log") if s.bus == "embedded" else None
     base_env = passed_env(s, os.environ)
     # PYTHONPATH: jetrl's root, then the caller's own when `up.pass_env` names it (a workflow's package)
     extra_path = [os.environ["PYTHONPATH"]] if "PYTHONPATH" in s.pass_env and os.environ.get("PYTHONPATH") else []
@@ -109,7 +112,10 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         if nats is not None:
             nats.start()
             url = nats.url
-            log.info("nats-server ready", url=url, store=str(nats.store_dir))
+            log.info("nats-server ready", url=url, store=str(nats.store_dir), users=creds.locked)
+            if not creds.locked:
+                log.warning("open_bus: the bus admits anyone on this host without credentials: any process here can "
+                            "read the prompts, publish groups that are trained and announce weights", url=url)
         else:
             url = s.nats_url
             log.info("using the NATS at nats_url", url=url, replicas=s.nats_replicas)
@@ -118,8 +124,13 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         dataset, task_eval = await asyncio.to_thread(_dataset, s, run_dir)
         # `up`'s own connection (the monitor): its nats_auth; with bus_declare=false (a restricted user
         # on an external bus) it only checks that `jetrl bus init` declared the streams
-        set_default_auth(s.nats_auth)
-        set_default_declare(s.bus_declare)
+        if creds.locked:  # the streams and the bucket declared once as the admin; then watched as the observer
+            await declare_as_admin(url, creds.auth(ADMIN), s.nats_replicas)
+            set_default_auth(creds.auth("observer"))
+            set_default_declare(False)
+        else:
+            set_default_auth(s.nats_auth)
+            set_default_declare(s.bus_declare)
         nc = await connect(url, "jetrl-up")
         await declare_streams(nc.jetstream(), replicas=s.nats_replicas)
         await watch(nc, s.run, view)
@@ -129,7 +140,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         threads = {"OMP_NUM_THREADS": str(shape.torch_threads)}  # the trainer's and the servers' tensor work
         common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json"}
         preset = preset_for(s.dataset_path)  # the copy3 demo's settings, for the demo only (presets.py)
-        sec = lambda name: preset_section(preset, sections, name)  # noqa: E731
+        # the run's credentials under the preset under the user's own section (theirs win)
+        sec = lambda name: deep_merge(creds.section(name, sections.get(name, {})), preset_section(preset, sections, name))  # noqa: E731
         # Ports first, so that every service is told where the servers will be before any of them is up.
         servers = [f"http://127.0.0.1:{free_port()}" for _ in range(s.inference_servers)]
         signed = announce_trust(run_dir, sections)  # the trainer signs announcements, the agents check them
@@ -184,7 +196,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             config = run_dir / "config.json"
             config.write_text(json.dumps({"up": s.model_dump(), **{n: sec(n) for n in SERVICE_SECTIONS if n != "track"}}, default=str))
             track = {**common, "config_path": str(config)}
-            stack.start("track", "services.track", to_env("track", deep_merge(track, sections["track"])), required=False)
+            stack.start("track", "services.track", to_env("track", deep_merge(track, sec("track"))), required=False)
 
         # A server that dies or never loads is reported here, with its log, before the live display.
         await _wait_healthy(servers, stack, s.ready_timeout_s, stop)

@@ -67,3 +67,9 @@ class UpSettings(ServiceSettings):
     bus: Literal["embedded", "external"] = "embedded"
     """embedded: a nats-server of its own in the run directory; external: the NATS at `nats_url` (a
     server or a cluster you run, e.g. `jetrl nats --cluster 3`; with `nats_replicas` for its streams)."""
+    open_bus: bool = False
+    """With `bus: embedded`, let the nats-server admit anyone without credentials (logged as a
+    warning): any process on this host can then read the prompts, publish groups that are trained and
+    announce weights. Default false: the run's bus admits only its own users, one per service, each
+    allowed only its subjects, with passwords made per run in `<run_dir>/<run>/secrets/`
+    (docs/security.md)."""
