@@ -11,6 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.inference.grammar import FIELDS as GRAMMAR_FIELDS
+from services.inference.grammar import GrammarError, GrammarSpec, parse_grammar
+
 
 class RequestError(ValueError):
     """A request the server will not run (HTTP 400)."""
@@ -20,8 +23,7 @@ MAX_TOP_LOGPROBS = 20
 
 # Known SGLang sampling params this server accepts only at their neutral value.
 _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
-_IGNORED = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "json_schema", "regex",
-            "ebnf", "structural_tag", "custom_params", "logit_bias", "stream_interval"}
+_IGNORED = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "custom_params", "logit_bias", "stream_interval"}
 _TOP_IGNORED = {"logprob_start_len", "return_text_in_logprobs", "custom_logit_processor", "modalities",
                 "image_data", "session_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
                 "data_parallel_rank", "log_metrics", "return_hidden_states", "priority"}
@@ -43,6 +45,8 @@ class SamplingParams:
     top_logprobs_num: int = 0
     """How many most likely tokens to report per output position (a top-level request field in SGLang,
     carried here so the decode loop sees it); 0 unless `return_logprob` is set."""
+    grammar: GrammarSpec | None = None
+    """The output constraint (`json_schema`, `regex` or `ebnf`), enforced while decoding (grammar.py)."""
 
     @property
     def greedy(self) -> bool:
@@ -95,7 +99,8 @@ def _float(name: str, v: Any) -> float:
     return float(v)
 
 
-_KNOWN = (set(SamplingParams.__dataclass_fields__) - {"seed", "top_logprobs_num"}) | {"sampling_seed", "n"} | set(_NEUTRAL) | _IGNORED
+_KNOWN = ((set(SamplingParams.__dataclass_fields__) - {"seed", "top_logprobs_num", "grammar"}) | {"sampling_seed", "n"}
+          | set(_NEUTRAL) | _IGNORED | set(GRAMMAR_FIELDS))
 """Every `sampling_params` field the server knows (computed once: a batch parses one object per input)."""
 
 
@@ -143,6 +148,10 @@ def _parse_sampling(raw: dict[str, Any], top_logprobs_num: int) -> SamplingParam
     if not isinstance(stop_ids, list):
         raise RequestError(f"stop_token_ids must be a list of integers, got {stop_ids!r}")
     seed = raw.get("sampling_seed")
+    try:
+        grammar = parse_grammar(raw)
+    except GrammarError as exc:
+        raise RequestError(str(exc)) from exc
     return SamplingParams(
         max_new_tokens=max_new,
         temperature=temperature,
@@ -156,6 +165,7 @@ def _parse_sampling(raw: dict[str, Any], top_logprobs_num: int) -> SamplingParam
         skip_special_tokens=bool(raw.get("skip_special_tokens", True)),
         no_stop_trim=bool(raw.get("no_stop_trim", False)),
         top_logprobs_num=top_logprobs_num,
+        grammar=grammar,
     )
 
 
