@@ -105,27 +105,36 @@ Matchers = list[Any]
 """One entry per batch row: its `GrammarMatcher`, or None for an unconstrained row."""
 
 
-def mask_logits(logits: torch.Tensor, matchers: Matchers | None) -> torch.Tensor:
+DEAD_END = ("the {kind} grammar admits no token of this model's vocabulary at this point of the output (the vocabulary "
+            "cannot spell what the grammar requires next)")
+
+
+def mask_logits(logits: torch.Tensor, matchers: Matchers | None) -> tuple[torch.Tensor, set[int]]:
     """`logits` [B, V] with every token a row's grammar forbids at -inf (in place; rows without a
-    matcher untouched)."""
+    matcher untouched), and the rows whose grammar allows no token at all (a vocabulary that cannot
+    spell what the grammar requires): those are left unmasked, their matcher not advanced; the caller
+    ends them with an error."""
     if not matchers:
-        return logits
+        return logits, set()
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
-        return logits
+        return logits, set()
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
     for i in rows:
         matchers[i].fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
-    return logits
+    dead = {i for i in rows if not bool(bitmask[i].any())}
+    live = [i for i in rows if i not in dead]
+    if live:
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=live)
+    return logits, dead
 
 
-def advance(matchers: Matchers | None, tokens: list[int]) -> None:
+def advance(matchers: Matchers | None, tokens: list[int], dead: set[int]) -> None:
     """Feed each constrained row its sampled token (always one its mask allowed)."""
-    for matcher, token in zip(matchers or (), tokens, strict=False):
-        if matcher is not None and not matcher.accept_token(token):
+    for i, (matcher, token) in enumerate(zip(matchers or (), tokens, strict=False)):
+        if matcher is not None and i not in dead and not matcher.accept_token(token):
             raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
 
 

@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging
 
 from services.common.logging import get_logger
 from services.inference.cost import CallCost
-from services.inference.grammar import Grammars
+from services.inference.grammar import DEAD_END, Grammars
 from services.inference.requests import Joining, SamplingParams
 from services.inference.sampling import TopLogprobs, sample_top
 from services.inference.weights import load_safetensors_into
@@ -80,6 +80,9 @@ class TransformersBackend:
         """How many rows each model forward ran, per kind (`/server_info`): the batching actually achieved."""
         self.cost = CallCost()
         self._grammars: Grammars | None = None
+        self.grammar_failed: dict[int, str] = {}
+        """Sids whose grammar allowed no token of the vocabulary in the last step, and why (the
+        scheduler ends them with a 400 abort, as SGLang ends a request it cannot serve)."""
         self.grammar_done: set[int] = set()
         """Sids whose grammar completed in the last step (the scheduler finishes them, as SGLang does
         when a grammar terminates: only reached with `ignore_eos`, since a grammar ends on EOS)."""
@@ -99,12 +102,15 @@ class TransformersBackend:
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[Token]:
         """Sample a token for each row (its grammar, if any, applied and advanced)."""
         matchers = [r.grammar for r in rows] if any(r.grammar is not None for r in rows) else None
-        tokens, logps, tops = sample_top(logits, [r.params for r in rows], [r.generator for r in rows], matchers)
+        dead: set[int] = set()
+        tokens, logps, tops = sample_top(logits, [r.params for r in rows], [r.generator for r in rows], matchers, dead)
         out: list[Token] = []
-        for row, tok, lp, top in zip(rows, tokens, logps, tops, strict=True):
+        for i, (row, tok, lp, top) in enumerate(zip(rows, tokens, logps, tops, strict=True)):
             row.last_token = tok
             out.append((row.sid, tok, lp, top))
-            if row.grammar is not None and row.grammar.is_terminated():
+            if i in dead:
+                self.grammar_failed[row.sid] = DEAD_END.format(kind=row.params.grammar.kind if row.params.grammar else "")
+            elif row.grammar is not None and row.grammar.is_terminated():
                 self.grammar_done.add(row.sid)
         return out
 

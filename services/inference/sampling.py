@@ -63,11 +63,15 @@ def sample(
 
 
 def sample_top(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator], matchers: Matchers | None = None
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator], matchers: Matchers | None = None,
+    dead: set[int] | None = None,
 ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
     """logits [B, V] -> (token per row, its logprob, the row's top log-probs or None). `matchers`: per
-    row its grammar matcher or None (constrained rows are masked, then advanced by their token)."""
-    logits = mask_logits(logits.float(), matchers)
+    row its grammar matcher or None (constrained rows are masked, then advanced by their token); rows
+    whose grammar allows no token are added to `dead` (grammar.py)."""
+    logits, stuck = mask_logits(logits.float(), matchers)
+    if dead is not None:
+        dead |= stuck
     first = params[0]
     if all(p is first for p in params):  # one setting for the whole batch (the usual case: parsing caches them)
         greedy = [first.greedy] * len(params)
@@ -88,7 +92,7 @@ def sample_top(
         tokens = drawn if not any(greedy) else torch.where(torch.tensor(greedy), logp.argmax(dim=-1), drawn)
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     token_list = tokens.tolist()
-    advance(matchers, token_list)
+    advance(matchers, token_list, stuck)
     return token_list, chosen.tolist(), _top(logp, params)
 
 

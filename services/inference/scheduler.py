@@ -198,6 +198,9 @@ class Scheduler:
         """SGLang's finish rules (`Req.update_finish_state`): with `ignore_eos` no token ends the output,
         neither EOS nor `stop_token_ids`; a completed grammar ends it after the length check."""
         p, n = seq.params, len(seq.output_ids)
+        failed = getattr(self.backend, "grammar_failed", None)
+        if failed and seq.sid in failed:
+            return {"type": "abort", "message": failed.pop(seq.sid), "status_code": 400, "err_type": "BadRequestError"}
         if n >= p.min_new_tokens:
             if not p.ignore_eos and (tok in self.backend.eos_ids or tok in p.stop_token_ids):
                 return {"type": "stop", "matched": tok}

@@ -41,6 +41,12 @@ class GenerationHyperparameters:
     """Strings that end the completion."""
     frequency_penalty: float = 0.0
     """Only 0.0 is supported."""
+    json_schema: str | None = None
+    """Output constrained to JSON valid against this schema (JSON text), enforced while decoding."""
+    regex: str | None = None
+    """Output constrained to this regular expression."""
+    ebnf: str | None = None
+    """Output constrained to this EBNF grammar (xgrammar's dialect, as SGLang)."""
     lora_name: str = ""
     """Only "" is supported."""
     use_beam_search: bool = False
@@ -77,4 +83,7 @@ class GenerationHyperparameters:
             "stop_token_ids": list(self.stop_token_ids),
             "stop": list(self.stop or []),
             "ignore_eos": self.ignore_eos,
+            "json_schema": self.json_schema,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
         }
