@@ -22,6 +22,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.utils import logging as hf_logging
 
 from services.common.logging import get_logger
+from services.inference import penalties
 from services.inference.cost import CallCost
 from services.inference.grammar import DEAD_END, Grammars
 from services.inference.requests import Joining, SamplingParams
@@ -42,6 +43,8 @@ class _Row:
     last_token: int = 0
     grammar: Any = None
     """Its `GrammarMatcher` when the request constrains its output (grammar.py)."""
+    counts: torch.Tensor | None = None
+    """Its output tokens' counts when it has penalties or a logit bias (penalties.py)."""
 
 
 class TransformersBackend:
@@ -97,13 +100,16 @@ class TransformersBackend:
     def _new_row(self, j: Joining, next_pos: int) -> _Row:
         spec = j.params.grammar
         matcher = None if spec is None or self.grammars is None else self.grammars.matcher(spec)
-        return _Row(j.sid, j.params, self._generator(j.params), next_pos=next_pos, grammar=matcher)
+        counts = torch.zeros(self.vocab_size) if penalties.wants(j.params) else None
+        return _Row(j.sid, j.params, self._generator(j.params), next_pos=next_pos, grammar=matcher, counts=counts)
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[Token]:
         """Sample a token for each row (its grammar, if any, applied and advanced)."""
         matchers = [r.grammar for r in rows] if any(r.grammar is not None for r in rows) else None
         dead: set[int] = set()
+        logits = penalties.adjust(logits, rows)
         tokens, logps, tops = sample_top(logits, [r.params for r in rows], [r.generator for r in rows], matchers, dead)
+        penalties.observe(rows, tokens)
         out: list[Token] = []
         for i, (row, tok, lp, top) in enumerate(zip(rows, tokens, logps, tops, strict=True)):
             row.last_token = tok

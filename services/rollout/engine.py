@@ -219,9 +219,7 @@ class InferenceEngine:
                 seed=req.seed,
                 rid=f"{req.rid}-p{passes}" if req.rid else None,
                 top_logprobs_num=req.top_logprobs,
-                json_schema=req.json_schema,
-                regex=req.regex,
-                ebnf=req.ebnf,
+                **req.extras(),
             )
             body, server = await self._generate_pass(server, payload, episode)
             if episode is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: fields jetrl's inference servers do not implement: only their default value is accepted
-_UNSUPPORTED: dict[str, Any] = {"frequency_penalty": 0.0, "lora_name": "", "use_beam_search": False, "min_new_tokens": 0}
+_UNSUPPORTED: dict[str, Any] = {"lora_name": "", "use_beam_search": False, "min_new_tokens": 0}
 
 
 @dataclass
@@ -40,7 +40,7 @@ class GenerationHyperparameters:
     stop: list[str] | None = None
     """Strings that end the completion."""
     frequency_penalty: float = 0.0
-    """Only 0.0 is supported."""
+    """Subtracted from a token's logit once per time it is already in the completion (SGLang's)."""
     json_schema: str | None = None
     """Output constrained to JSON valid against this schema (JSON text), enforced while decoding."""
     regex: str | None = None
@@ -83,6 +83,7 @@ class GenerationHyperparameters:
             "stop_token_ids": list(self.stop_token_ids),
             "stop": list(self.stop or []),
             "ignore_eos": self.ignore_eos,
+            "frequency_penalty": self.frequency_penalty,
             "json_schema": self.json_schema,
             "regex": self.regex,
             "ebnf": self.ebnf,

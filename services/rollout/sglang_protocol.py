@@ -125,6 +125,9 @@ def build_generate_payload(
     json_schema: str | None = None,
     regex: str | None = None,
     ebnf: str | None = None,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    logit_bias: dict[int, float] | None = None,
 ) -> dict[str, Any]:
     """The body of one `/generate` pass: token ids in, output logprobs requested, no streaming. Stop
     strings are never sent (a `--skip-tokenizer-init` server refuses them, older ones ignored them): the
@@ -147,6 +150,12 @@ def build_generate_payload(
     for name, constraint in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf)):
         if constraint:
             sampling[name] = constraint
+    if frequency_penalty:
+        sampling["frequency_penalty"] = frequency_penalty
+    if presence_penalty:
+        sampling["presence_penalty"] = presence_penalty
+    if logit_bias:
+        sampling["logit_bias"] = {str(k): float(v) for k, v in logit_bias.items()}  # SGLang's keys are strings
     payload: dict[str, Any] = {
         "input_ids": list(input_ids),
         "sampling_params": sampling,

@@ -144,3 +144,35 @@ async def test_responses_text_format_and_a_cut_completion(server: ProxyServer, e
             await oai.chat.completions.create(model="p", messages=ASK, tools=TOOLS, tool_choice="required",
                                               response_format={"type": "json_object"})
         await assert_export_is_the_engines(http, server, sid, engine.calls)  # the cut completion is recorded too
+
+
+async def test_the_rest_of_the_openai_surface(server: ProxyServer, engine: RecordingEngine) -> None:
+    """/v1/completions (plain and streamed, recorded like a chat completion), logit_bias and the
+    penalties reaching the server, responses.retrieve, the served model's name, embeddings' 501."""
+    tok = server.proxy.chat.tokenizer
+    x = tok.convert_tokens_to_ids("x")
+    async with httpx.AsyncClient(timeout=120) as http:
+        sid = await session(http, server)
+        oai = openai_client(server, sid, http)
+        plain = await oai.completions.create(model="gpt-4o", prompt="12+3=", max_tokens=5, seed=1, logit_bias={str(x): 100})
+        assert plain.choices[0].text == "xxxxx" and plain.model == "jetrl" and plain.choices[0].finish_reason == "length"
+        assert engine.requests[-1].input_ids == tok("12+3=").input_ids and engine.requests[-1].logit_bias == {x: 100.0}
+        streamed = await oai.completions.create(model="p", prompt="12+3=", max_tokens=5, seed=1, stream=True)
+        again = await oai.completions.create(model="p", prompt="12+3=", max_tokens=5, seed=1)
+        assert "".join([c.choices[0].text async for c in streamed]) == again.choices[0].text
+        penalised = await oai.chat.completions.create(model="p", messages=ASK, max_tokens=30, seed=2, frequency_penalty=2.0,
+                                                      presence_penalty=2.0)
+        text = penalised.choices[0].message.content or ""
+        asked = engine.requests[-1]
+        assert (asked.frequency_penalty, asked.presence_penalty) == (2.0, 2.0) and penalised.model == "jetrl"
+        assert max(text.count(c) for c in set(text)) <= 3, text  # repeats are pushed down hard
+        resp = await oai.responses.create(model="p", input="12+3=", max_output_tokens=4)
+        got = await oai.responses.retrieve(resp.id)
+        assert got.id == resp.id and got.output_text == resp.output_text and got.model == "jetrl"
+        unstored = await oai.responses.create(model="p", input="12+3=", max_output_tokens=4, store=False)
+        with pytest.raises(openai.NotFoundError, match="no stored response"):
+            await oai.responses.retrieve(unstored.id)
+        with pytest.raises(openai.APIStatusError, match="embeddings are not served") as err:
+            await oai.embeddings.create(model="p", input="hi")
+        assert err.value.status_code == 501
+        await assert_export_is_the_engines(http, server, sid, engine.calls)

@@ -29,7 +29,7 @@ from services.rollout.engine import BadRequestError, InferenceError, ModelReques
 
 log = get_logger("rollout.agent")
 
-ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
+ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_", "completions": "cmpl-"}
 
 
 @dataclass
@@ -60,6 +60,8 @@ class Session:
     cache: InteractionCache = field(default_factory=InteractionCache)
     ended: bool = False
     started: float = field(default_factory=time.monotonic)
+    stored: dict[str, CanonicalRequest] = field(default_factory=dict)
+    """The request of each stored Responses API response (`store`, default true), for `GET .../responses/{id}`."""
 
 
 @dataclass
@@ -106,6 +108,8 @@ class AgentProxy:
 
     # ---- completions ---------------------------------------------------------------------------
     def _prompt(self, session: Session, request: CanonicalRequest) -> Prompt:
+        if request.raw_prompt is not None:  # /v1/completions: the text as it is, no template, no parent
+            return Prompt(request.messages, None, list(self.chat.tokenizer(request.raw_prompt).input_ids), False, "")
         messages = request.messages
         if request.previous_id is not None:
             previous = session.cache.get(request.previous_id)
@@ -151,6 +155,9 @@ class AgentProxy:
             seed=request.seed,
             top_logprobs=request.top_logprobs if request.logprobs else 0,
             json_schema=constraint,
+            frequency_penalty=request.frequency_penalty,
+            presence_penalty=request.presence_penalty,
+            logit_bias=dict(request.logit_bias),
         )
         # n samples of one prompt; a given seed is varied per sample or they would all be the same
         samples = [replace(model_request, seed=None if request.seed is None else request.seed + i) for i in range(request.n)]
