@@ -279,11 +279,17 @@ def parse_generate(
         for token, _ in params[i].logit_bias:  # SGLang's own check, word for word
             if not 0 <= token < vocab_size:
                 raise RequestError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token}.")
+        # SGLang's TokenizerManager._validate_one_request, word for word: an input as long as the context
+        # is refused whatever max_new_tokens asks; then prompt + max_new_tokens must fit
+        if len(prompt) >= context_length:
+            raise RequestError(f"The input ({len(prompt)} tokens) is longer than the model's context length ({context_length} tokens).")
         total = len(prompt) + params[i].max_new_tokens
         if total > context_length:
             raise RequestError(
-                f"Requested token count exceeds the model's maximum context length of {context_length} tokens: "
-                f"{len(prompt)} prompt tokens + max_new_tokens {params[i].max_new_tokens} = {total}"
+                f"Requested token count exceeds the model's maximum context length of {context_length} tokens. You "
+                f"requested a total of {total} tokens: {len(prompt)} tokens from the input messages and "
+                f"{params[i].max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit."
             )
     rid = body.get("rid")
     expanded = [p for p in prompts for _ in range(n)]
