@@ -181,14 +181,15 @@ class BroadcastPublisher:
     async def _announce(self, version: int, result: VersionResult, hf_dir: Path | None) -> WeightsPublished:
         """Report every server's outcome, announce the version, publish its disk copy (`hf_dir`)."""
         self.history.append(result)
+        how = self.broadcaster.transport
         reports = [self._report(self.subjects.weights_loaded(server), WeightsLoaded(
-            run=self.run, server=server, version=version, seconds=result.seconds, transport=self.broadcaster.transport)) for server in result.loaded]
+            run=self.run, server=server, version=version, seconds=result.seconds, transport=how)) for server in result.loaded]
         reports += [self._report(self.subjects.weights_failed(server), WeightsLoadFailed(
-            run=self.run, server=server, version=version, reason=reason, transport=self.broadcaster.transport))
+            run=self.run, server=server, version=version, reason=reason, transport=how))
             for server, reason in result.failed.items()]
         disk = self.last_disk
         msg = WeightsPublished(
-            run=self.run, version=version, step=version, transport=self.broadcaster.transport, members=result.loaded,
+            run=self.run, version=version, step=version, transport=how, members=result.loaded,
             group=self.broadcaster.address, dtype=self.broadcaster.dtype_name, buckets=result.buckets, bytes=result.bytes,
             uri=disk.uri if disk else "", files=list(disk.files) if disk else [], disk_version=disk.version if disk else None,
         )
@@ -204,7 +205,7 @@ class BroadcastPublisher:
                 "broadcast_members": float(len(result.loaded)), "broadcast_failed": float(len(result.failed)),
                 "broadcast_rebuilds": float(result.rebuilds), "broadcast_held_peak_bytes": float(result.held_peak_bytes),
             }, step=version, version=version)
-        log.info("weights broadcast", transport=self.broadcaster.transport, version=version, members=result.loaded, failed=list(result.failed),
+        log.info("weights broadcast", transport=how, version=version, members=result.loaded, failed=list(result.failed),
                  seconds=round(result.seconds, 3), bytes=result.bytes, buckets=result.buckets, rebuilds=result.rebuilds)
         if hf_dir is not None and self.disk is not None:
             # after the broadcast: members already hold this version, so their agents skip the disk copy

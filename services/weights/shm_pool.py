@@ -45,7 +45,7 @@ def _new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     storage, which an unrelated process maps by name), plain device memory on a GPU (shared by
     CUDA IPC handle). Touched once here, so no copy into it pays for page faults."""
     if device.type == "cpu":
-        storage = torch.UntypedStorage._new_using_filename_cpu(nbytes)  # type: ignore[attr-defined]
+        storage = torch.UntypedStorage._new_using_filename_cpu(nbytes)
         buf = torch.empty(0, dtype=torch.uint8).set_(storage)
     else:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)

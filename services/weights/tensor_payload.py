@@ -23,11 +23,11 @@ import binascii
 import copyreg
 import io
 import pickle
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.multiprocessing.reductions as reductions
-from multiprocessing.reduction import ForkingPickler
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
