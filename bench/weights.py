@@ -133,7 +133,9 @@ def start_services(model: Path, work: Path, mb: int, nats_url: str, run: str, po
         subprocess.Popen([sys.executable, "-m", "services.inference", f"model_path={model}", f"port={port}", f"run={run}"],
                          cwd=ROOT, env=env, stdout=logs, stderr=subprocess.STDOUT),
         subprocess.Popen([sys.executable, "-m", "services.weights", f"server={url}", f"nats_url={nats_url}", f"run={run}",
-                          f"cache_dir={work / f'cache{mb}'}", "keep_local=1", "request_timeout_s=600"],
+                          f"cache_dir={work / f'cache{mb}'}", "keep_local=1", "request_timeout_s=600",
+                          # both places this bench publishes to (an announcement elsewhere is refused)
+                          f'weight_roots=["file://{work / f"shared{mb}"}", "nats-os://WEIGHTS/{run}"]'],
                          cwd=ROOT, env=env, stdout=logs, stderr=subprocess.STDOUT),
     ]
     return logs, procs
