@@ -76,30 +76,6 @@ async def test_the_trainer_hands_each_version_over_in_shared_memory_bit_for_bit(
             await nc.close()
 
 
-@pytest.mark.timeout(180)
-async def test_copied_or_adopted_in_bf16_and_a_bad_request_leaves_the_old_weights(tiny_model: Path, tmp_path: Path) -> None:
-    with running_servers(tiny_model, tmp_path, 1) as (server,):
-        url = server.url
-        name = "model.layers.1.mlp.up_proj.weight"
-        for adopt in (False, True):
-            sender = ColocatedSender([url], dtype="bfloat16", bucket_mb=0.05, adopt=adopt, timeout_s=30)
-            try:
-                v = 1 if not adopt else 2
-                state = _model_state(tiny_model, 0.01 * v)
-                assert (await sender.send_version(v, state)).loaded == [url]
-                # the fp32 server holds exactly the bf16 values sent
-                assert torch.equal(server_weights(url, name), state[name].to(torch.bfloat16).float())
-            finally:
-                await sender.aclose()
-        async with httpx.AsyncClient(timeout=30) as http:
-            bad = serialize([("model.layers.1.mlp.up_proj.weight", torch.zeros(3, 3).share_memory_())])
-            r = await http.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": [bad], "weight_version": "9"})
-            assert r.status_code == 400 and "shape mismatch" in r.json()["message"]
-            r = await http.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": ["bm90IGEgcGlja2xl"]})
-            assert r.status_code == 400 and "does not load" in r.json()["message"]
-        assert server_version(url) == "2" == generated_version(url)
-
-
 def test_a_payload_naming_anything_but_tensors_is_refused_before_it_runs() -> None:
     import base64
     import os
@@ -116,9 +92,30 @@ def test_a_payload_naming_anything_but_tensors_is_refused_before_it_runs() -> No
     assert n == "w" and torch.equal(back, t) and back.is_shared()
 
 
-@pytest.mark.timeout(180)
-async def test_generation_goes_on_across_colocated_updates(tiny_model: Path, tmp_path: Path) -> None:
+async def _copied_or_adopted_in_bf16_and_bad_requests_refused(url: str, tiny_model: Path) -> None:
+    name = "model.layers.1.mlp.up_proj.weight"
+    for v, adopt in ((1, False), (2, True)):
+        sender = ColocatedSender([url], dtype="bfloat16", bucket_mb=0.05, adopt=adopt, timeout_s=30)
+        try:
+            state = _model_state(tiny_model, 0.01 * v)
+            assert (await sender.send_version(v, state)).loaded == [url]
+            # the fp32 server holds exactly the bf16 values sent, copied or adopted
+            assert torch.equal(server_weights(url, name), state[name].to(torch.bfloat16).float())
+        finally:
+            await sender.aclose()
+    async with httpx.AsyncClient(timeout=30) as http:
+        bad = serialize([(name, torch.zeros(3, 3).share_memory_())])
+        r = await http.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": [bad], "weight_version": "9"})
+        assert r.status_code == 400 and "shape mismatch" in r.json()["message"]
+        r = await http.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": ["bm90IGEgcGlja2xl"]})
+        assert r.status_code == 400 and "does not load" in r.json()["message"]
+    assert server_version(url) == "2" == generated_version(url)  # the refused requests changed nothing
+
+
+@pytest.mark.timeout(240)
+async def test_one_server_copies_or_adopts_refuses_bad_updates_and_generates_across_updates(tiny_model: Path, tmp_path: Path) -> None:
     with running_servers(tiny_model, tmp_path, 1) as (server,):
+        await _copied_or_adopted_in_bf16_and_bad_requests_refused(server.url, tiny_model)
         sender = ColocatedSender([server.url], bucket_mb=0.05, timeout_s=30)
         body = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}, "stream": True}
         try:
