@@ -152,10 +152,10 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             "output_dir": str(run_dir / "trainer"),
             "total_steps": s.total_steps,
             "feeder": {"dataset_path": dataset},
-            # Weights travel in memory to the servers it started (docs/weights.md), unless they are
-            # simulated (no model to receive into: then the disk path, as `trainer.weights_broadcast.
-            # enabled: false` selects).
-            "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers},
+            # Weights travel in memory to the servers it started (docs/weights.md): on this host, through
+            # shared memory (`colocated`), unless they are simulated (no model to receive into: then the
+            # disk path, as `trainer.weights_broadcast.enabled: false` selects).
+            "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers, "transport": "colocated"},
         }
         stack.nice = priorities(s, broadcast=bool(deep_merge(trainer, sec("trainer"))["weights_broadcast"].get("enabled")))
         if not s.dataset_path:  # the demo: a fixed eval set of 32 prompts, every 10 steps
