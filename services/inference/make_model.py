@@ -21,18 +21,24 @@ from services.common.model_path import KNOWN_MODELS
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list(string.digits) + list("+-=*?:>") + [" "] + list(string.ascii_lowercase)
+ASCII = [c for c in string.printable if c not in "\x0b\x0c\r"]
+"""`--vocab ascii`: every printable ASCII character plus tab and newline (101 ids with the specials), so
+the model can spell JSON, tool-call markup and code; the default `tiny` vocabulary cannot (no braces,
+quotes, commas or brackets)."""
+VOCABS = {"tiny": CHARS, "ascii": ASCII}
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 )
 
 
-def build_tokenizer(out_dir: Path) -> None:
+def build_tokenizer(out_dir: Path, chars: list[str] = CHARS) -> None:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # one piece per character ("." leaves newlines out, which only the ascii vocabulary spells)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("." if chars is CHARS else "[\\s\\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
@@ -50,12 +56,17 @@ def build_model(
     ffn: int = 256,
     max_positions: int = 512,
     seed: int = 0,
+    vocab: str = "tiny",
     force: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Write tokenizer + model to `out_dir`, which must not exist yet or be a directory jetrl made
     (`services/common/model_dirs.py`; anything else raises NotOurs and nothing is written). A complete
-    model jetrl made there is kept, unless `force`. `progress` is told each stage as it starts."""
+    model jetrl made there is kept, unless `force`. `progress` is told each stage as it starts. `vocab`
+    names the character set (`VOCABS`)."""
+    if vocab not in VOCABS:
+        raise ValueError(f"vocab must be one of {', '.join(VOCABS)}, got {vocab!r}")
+    chars = VOCABS[vocab]
     say = progress or (lambda _: None)
     out = Path(out_dir)
     if made_by_jetrl(out) and (out / "config.json").exists() and (out / "model.safetensors").exists() and not force:
@@ -65,9 +76,9 @@ def build_model(
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     say("writing the tokenizer")
-    build_tokenizer(out)
+    build_tokenizer(out, chars)
     config = LlamaConfig(
-        vocab_size=len(SPECIALS) + len(CHARS),
+        vocab_size=len(SPECIALS) + len(chars),
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -112,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=4, help="attention heads (tiny)")
     parser.add_argument("--ffn", type=int, default=256, help="MLP intermediate size (tiny)")
     parser.add_argument("--seed", type=int, default=0, help="init seed (tiny)")
+    parser.add_argument("--vocab", choices=sorted(VOCABS), default="tiny",
+                        help="character set (tiny): tiny (digits, lowercase, + - = * ? : >) or ascii (printable: JSON, tool calls)")
     parser.add_argument("--force", action="store_true", help="rebuild the tiny model jetrl made at --out (never one it did not make)")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -128,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model ready at {out} ({time.monotonic() - started:.1f} s); {use} uses it")
             return 0
         out = build_model(args.out or ".jetrl/models/tiny", hidden=args.hidden, layers=args.layers, heads=args.heads, ffn=args.ffn,
-                          seed=args.seed, force=args.force, progress=progress)
+                          seed=args.seed, vocab=args.vocab, force=args.force, progress=progress)
     except (NotOurs, RuntimeError) as exc:
         print(f"jetrl make-model: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Settings of `jetrl inference`, the SGLang-protocol server on CPU."""
+"""Settings of `jetrl inference`: the SGLang-protocol server on transformers (on a GPU, or the CPU
+stand-in for machines without one), or real SGLang launched with these settings."""
 
 from __future__ import annotations
 
@@ -65,6 +66,17 @@ class InferenceSettings(ServiceSettings):
     """Seed of the server's sampler for requests without `sampling_seed`."""
     torch_threads: int = 1
     """torch intra-op threads of the decode thread."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where this server's model runs: `cuda` (the first visible GPU; `CUDA_VISIBLE_DEVICES` picks
+    another) makes it a transformers server on the GPU, `cpu` the stand-in for machines without one.
+    Sampling runs on the CPU either way (float32 logits), so seeded requests draw alike."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The dtype the model is served in (the weights are cast on load and on every update): bfloat16
+    on a GPU; float32 on the CPU, where bf16 matmuls are slow. With `engine: sglang`, anything but
+    float32 is passed as `--dtype`. The trainer's `weights_broadcast.dtype` should match it."""
+    attn_implementation: str = ""
+    """transformers' attention implementation (`sdpa`, `eager`, `flash_attention_2` where installed);
+    empty: transformers' default. (With `engine: sglang` use `sglang_args` `--attention-backend=...`.)"""
     context_length: int = 0
     """Longest prompt + completion; 0 means the model's max_position_embeddings."""
     skip_tokenizer_init: bool = False

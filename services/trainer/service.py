@@ -140,10 +140,17 @@ def _broadcast_publisher(settings: TrainerSettings, nc: Any, disk: Any) -> Any:
         return None
     from services.weights.broadcast import WeightBroadcaster
     from services.weights.broadcast_publish import BroadcastPublisher
+    from services.weights.colocated import ColocatedSender
+    from services.weights.sender import VersionSender
 
-    sender = WeightBroadcaster(b.servers, master_address=b.master_address, dtype=b.dtype, bucket_mb=b.bucket_mb,
-                               timeout_s=b.timeout_s, group_name=b.group_name, checksum=b.checksum,
-                               keys=settings.trust.inference_keys())
+    sender: VersionSender
+    if b.transport == "colocated":
+        sender = ColocatedSender(b.servers, dtype=b.dtype, bucket_mb=b.bucket_mb, timeout_s=b.timeout_s, adopt=b.adopt,
+                                 keys=settings.trust.inference_keys())
+    else:
+        sender = WeightBroadcaster(b.servers, master_address=b.master_address, dtype=b.dtype, bucket_mb=b.bucket_mb,
+                                   timeout_s=b.timeout_s, group_name=b.group_name, checksum=b.checksum,
+                                   keys=settings.trust.inference_keys())
     return BroadcastPublisher(nc, settings.run, sender, disk, b.disk_every, retry_s=settings.bus_retry_timeout_s,
                               background=b.background)
 

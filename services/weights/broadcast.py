@@ -18,7 +18,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import torch
@@ -61,6 +61,8 @@ class GroupBroken(RuntimeError):
 
 
 class WeightBroadcaster:
+    transport: Literal["broadcast", "colocated"] = "broadcast"
+
     def __init__(self, servers: list[str], *, master_address: str = "127.0.0.1", dtype: str = "float32",
                  bucket_mb: float = 64.0, timeout_s: float = 30.0, group_name: str = "jetrl-weights",
                  checksum: bool = True, keys: tuple[str, str] = ("", "")) -> None:
