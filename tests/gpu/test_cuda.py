@@ -93,7 +93,7 @@ def test_a_colocated_update_by_cuda_ipc_is_bit_exact_in_bf16(tiny_model: Path, t
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     state = {n: (p.detach() + 0.01).cuda() for n, p in model.named_parameters()}
-    with running_servers(tiny_model, tmp_path, 1, "device=cuda", "dtype=bfloat16") as (server,):
+    with running_servers(tiny_model, tmp_path, 1, "device=cuda", "dtype=bfloat16", "memory_fraction=0.3") as (server,):
 
         async def send() -> list[str]:
             sender = ColocatedSender([server.url], dtype="bfloat16", bucket_mb=0.05)
