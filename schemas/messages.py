@@ -118,6 +118,12 @@ class WeightsPublished(Message):
     """broadcast: bytes sent to each member."""
     disk_version: int | None = None
     """broadcast: the version of the disk copy `uri` names (None: no disk copy yet)."""
+    epoch: int = 0
+    """The announcing trainer's epoch: above every earlier trainer's of the run (one more than the
+    last announced, at least the Unix time of its start), so a trainer resumed from an older
+    checkpoint announces its lower version under a newer epoch. An agent acts only on an
+    announcement not older, by (epoch, version), than the newest it accepted: a replayed one is
+    refused (signed, it cannot be altered)."""
     signature: str = ""
     """The trainer's HMAC over every other field (`trust.announce_key`); empty: unsigned. A weights
     agent given the key acts only on announcements whose signature checks out."""

@@ -19,6 +19,7 @@ from services.common.logging import get_logger
 from services.common.runner import Supervisor, supervise
 from services.inference.auth import middleware
 from services.inference.dist_weights import DistWeights
+from services.inference.grammar import GrammarError, check_grammars
 from services.inference.replies import error_body, models_body, output_body
 from services.inference.requests import RequestError, parse_generate
 from services.inference.scheduler import Scheduler, Seq
@@ -141,7 +142,10 @@ class InferenceServer:
                     _refuse_tokenizer_features(params.stop, params.min_new_tokens)
             if gen.stream and len(gen.prompts) > 1:
                 raise RequestError("stream: true with a batch input or n > 1 is not supported by the CPU server")
-        except RequestError as exc:
+            if any(p.grammar is not None for p in gen.param_list):  # compiled now: a bad grammar is this 400
+                skip = self.settings.skip_tokenizer_init
+                check_grammars([p.grammar for p in gen.param_list], None if skip else getattr(backend, "grammars", None))
+        except (RequestError, GrammarError) as exc:
             return web.json_response(error_body(str(exc)), status=400)
         rids: list[str | None] = [*gen.rids] if gen.rids else [None] * len(gen.prompts)
         seqs = [await self.sched.submit(p, params, rid) for p, params, rid in zip(gen.prompts, gen.param_list, rids, strict=True)]

@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
+from services.common.model_path import ModelPath
 from services.common.settings import Section, ServiceSettings
 from services.common.signing import load_key
 from services.inference.auth import is_loopback
@@ -35,8 +36,9 @@ class InferenceSettings(ServiceSettings):
     `sglang` package and a CUDA GPU) with these settings as its flags; see docs/sglang.md."""
     sglang_args: list[str] = []
     """Extra `sglang.launch_server` flags with `engine: sglang` (e.g. `--tp-size=2`, `--mem-fraction-static=0.8`)."""
-    model_path: str = ".jetrl/models/tiny"
-    """Local HF model directory (config.json + *.safetensors [+ tokenizer]); `jetrl make-model` builds the default."""
+    model_path: ModelPath = ".jetrl/models/tiny"
+    """HF model directory (config.json + safetensors, sharded or not [+ tokenizer]), a name `jetrl models`
+    lists (made by `jetrl make-model NAME`) or a hub id in the local HF cache; `jetrl make-model` builds the default."""
     host: str = "127.0.0.1"
     """Address to listen on. Beyond loopback the server refuses to start without `admin_api_key` or
     `api_key`: its admin routes swap the weights and pause generation (docs/security.md)."""

@@ -188,7 +188,9 @@ class WeightBroadcaster:
                 break
         finally:
             source.finish()
-        result.seconds = time.perf_counter() - t0
+        # from the first bucket there to send: a streamed version's source opens with the training call
+        # that gathers it, and the wait for that call's gather is training time, not broadcast time
+        result.seconds = time.perf_counter() - max(t0, source.ready_at or t0)
         result.stages.update(send_s=self._send_s)
         result.held_peak_bytes = source.peak_bytes
         return result

@@ -36,7 +36,7 @@ from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.weights.broadcast import VersionResult
 from services.weights.bucket_stream import BucketStream, StreamClosed
-from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
+from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream, next_epoch
 from services.weights.sender import VersionSender
 from services.weights.trust import sign
 
@@ -62,6 +62,8 @@ class BroadcastPublisher:
         self.history: list[VersionResult] = []
         """Every version's outcome (for metrics and tests)."""
         self._ready = False
+        self.epoch = 0
+        """This trainer's epoch (`publisher.next_epoch`), shared with the disk publisher."""
         self.background = background
         self._pending: asyncio.Task[WeightsPublished] | None = None
         """The version being sent in the background, if any."""
@@ -171,6 +173,10 @@ class BroadcastPublisher:
             await ensure_weight_sync_stream(self.nc, self.retry_s)
             if self.last_disk is None and self.disk is not None:
                 self.last_disk = await self._latest_disk()
+            # one epoch for the broadcast and the disk announcements: the disk publisher's, if any
+            self.epoch = await with_retries("read the last announcement", lambda: next_epoch(self.nc, self.run), self.retry_s)
+            if self.disk is not None:
+                self.epoch = self.disk.epoch = self.disk.epoch or self.epoch
             self._ready = True
 
     async def _publish(self, version: int, state: dict[str, torch.Tensor], hf_dir: Path | None) -> WeightsPublished:
@@ -192,6 +198,7 @@ class BroadcastPublisher:
             run=self.run, version=version, step=version, transport=how, members=result.loaded,
             group=self.broadcaster.address, dtype=self.broadcaster.dtype_name, buckets=result.buckets, bytes=result.bytes,
             uri=disk.uri if disk else "", files=list(disk.files) if disk else [], disk_version=disk.version if disk else None,
+            epoch=self.epoch,
         )
         msg = sign(msg, self.disk.announce_key if self.disk is not None else b"")  # the agents check it
         data = encode(msg)
