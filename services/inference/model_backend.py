@@ -51,7 +51,8 @@ class _Row:
 
 class TransformersBackend:
     def __init__(self, model_path: str, *, seed: int = 0, version: str = "0", threads: int = 1, tokenizer: bool = True,
-                 device: str = "cpu", dtype: str = "float32", attn_implementation: str | None = None) -> None:
+                 device: str = "cpu", dtype: str = "float32", attn_implementation: str | None = None,
+                 memory_fraction: float = 0.0) -> None:
         """`tokenizer=False` (a `skip_tokenizer_init` server) loads none: ids in, ids out. The model runs
         on `device` in `dtype`; sampling runs on the CPU (float32 logits), so a seeded request draws
         the same way on every device."""
@@ -66,6 +67,8 @@ class TransformersBackend:
             raise RuntimeError("device: cuda, but torch sees no CUDA GPU here (torch "
                                f"{torch.__version__}); serve on device: cpu, or install a CUDA build of torch")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and memory_fraction > 0:
+            torch.cuda.set_per_process_memory_fraction(memory_fraction)  # the rest is the trainer's (one GPU, both)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation)
         self.model = model.to(self.device).eval() if self.device.type != "cpu" else model.eval()  # type: ignore[arg-type]
         self._cache_kw = cache_kwarg(self.model)

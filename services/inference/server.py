@@ -56,7 +56,7 @@ def make_backend(settings: InferenceSettings) -> Any:
     return TransformersBackend(
         settings.model_path, seed=settings.seed, version=settings.weight_version, threads=settings.torch_threads,
         tokenizer=not settings.skip_tokenizer_init, device=settings.device, dtype=settings.dtype,
-        attn_implementation=settings.attn_implementation or None,
+        attn_implementation=settings.attn_implementation or None, memory_fraction=settings.memory_fraction,
     )
 
 

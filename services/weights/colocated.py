@@ -148,7 +148,8 @@ class ColocatedSender:
             if session:
                 session = self._sessions[server] = await self._begin(server)
             try:
-                r = await self._http.post(f"{server}/update_weights_from_tensor", json=body)
+                r = await self._http.post(f"{server}/update_weights_from_tensor", json=body,
+                                          timeout=httpx.Timeout(self.timeout_s, connect=5.0))
             finally:
                 if session:
                     await self._http.post(f"{server}/end_weight_update", json={})

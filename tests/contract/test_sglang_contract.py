@@ -418,3 +418,31 @@ async def test_the_agent_proxys_stop_strings_through_sglangs_app(app: App, tiny_
     finally:
         await srv.aclose()
         await engine.aclose()
+
+
+async def test_a_colocated_update_goes_through_sglangs_own_route(app: App, server: ServerProcess, tiny_model: Path) -> None:
+    """The trainer's colocated sender against SGLang's `/update_weights_from_tensor` (and, from 0.5.21,
+    its session routes): SGLang parses the request, the CPU server behind it takes the tensors by
+    shared-memory handle, bit for bit. The server's weights and version are put back after."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.weights.colocated import ColocatedSender
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    original = {n: p.detach() for n, p in model.named_parameters()}
+    state = {n: t + 0.5 for n, t in original.items()}
+    name = "model.layers.0.mlp.down_proj.weight"
+    async with httpx.AsyncClient(timeout=30) as http:
+        before = (await http.get(f"{server.url}/model_info")).json()["weight_version"]
+        sender = ColocatedSender([app.url], bucket_mb=0.05, timeout_s=60)
+        try:
+            result = await sender.send_version(77, state)
+            assert result.loaded == [app.url], result.failed
+            assert (await http.get(f"{app.url}{MODEL_INFO}")).json()["weight_version"] == "77"
+            served = (await http.post(f"{server.url}/get_weights_by_name", json={"name": name, "truncate_size": 1 << 30})).json()
+            assert torch.equal(torch.tensor(served, dtype=torch.float32), state[name])
+            assert (await sender.send_version(int(before), original)).loaded == [app.url]
+        finally:
+            await sender.aclose()
+        assert (await http.get(f"{server.url}/model_info")).json()["weight_version"] == before

@@ -37,8 +37,13 @@ def test_a_bf16_trainer_step_on_cuda_has_the_loss_of_the_cpu_fp32_step(tiny_mode
     cpu = _update(tiny_model, "float32", cuda=False)
     gpu = _update(tiny_model, "bfloat16", cuda=True)
     assert (cpu["device"], gpu["device"]) == ("cpu", "cuda")
-    # bf16 keeps 8 bits of mantissa: the loss of a short sequence batch agrees to ~1e-2 relative
-    assert gpu["loss"] == pytest.approx(cpu["loss"], rel=5e-2, abs=5e-3), (cpu, gpu)
+    # bf16 keeps 8 bits of mantissa (~4e-3 relative per value): per-token quantities agree to ~1e-2,
+    # and the loss (42 tokens, -0.10 in fp32) within 0.03: one token clipped more or less moves it by
+    # ~0.01 (the same update in bf16 on the CPU: -0.117 against -0.105)
+    assert gpu["entropy"] == pytest.approx(cpu["entropy"], rel=1e-2), (cpu, gpu)
+    assert gpu["imp_weight_mean"] == pytest.approx(cpu["imp_weight_mean"], rel=1e-2), (cpu, gpu)
+    assert gpu["loss"] == pytest.approx(cpu["loss"], abs=3e-2), (cpu, gpu)
+    assert gpu["train_tokens"] == cpu["train_tokens"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -93,7 +98,7 @@ def test_a_colocated_update_by_cuda_ipc_is_bit_exact_in_bf16(tiny_model: Path, t
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     state = {n: (p.detach() + 0.01).cuda() for n, p in model.named_parameters()}
-    with running_servers(tiny_model, tmp_path, 1, "device=cuda", "dtype=bfloat16") as (server,):
+    with running_servers(tiny_model, tmp_path, 1, "device=cuda", "dtype=bfloat16", "memory_fraction=0.3") as (server,):
 
         async def send() -> list[str]:
             sender = ColocatedSender([server.url], dtype="bfloat16", bucket_mb=0.05)
