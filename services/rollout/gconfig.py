@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: fields jetrl's inference servers do not implement: only their default value is accepted
-_UNSUPPORTED: dict[str, Any] = {"frequency_penalty": 0.0, "lora_name": "", "use_beam_search": False, "min_new_tokens": 0}
+_UNSUPPORTED: dict[str, Any] = {"lora_name": "", "use_beam_search": False, "min_new_tokens": 0}
 
 
 #: where `max_new_tokens` goes in each OpenAI-style API
@@ -53,7 +53,13 @@ class GenerationHyperparameters:
     stop: list[str] | None = None
     """Strings that end the completion."""
     frequency_penalty: float = 0.0
-    """Only 0.0 is supported."""
+    """Subtracted from a token's logit once per time it is already in the completion (SGLang's)."""
+    json_schema: str | None = None
+    """Output constrained to JSON valid against this schema (JSON text), enforced while decoding."""
+    regex: str | None = None
+    """Output constrained to this regular expression."""
+    ebnf: str | None = None
+    """Output constrained to this EBNF grammar (xgrammar's dialect, as SGLang)."""
     lora_name: str = ""
     """Only "" is supported."""
     use_beam_search: bool = False
@@ -128,4 +134,8 @@ class GenerationHyperparameters:
             "stop_token_ids": list(self.stop_token_ids),
             "stop": list(self.stop or []),
             "ignore_eos": self.ignore_eos,
+            "frequency_penalty": self.frequency_penalty,
+            "json_schema": self.json_schema,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
         }

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
+from services.common.model_path import ModelPath
 from services.common.settings import ServiceSettings
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.gconfig import GenerationHyperparameters
@@ -20,8 +21,9 @@ def _default_worker() -> str:
 class RolloutSettings(ServiceSettings):
     service: ClassVar[str] = "rollout"
 
-    model_path: str = ".jetrl/models/tiny"
-    """Model directory whose tokenizer the workflow uses (the inference servers hold the weights)."""
+    model_path: ModelPath = ".jetrl/models/tiny"
+    """Model whose tokenizer the workflow uses (the inference servers hold the weights): a directory, a
+    name `jetrl models` lists, or a hub id in the local HF cache."""
     inference: InferenceClientSettings = InferenceClientSettings()
     """The inference servers and how to call them."""
     workflow: str = "services.rollout.workflows.rlvr:RLVRWorkflow"

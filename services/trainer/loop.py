@@ -20,6 +20,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,8 @@ class Trainer:
                                  gate_versions=publish is not None and settings.publish_weights,
                                  tag=lambda pid: self.intake.tag_for(pid))
         self.intake = Intake(settings.eta, settings.ppo.dynamic_filtering, self.feeder,
-                             limits=model_limits(settings.model_path, settings.max_seq_len))
+                             limits=replace(model_limits(settings.model_path, settings.max_seq_len),
+                                            max_abs_reward=settings.max_abs_reward, min_logprob=settings.min_logprob))
         trust_prompts(self.intake, settings, live=source is None)
         self.consumer: TrajectoryConsumer | None = None
         if source is None:

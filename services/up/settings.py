@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from services.common.model_path import ModelPath
 from services.common.settings import ServiceSettings, flag
 
 
@@ -18,8 +19,10 @@ class UpSettings(ServiceSettings):
     """Run name (part of every subject); the run directory is `<run_dir>/<run>`."""
     run_dir: str = "runs"
     """Where each run keeps its NATS store, logs, checkpoints, metrics and plots."""
-    model_path: str = ".jetrl/models/tiny"
-    """Model served and trained; the default tiny model is built here if missing."""
+    model_path: ModelPath = ".jetrl/models/tiny"
+    """Model served and trained: a model directory (used as it is, never written), a name `jetrl models`
+    lists (`jetrl make-model NAME` first), or a hub id in the local HF cache; the default tiny model is built
+    here if the path does not exist."""
     dataset_path: str = ""
     """Prompt dataset (JSONL/Parquet); empty = generate the copy3 demo prompts in the run directory."""
     dataset_size: int = Field(4096, ge=1)
@@ -64,3 +67,9 @@ class UpSettings(ServiceSettings):
     bus: Literal["embedded", "external"] = "embedded"
     """embedded: a nats-server of its own in the run directory; external: the NATS at `nats_url` (a
     server or a cluster you run, e.g. `jetrl nats --cluster 3`; with `nats_replicas` for its streams)."""
+    open_bus: bool = False
+    """With `bus: embedded`, let the nats-server admit anyone without credentials (logged as a
+    warning): any process on this host can then read the prompts, publish groups that are trained and
+    announce weights. Default false: the run's bus admits only its own users, one per service, each
+    allowed only its subjects, with passwords made per run in `<run_dir>/<run>/secrets/`
+    (docs/security.md)."""
