@@ -97,7 +97,9 @@ class ColocatedSender:
             payload = await asyncio.to_thread(serialize, named)
             t2 = time.perf_counter()
             outcomes = await asyncio.gather(*(self._load(s, payload, str(version)) for s in self.servers))
-            result.stages.update(copy_s=t1 - t0, serialize_s=t2 - t1, load_s=time.perf_counter() - t2)
+            # from the first bucket there (a streamed version's source opens with the training call)
+            ready = max(t0, source.ready_at or t0)
+            result.stages.update(copy_s=t1 - ready, serialize_s=t2 - t1, load_s=time.perf_counter() - t2)
         finally:
             source.finish()
             self.pool.release(bset)
@@ -113,7 +115,8 @@ class ColocatedSender:
             result.failed[server] = why
             log.warning("colocated weights update failed", server=server, version=version, reason=why)
         self._members = result.loaded
-        result.seconds = time.perf_counter() - t0
+        # the broadcast's time, not the training call's: counted from the first bucket ready to send
+        result.seconds = time.perf_counter() - max(t0, source.ready_at or t0)
         result.held_peak_bytes = source.peak_bytes
         return result
 

@@ -120,11 +120,17 @@ async def test_a_server_killed_mid_stream_restarts_the_gather_and_a_failed_gathe
 
 
 @pytest.mark.timeout(120)
-async def test_broadcast_seconds_count_from_the_first_bucket_not_from_the_training_call(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["broadcast", "colocated"])
+async def test_broadcast_seconds_count_from_the_first_bucket_not_from_the_training_call(tiny_model: Path, tmp_path: Path,
+                                                                                         kind: str) -> None:
     # The trainer opens the stream when its training call starts; the gather puts the first bucket only
     # once the step is done. `broadcast_seconds` used to count that whole wait (it equalled train_time_s).
+    from services.weights.colocated import ColocatedSender
+
     with running_servers(tiny_model, tmp_path, 1) as [server]:
-        sender = WeightBroadcaster([server.url], bucket_mb=0.05, timeout_s=20)
+        sender: WeightBroadcaster | ColocatedSender = (
+            WeightBroadcaster([server.url], bucket_mb=0.05, timeout_s=20) if kind == "broadcast"
+            else ColocatedSender([server.url], bucket_mb=0.05, timeout_s=20))
         try:
             buckets = make_buckets(model_state(tiny_model, 0.01), torch.float32, sender.bucket_bytes, checksum=False)
             stream = BucketStream(asyncio.get_running_loop())
