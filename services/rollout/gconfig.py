@@ -21,7 +21,7 @@ _UNSUPPORTED: dict[str, Any] = {"lora_name": "", "use_beam_search": False, "min_
 _OPENAI_MAX_NEW_TOKENS = {"completions": "max_completion_tokens", "responses": "max_output_tokens", "openai-agents": "max_tokens"}
 #: settings with no OpenAI argument (`max_tokens` caps prompt + completion, which OpenAI has no name for)
 _OPENAI_UNSUPPORTED = {"min_new_tokens", "greedy", "top_k", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                       "lora_name", "use_beam_search", "max_tokens"}
+                       "lora_name", "use_beam_search", "max_tokens", "json_schema", "regex", "ebnf"}
 
 
 def _log() -> Any:

@@ -20,6 +20,7 @@ semantics"):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +104,7 @@ class RolloutWorker:
         self.dumper = dumper
         self.stats = RolloutStats()
         self.failures = EpisodeFailures(workflow_name(workflow), config.fail_fast_after)
+        self._task_ids = itertools.count()  # AReaL's integer task ids, one per episode task
         self.max_deliver = config.max_deliver
         self.gate = VersionGate(engine, poll_s=config.version_poll_s)
         self._inflight: set[asyncio.Task[None]] = set()
@@ -277,7 +279,7 @@ class RolloutWorker:
     async def _episode(self, msg: Msg, task: PromptTask, is_eval: bool, started: float) -> None:
         set_current(self.failures)  # this episode's task: where a shrunk group is reported
         try:
-            with workflow_context.set(is_eval=is_eval, task_id=task.prompt_id):
+            with workflow_context.set(is_eval=is_eval, task_id=next(self._task_ids), prompt_id=task.prompt_id):
                 result = as_tensor_dict(await self._run_episode(task))
             encoded = None if result is None else self._encode(task, result, is_eval, prompt_tag_of(msg.headers))
         except Exception as exc:

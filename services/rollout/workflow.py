@@ -38,7 +38,10 @@ class WorkflowError(TypeError):
 @dataclass(frozen=True)
 class WorkflowContext:
     is_eval: bool = False
-    task_id: str | None = None
+    task_id: int | None = None
+    """AReaL's: an integer per episode task (the worker counts its prompts' episodes)."""
+    prompt_id: str | None = None
+    """jetrl's: the prompt's id on the bus (`<epoch>-<row>[-r<n>]`), the same on every retry."""
 
     def stat_scope(self) -> str:
         """Where an episode's statistics go: evaluation figures never mix with training ones."""
@@ -66,24 +69,30 @@ class _ContextSet:
 
 
 class _WorkflowContextAccess:
-    """`workflow_context.is_eval`, `.task_id`, `.stat_scope()`, `.get()` read the running episode's
-    context; `workflow_context.set(ctx)` or `with workflow_context.set(is_eval=..., task_id=...)` sets
+    """`workflow_context.is_eval`, `.task_id` (an int, as AReaL's), `.prompt_id`, `.stat_scope()`,
+    `.get()` read the running episode's context; `workflow_context.set(ctx)` or
+    `with workflow_context.set(is_eval=..., task_id=..., prompt_id=...)` sets
     it (the worker does this); `await workflow_context.get_httpx_client()` /
     `get_aiohttp_session()` give the shared HTTP client of the running event loop, as AReaL's do."""
 
     def get(self) -> WorkflowContext:
         return _CURRENT.get()
 
-    def set(self, ctx: WorkflowContext | None = None, *, is_eval: bool = False, task_id: str | None = None) -> _ContextSet:
-        return _ContextSet(ctx if ctx is not None else WorkflowContext(is_eval=is_eval, task_id=task_id))
+    def set(self, ctx: WorkflowContext | None = None, *, is_eval: bool = False, task_id: int | None = None,
+            prompt_id: str | None = None) -> _ContextSet:
+        return _ContextSet(ctx if ctx is not None else WorkflowContext(is_eval=is_eval, task_id=task_id, prompt_id=prompt_id))
 
     @property
     def is_eval(self) -> bool:
         return _CURRENT.get().is_eval
 
     @property
-    def task_id(self) -> str | None:
+    def task_id(self) -> int | None:
         return _CURRENT.get().task_id
+
+    @property
+    def prompt_id(self) -> str | None:
+        return _CURRENT.get().prompt_id
 
     def stat_scope(self) -> str:
         return _CURRENT.get().stat_scope()

@@ -121,7 +121,7 @@ async def push(nc: NATS, data: list[dict[str, Any]]) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("piece", list(PIECES))
-async def test_arealss_own_code_runs_episodes_with_none_failed(
+async def test_areals_own_code_runs_episodes_with_none_failed(
     piece: str, ported: Path, nc: NATS, engine: InferenceEngine, tiny_model: Path
 ) -> None:
     from transformers import AutoTokenizer

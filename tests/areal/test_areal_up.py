@@ -19,7 +19,7 @@ import yaml
 from tests.areal.areal_pkg import install
 from tests.areal.port import port
 from tests.areal.test_areal_port import FILES, PACKAGE, PIECES
-from tests.support.up import ROOT, finish, processes_of
+from tests.support.up import ROOT, finish, processes_of, up_env
 
 STEPS = 20
 SELECTED = [p.strip() for p in os.environ.get("JETRL_AREAL_PIECES", "").split(",") if p.strip()] or list(PIECES)
@@ -49,7 +49,7 @@ def test_areal_piece_trains_20_steps_in_jetrl_up(piece: str, tmp_path: Path) -> 
         "trainer": {"batch_groups": 2, "eta": 2, "checkpoint_every": 0},
     }
     (tmp_path / "up.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(dest)])}
+    env = up_env(str(dest))
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.up", "--config", str(tmp_path / "up.yaml"), "run=areal", f"run_dir={tmp_path}",
          f"total_steps={STEPS}", "display=lines", f"model_path={tmp_path / 'model'}"],

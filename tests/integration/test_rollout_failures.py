@@ -151,4 +151,4 @@ def test_failures_are_logged_once_per_kind_in_a_while_and_all_counted() -> None:
     assert [(e["event"], e["error"]) for e in logs] == [
         ("episode failed; retrying later", "KeyError: 'a'"), ("episode failed; prompt rejected", "TypeError: b")]
     assert book.counters() == {"failed_by_KeyError": 5.0, "failed_by_TypeError": 1.0,
-                               "episodes_failed_total": 6.0, "groups_shrunk_total": 0.0}
+                               "episodes_failed_total": 6.0, "groups_shrunk_total": 0.0, "groups_not_accepted_total": 0.0}

@@ -116,7 +116,7 @@ class ArealOpenAI:
         if tokenizer is None:
             raise WorkflowError("ArealOpenAI needs a tokenizer (an object or a model directory)")
         self.proxy = AgentProxy(engine, tokenizer, SamplingDefaults(max_new_tokens, temperature, top_p))
-        self.session = self.proxy.start_session(workflow_context.task_id)
+        self.session = self.proxy.start_session(workflow_context.prompt_id)
         self.discount = 0.0
         # what SDK wrappers (openai-agents) read off an OpenAI client: no HTTP happens here
         import httpx

@@ -101,6 +101,8 @@ class ProxyServer:
         # both SDKs, as AReaL's gateway does (OpenAI appends `/chat/completions`, Anthropic `/v1/messages`)
         r.add_post("/{session}/chat/completions", self.chat)
         r.add_post("/{session}/responses", self.responses)
+        r.add_get("/{session}/responses/{response_id}", self.retrieve_response)
+        r.add_post("/{session}/completions", self.completions)
         r.add_get("/{session}/models", self.models)
         r.add_post("/{session}/rl/set_reward", self.set_reward)
         r.add_post("/{session}/rl/end_session", self.end_session)

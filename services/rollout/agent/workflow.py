@@ -163,7 +163,7 @@ class AgentWorkflow(RolloutWorkflow):
         server = await self.start(engine)
         proxy = self.proxy
         assert proxy is not None
-        session = proxy.start_session(workflow_context.task_id)
+        session = proxy.start_session(workflow_context.prompt_id)
         try:
             result = await self._run(server, session, data)
             self._apply(proxy, session, result)
