@@ -3,7 +3,7 @@ SDK, enforced while decoding by the inference server (docs/agent.md, "tool_choic
 
 The task is the copy3 demo's (prompt `123=`, answer `123`). The agent offers one tool, `submit(answer)`,
 and requires a call: the server's grammar holds the completion to `{"name": "submit", "arguments":
-{"answer": "<at most 8 characters>"}}`, so the SDK always returns one well-formed call (never a 422
+{"answer": "<1 to 8 digits>"}}`, so the SDK always returns one well-formed call (never a 422
 for a malformed one, whatever the policy's state: an untrained or a freshly updated model alike) and
 the reward is copy3's on the submitted answer. What the trainer sees are the tokens sampled under the
 grammar, with the log-probs of the constrained distribution.
@@ -26,7 +26,7 @@ SUBMIT = {
     "function": {
         "name": "submit",
         "description": "Submit the final answer.",
-        "parameters": {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8}},
+        "parameters": {"type": "object", "properties": {"answer": {"type": "string", "pattern": "^[0-9]{1,8}$"}},
                        "required": ["answer"], "additionalProperties": False},
     },
 }
