@@ -24,6 +24,7 @@ from services.inference.replies import error_body, models_body, output_body
 from services.inference.requests import RequestError, parse_generate
 from services.inference.scheduler import Scheduler, Seq
 from services.inference.settings import InferenceSettings
+from services.inference.tensor_update import TensorUpdate
 from services.inference.weights import WeightLoadError
 
 log = get_logger("inference")
@@ -54,7 +55,8 @@ def make_backend(settings: InferenceSettings) -> Any:
 
     return TransformersBackend(
         settings.model_path, seed=settings.seed, version=settings.weight_version, threads=settings.torch_threads,
-        tokenizer=not settings.skip_tokenizer_init,
+        tokenizer=not settings.skip_tokenizer_init, device=settings.device, dtype=settings.dtype,
+        attn_implementation=settings.attn_implementation or None,
     )
 
 
@@ -66,6 +68,7 @@ class InferenceServer:
         self.generate_calls = 0
         """`/generate` HTTP requests received (a batch is one), in `/server_info`."""
         self.dist_weights = DistWeights(self, settings.weights_group_timeout_s)
+        self.tensor_update = TensorUpdate(self)
 
     @property
     def ready(self) -> bool:
@@ -101,6 +104,7 @@ class InferenceServer:
         r.add_get("/v1/models", self.models)
         r.add_get("/v1/loads", self.load)
         self.dist_weights.register(r)  # SGLang's distributed weight update (dist_weights.py)
+        self.tensor_update.register(r)  # SGLang's update from tensors by handle, same host (tensor_update.py)
         return app
 
     @web.middleware

@@ -15,7 +15,7 @@ import pytest
 
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from services.common.bus import connect
-from services.runs import run_nats
+from services.runs import run_auth, run_nats
 
 ROOT = Path(__file__).resolve().parents[2]
 ETA = 4
@@ -51,7 +51,8 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
 
 async def read_recording(run_dir: Path, run: str) -> list[tuple[dict[str, str], bytes]]:
     with run_nats(run_dir) as url:
-        nc = await connect(url, "e2e-check", connect_timeout_s=10)
+        # the whole recording: the run's admin user (`jetrl up` locks its bus; replay and export run as it)
+        nc = await connect(url, "e2e-check", connect_timeout_s=10, auth=run_auth(run_dir, "admin"))
         js = nc.jetstream()
         last = (await js.stream_info(TRAJECTORIES_STREAM)).state.last_seq
         sub = await js.subscribe(Subjects(run).trajectories, ordered_consumer=True, stream=TRAJECTORIES_STREAM)

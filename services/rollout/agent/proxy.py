@@ -225,15 +225,17 @@ class AgentProxy:
         except LookupError as exc:
             raise bad_request(str(exc)) from exc
 
-    def export(self, session_id: str, discount: float = 1.0, style: str = "individual") -> dict[str, AgentSample]:
-        """The session's samples (completion id -> sample); the session is closed and forgotten."""
+    def export(self, session_id: str, discount: float = 1.0, style: str = "individual",
+               rule: str = "tree") -> dict[str, AgentSample]:
+        """The session's samples (completion id -> sample); the session is closed and forgotten.
+        `rule`: how rewards propagate back ("tree" or AReaL's "creation_order", `cache.returns`)."""
         session = self.session(session_id)
         if style not in STYLES:
             raise bad_request(f"style must be one of {', '.join(STYLES)}, got {style!r}", "style")
         if not 0.0 <= discount <= 1.0:
             raise bad_request(f"discount must be in [0, 1], got {discount}", "discount")
         try:
-            samples = export_session(session.cache, discount, style)
+            samples = export_session(session.cache, discount, style, rule)
         except ExportError as exc:
             raise bad_request(str(exc), "style") from exc
         self.drop_session(session_id)

@@ -97,6 +97,11 @@ class ProxyServer:
         r.add_post("/{session}/v1/messages", self.messages)
         r.add_post("/{session}/v1/messages/count_tokens", self.count_tokens)
         r.add_get("/{session}/v1/models", self.models)
+        # the OpenAI routes at the session's root too: one base_url (`{url}/{session}`) then serves
+        # both SDKs, as AReaL's gateway does (OpenAI appends `/chat/completions`, Anthropic `/v1/messages`)
+        r.add_post("/{session}/chat/completions", self.chat)
+        r.add_post("/{session}/responses", self.responses)
+        r.add_get("/{session}/models", self.models)
         r.add_post("/{session}/rl/set_reward", self.set_reward)
         r.add_post("/{session}/rl/end_session", self.end_session)
         return app
@@ -117,6 +122,11 @@ class ProxyServer:
     def base_url(self, session_id: str) -> str:
         """What an OpenAI client's `base_url` is for this session."""
         return f"{self.url}/{session_id}/v1"
+
+    def session_url(self, session_id: str) -> str:
+        """The `base_url` an agent gets: the session's root, which serves the OpenAI routes and
+        Anthropic's `/v1/messages` alike (an Anthropic client given `/v1` would post `/v1/v1/messages`)."""
+        return f"{self.url}/{session_id}"
 
     async def aclose(self) -> None:
         if self._runner is not None:
