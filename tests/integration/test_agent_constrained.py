@@ -176,3 +176,15 @@ async def test_the_rest_of_the_openai_surface(server: ProxyServer, engine: Recor
             await oai.embeddings.create(model="p", input="hi")
         assert err.value.status_code == 501
         await assert_export_is_the_engines(http, server, sid, engine.calls)
+
+
+async def test_the_required_tool_agent_example_gets_a_valid_call_every_time(server: ProxyServer) -> None:
+    """examples/agent_tool_required.py, as a rollout worker runs it: every episode gets its one valid call."""
+    from examples.agent_tool_required import RequiredToolAgent
+
+    async with httpx.AsyncClient(timeout=120) as http:
+        sids = [await session(http, server) for _ in range(8)]
+        # seeded (the random model's whitespace may run long; a seed makes each episode reproducible)
+        rewards = await asyncio.gather(*(RequiredToolAgent(max_tokens=400, seed=i).run(
+            {"prompt": "123=", "answer": "123"}, base_url=server.base_url(sid), http_client=http) for i, sid in enumerate(sids)))
+    assert all(0.0 <= r <= 1.0 for r in rewards) and server.proxy.stats.unmet == 0

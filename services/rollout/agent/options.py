@@ -120,7 +120,7 @@ def unmet(content: str, calls: list[ToolCall], tools: list[dict[str, Any]] | Non
     if fmt.kind == "text" or calls:
         return None
     try:
-        value = json.loads(content)
+        value = json.loads(content, strict=False)  # xgrammar lets a maxLength string hold a raw tab (toolcalls.py)
     except ValueError as exc:
         return f"response_format {fmt.kind} needs JSON content, but the completion is not JSON ({exc})"
     if not isinstance(value, dict):

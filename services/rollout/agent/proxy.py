@@ -175,7 +175,8 @@ class AgentProxy:
         if failed:
             self.stats.unmet += len(failed)
             why = "; ".join(f"completion {item.id}: {reason}" for item, reason in failed)
-            log.info("completion missed its constraint", session=session_id, reason=why)
+            log.info("completion missed its constraint", session=session_id, reason=why,
+                     text=[self.chat.decode(item.output_ids, skip_special_tokens=False)[:120] for item, _ in failed])
             raise ProxyError(422, f"{why} (recorded: it can be rewarded and is exported)", code="constraint_unmet")
         return [item for item, _ in items]
 

@@ -9,6 +9,9 @@ block whose body is not such an object is not a tool call: it stays in the conte
 nothing the model produced silently disappears. A last `<tool_call>` left open (the model ended its
 turn right after the object, as it does under a `required` / named tool_choice, whose grammar allows
 only EOS once the call object is complete) is read the same way when its body is such an object.
+JSON is read with raw control characters allowed inside strings (`strict=False`): xgrammar 0.2.7,
+SGLang's grammar backend and the CPU server's, lets a string with `maxLength` hold a raw tab; the
+arguments answered are re-encoded (`json.dumps`), so clients get them escaped.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class ToolCall:
 
 def _as_call(body: str, call_id: str) -> ToolCall | None:
     try:
-        obj = json.loads(body.strip())
+        obj = json.loads(body.strip(), strict=False)  # raw control characters in strings: see module doc
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -45,7 +48,7 @@ def _as_call(body: str, call_id: str) -> ToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json.loads(args, strict=False)
         except ValueError:
             return None
     if not isinstance(args, dict):
