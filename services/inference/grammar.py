@@ -76,7 +76,11 @@ class Grammars:
     """Compiles constraints for one model's vocabulary (cached) and hands out matchers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: set[int]) -> None:
-        import xgrammar as xgr
+        try:
+            import xgrammar as xgr
+        except ImportError as exc:  # the `grammar` extra: a request with a constraint says what to install
+            raise GrammarError("structured output (json_schema / regex / ebnf) needs xgrammar on the server: "
+                               "pip install 'jetrl[grammar]'") from exc
 
         self.xgr = xgr
         self.vocab_size = vocab_size
