@@ -18,7 +18,7 @@ from services.common.bus import connect
 from services.common.busretry import BusUnavailable
 from services.common.nats_auth import NatsAuth
 from services.common.streaminfo import leader_stream_info
-from services.runs import run_directory, run_nats
+from services.runs import run_auth, run_directory, run_nats
 from services.up.curves import plot_curves
 from services.up.monitor import RunView
 from services.up.report import summary_lines, write_metrics
@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     auth = _auth(parser, args.nats_auth)
     path = run_directory(args.run, args.run_dir)
+    if auth is None and not args.nats_url:  # a `jetrl up` run's own server: its observer user, if it made one
+        auth = run_auth(path, "observer")
     try:
         with run_nats(path, args.nats_url) as url:
             view = asyncio.run(read_metrics(url, path.name, auth))
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else path
     out.mkdir(parents=True, exist_ok=True)
     steps: list[dict[str, Any]] = view.steps
-    write_metrics(out, steps, {"servers": view.servers, "evals": view.evals})
+    write_metrics(out, steps, {"servers": view.servers, "evals": view.evals, "workflow_stats": view.workflow_stats})
     png = plot_curves(out, steps, f"jetrl run {path.name}", view.evals)
     wall = steps[-1]["time"] if steps else 0.0
     print("\n".join(summary_lines(steps, view.servers, wall)))

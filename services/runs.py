@@ -1,5 +1,7 @@
-"""Finding a run's NATS server from its run directory: `jetrl up` writes `<run_dir>/nats.url` while it
-runs; after it ends, tools start a private nats-server on the run's own store to read the recording."""
+"""Finding a run's NATS server and credentials from its run directory: `jetrl up` writes
+`<run_dir>/nats.url` while it runs, and keeps the run's NATS users' passwords in `<run_dir>/secrets/`
+(docs/security.md); after it ends, tools start a private nats-server on the run's own store, with the
+same users, to read the recording."""
 
 from __future__ import annotations
 
@@ -7,9 +9,47 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from services.common.nats_auth import NatsAuth
 from services.common.nats_server import NatsServer
+from services.common.permissions import authorization_block, password_env, users
 
 URL_FILE = "nats.url"
+SECRETS_DIR = "secrets"
+"""Under a run directory: one file per NATS user (its password) and the run's other keys, 0600."""
+RUN_FILE = "run"
+"""Under SECRETS_DIR: the run name the users block was generated for."""
+PROMPT_ISSUER_KEY = "prompt-issuer-key"
+"""Under SECRETS_DIR: the run trainer's `trust.prompt_issuer_key` (`jetrl prompts push` tags with it)."""
+
+
+def run_auth(run_path: Path, user: str) -> NatsAuth | None:
+    """The credentials of `user` on the run's bus, when `jetrl up` made them (None: an open bus)."""
+    path = Path(run_path) / SECRETS_DIR / user
+    return NatsAuth(user=user, password_file=str(path)) if path.is_file() else None
+
+
+def run_bus(run_path: Path, user: str, nats_url: str, fields_set: set[str]) -> tuple[str, NatsAuth | None]:
+    """Where a tool of `user` connects, and as whom: an explicit `nats_url` (in `fields_set`) as
+    given; else a live `jetrl up` run's own server, with the run's credentials of `user` unless
+    `nats_auth` was given; else `nats_url`. None: the process's own `nats_auth`."""
+    url = None if "nats_url" in fields_set else live_url(run_path)
+    if url is None:
+        return nats_url, None
+    return url, None if "nats_auth" in fields_set else run_auth(run_path, user)
+
+
+def live_url(run_path: Path) -> str | None:
+    """The NATS URL of a live `jetrl up` run, else None."""
+    path = Path(run_path) / URL_FILE
+    return path.read_text().strip() if path.exists() else None
+
+
+def locked_server(store: Path, log_file: Path, secrets: Path) -> NatsServer:
+    """A nats-server on `store` admitting the run's users only (`jetrl up`'s, and the private one
+    that reads an ended run's recording): its users block, the passwords in the server's environment."""
+    run = (secrets / RUN_FILE).read_text().strip()
+    env = {password_env(u): (secrets / u).read_text().strip() for u in users()}
+    return NatsServer(store, log_file=log_file, extra_conf=authorization_block(run), env=env)
 
 
 def run_directory(run: str, run_dir: str = "runs") -> Path:
@@ -34,5 +74,8 @@ def run_nats(run_path: Path, nats_url: str | None = None) -> Iterator[str]:
     store = run_path / "nats"
     if not store.is_dir():
         raise FileNotFoundError(f"{run_path}: no live run (no {URL_FILE}) and no NATS store ({store}); pass --nats-url")
-    with NatsServer(store, log_file=run_path / "nats-readonly.log") as server:
+    log_file = run_path / "nats-readonly.log"
+    secrets = run_path / SECRETS_DIR
+    server = locked_server(store, log_file, secrets) if (secrets / RUN_FILE).is_file() else NatsServer(store, log_file=log_file)
+    with server:
         yield server.url

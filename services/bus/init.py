@@ -22,7 +22,7 @@ log = get_logger("bus")
 async def init_bus(settings: BusSettings) -> dict[str, str]:
     """Create or update the streams and create the bucket; returns {name: what was done}. Idempotent:
     run it again after changing `nats_replicas` or a size cap and the streams are updated in place."""
-    nc = await connect(settings.nats_url, "jetrl-bus-init", connect_timeout_s=settings.connect_timeout_s)
+    nc = await connect(settings.nats_url, "jetrl-bus-init", connect_timeout_s=settings.connect_timeout_s, auth=settings.nats_auth)
     try:
         js = nc.jetstream()
         specs = stream_specs(settings.trajectories_max_bytes, settings.trajectories_max_age_s, settings.metrics_max_age_s)

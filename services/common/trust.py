@@ -65,15 +65,32 @@ class TrustSettings(BaseModel):
 ADMIN_ROUTES = frozenset({
     "/pause_generation", "/continue_generation", "/abort_request", "/update_weights_from_disk",
     "/update_weight_version", "/flush_cache", "/init_weights_update_group", "/update_weights_from_distributed",
-    "/destroy_weights_update_group", "/get_weights_by_name",
+    "/destroy_weights_update_group", "/get_weights_by_name", "/update_weights_from_tensor", "/begin_weight_update",
+    "/end_weight_update",
 })
-"""The inference server's admin routes (SGLang's ADMIN_OPTIONAL ones that jetrl serves or calls)."""
+"""The inference server's admin routes today (SGLang's ADMIN_OPTIONAL ones that jetrl serves or
+calls), for the docs: what decides is `is_admin_route`, which holds every route admin that is not
+named a serving route, so a route added later is protected without being listed."""
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+"""Always open: probes carry no secret."""
+SERVING_ROUTES = frozenset({
+    "/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info", "/v1/models", "/v1/loads",
+})
+"""Generation and model / server info: what a rollout worker calls (with `api_key` when it is set)."""
+SERVING_PREFIXES = ("/v1/",)
+"""The OpenAI-compatible API (SGLang's chat and completions): serving, not admin."""
+
+
+def is_admin_route(path: str) -> bool:
+    """Whether `path` is an admin route: anything neither open, nor serving (a weight update, pause,
+    abort, cache flush, a weight-update group, and any route added later)."""
+    return not path.startswith(OPEN_PREFIXES) and path not in SERVING_ROUTES and not path.startswith(SERVING_PREFIXES)
 
 
 def bearer_for(path: str, api_key: str, admin_api_key: str) -> dict[str, str]:
     """The header a client sends with a request to `path`: an admin route gets the admin key (or
     else the API key), any other route the API key; nothing when no key is configured."""
-    key = (admin_api_key or api_key) if path in ADMIN_ROUTES else api_key
+    key = (admin_api_key or api_key) if is_admin_route(path) else api_key
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

@@ -4,8 +4,10 @@
 - Health and readiness (`/health*`, `/ready*`, `/metrics*`) are always open: probes carry no secret.
 - Admin routes (weight updates, pause / continue, abort, cache flush, the distributed weight-update
   group; SGLang's ADMIN_OPTIONAL): with `admin_api_key` set they need it (`api_key` is not enough);
-  else with `api_key` set they need that; with neither, they are open.
-- Every other route (generation, model and server info): needs `api_key` when it is set.
+  else with `api_key` set they need that; with neither, they are open. Every route that is not a
+  serving one (`services.common.trust.SERVING_ROUTES`) counts as admin, so a route added later is
+  protected without being listed.
+- Serving routes (generation, model and server info, `/v1/...`): need `api_key` when it is set.
 
 A refused request gets 401 `{"error": "Unauthorized"}`, as from SGLang.
 """
@@ -18,16 +20,14 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from services.common.trust import ADMIN_ROUTES
-
-OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+from services.common.trust import OPEN_PREFIXES, is_admin_route
 
 
 def allowed(method: str, path: str, authorization: str | None, api_key: str, admin_api_key: str) -> bool:
     """SGLang's decision for one request (`decide_request_auth`, without its ADMIN_FORCE routes)."""
     if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
         return True
-    if path in ADMIN_ROUTES:
+    if is_admin_route(path):
         expected = admin_api_key or api_key
     else:
         expected = api_key

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from services.common.bus import connect
-from services.runs import URL_FILE
+from services.common.nats_auth import NatsAuth
+from services.runs import URL_FILE, run_auth
 from services.status.answers import answered
 from services.status.feeder import feeder_status, render_feeder
 from services.status.groups import render_groups, trainer_groups
@@ -33,8 +34,16 @@ def nats_url_for(settings: StatusSettings) -> str:
     return settings.nats_url
 
 
+def nats_auth_for(settings: StatusSettings) -> NatsAuth | None:
+    """Explicit `nats_auth` wins; on a `jetrl up` run's own server (no nats_url given), the run's
+    `observer` user from its run directory (None: the process's default)."""
+    if "nats_auth" in settings.model_fields_set or "nats_url" in settings.model_fields_set:
+        return None
+    return run_auth(Path(settings.run_dir) / settings.run, "observer")
+
+
 async def run_status(settings: StatusSettings) -> None:
-    nc = await connect(nats_url_for(settings), "jetrl-status", connect_timeout_s=settings.timeout_s)
+    nc = await connect(nats_url_for(settings), "jetrl-status", connect_timeout_s=settings.timeout_s, auth=nats_auth_for(settings))
     unanswered: dict[str, str] = {}
     t = settings.timeout_s
     try:  # asked together: during an outage each waits its timeout for nothing

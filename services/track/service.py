@@ -15,9 +15,10 @@ from nats.js.api import DeliverPolicy
 
 from schemas.messages import MessageError, MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, Subjects
-from services.common.bus import connect, declare_streams
+from services.common.bus import connect, declare_streams, set_default_declare
 from services.common.logging import get_logger
 from services.common.runner import Supervisor, supervise
+from services.runs import run_bus
 from services.track.settings import TrackSettings
 from services.track.sinks import Guarded, Sink, TensorBoardSink, WandbSink
 
@@ -95,7 +96,10 @@ async def run(settings: TrackSettings) -> None:
         tracker = Tracker(settings, sinks)
         for sink in sinks:
             sink.call("log_config", {"run": settings.run, **config})
-        nc = await connect(settings.nats_url, f"jetrl-track-{settings.run}", connect_timeout_s=settings.connect_timeout_s)
+        url, auth = run_bus(Path(settings.run_dir) / settings.run, "track", settings.nats_url, settings.model_fields_set)
+        if auth is not None:  # the run's `track` user: `jetrl up` declared the streams, it only looks them up
+            set_default_declare(False)
+        nc = await connect(url, f"jetrl-track-{settings.run}", connect_timeout_s=settings.connect_timeout_s, auth=auth)
         sup.stack.push_async_callback(nc.drain)
         await declare_streams(nc.jetstream())
         policy = DeliverPolicy.ALL if settings.from_start else DeliverPolicy.NEW

@@ -43,5 +43,8 @@ class TrackSettings(ServiceSettings):
     from_start: bool = True
     """Read the METRICS stream from its first event of this run (a tracker started late, or again,
     writes the whole run); false = only events from now on."""
+    run_dir: str = "runs"
+    """Where `jetrl up` keeps runs: unless `nats_url` is given, a live run's own server
+    (<run_dir>/<run>/nats.url) is followed, as the run's `track` user unless `nats_auth` is given."""
     max_failures: int = Field(20, ge=1)
     """A sink that fails this many times in a row is switched off (logged; the others go on)."""

@@ -20,6 +20,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from services.trainer.feeder import Feeder
 from services.trainer.gather import StreamSpec, streamable
 from services.trainer.intake import Group, Intake, trust_prompts
 from services.trainer.settings import TrainerSettings
-from services.trainer.step_metrics import step_values
+from services.trainer.step_metrics import StepFacts, step_values
 from services.trainer.validate import model_limits
 
 log = get_logger("trainer")
@@ -79,7 +80,8 @@ class Trainer:
                                  gate_versions=publish is not None and settings.publish_weights,
                                  tag=lambda pid: self.intake.tag_for(pid))
         self.intake = Intake(settings.eta, settings.ppo.dynamic_filtering, self.feeder,
-                             limits=model_limits(settings.model_path, settings.max_seq_len))
+                             limits=replace(model_limits(settings.model_path, settings.max_seq_len),
+                                            max_abs_reward=settings.max_abs_reward, min_logprob=settings.min_logprob))
         trust_prompts(self.intake, settings, live=source is None)
         self.consumer: TrajectoryConsumer | None = None
         if source is None:
@@ -274,7 +276,9 @@ class Trainer:
             finally:
                 _remove(res.weights_dir)
         t_end = time.monotonic()
-        values = step_values(self, batch, groups, res.stats, before, (t0, t_data, t_train, t_end))
+        facts = StepFacts(self.version, self.intake.counts, before, self.last_seq,
+                          self.feeder.metric_values() if self.feeder is not None else {})
+        values = step_values(facts, batch, groups, res.stats, (t0, t_data, t_train, t_end))
         self._record({"version": self.version, "prompt_ids": [g.prompt_id for g in groups],
                       "seqs": [g.seq for g in groups], "last_seq": self.last_seq})
         if self.metrics is not None:

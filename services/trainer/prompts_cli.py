@@ -1,10 +1,13 @@
 """`jetrl prompts push`: push a JSONL/Parquet dataset onto the PROMPTS work queue, for rollout workers
 running without a trainer's feeder (no admission rule: every row is published at once).
 
-    jetrl prompts push data.jsonl --nats-url nats://127.0.0.1:4222 --run demo [--eval] [--limit N]
+    jetrl prompts push data.jsonl --run demo [--run-dir runs] [--nats-url URL] [--eval] [--limit N]
         [--issuer-key-file FILE] [nats_auth.user=prompts nats_auth.password_file=F ... bus_declare=false]
 
 (`push` may be left out: `jetrl prompts data.jsonl ...` does the same.)
+
+On a live `jetrl up` run (no `--nats-url`: `<run-dir>/<run>/nats.url`) it connects as the run's
+`prompts` user and tags with the run's prompt issuer key, both from `<run-dir>/<run>/secrets/`.
 
 On a bus with per-service users (docs/security.md) it connects as the `prompts` user: the
 `nats_auth.*` settings every service has, as key=value, and `bus_declare=false` (it then only looks the
@@ -30,8 +33,10 @@ from schemas.messages import PromptTask, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from services.common.nats_auth import NatsAuth
 from services.common.signing import prompt_tag
+from services.runs import PROMPT_ISSUER_KEY, SECRETS_DIR, live_url, run_bus
 
 ISSUER_KEY_ENV = "JETRL_PROMPT_ISSUER_KEY"
+DEFAULT_URL = "nats://127.0.0.1:4222"
 
 
 async def push(nats_url: str, run: str, path: str, *, is_eval: bool = False, limit: int = 0, prefix: str = "push",
@@ -71,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         epilog="`push` may be left out: `jetrl prompts DATASET ...` does the same.",
     )
     parser.add_argument("dataset", help="JSONL or Parquet file of rows ({\"prompt\", \"answer\", ...})")
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    parser.add_argument("--nats-url", default=None,
+                        help="default: the live `jetrl up` run's own server (<run-dir>/<run>/nats.url, as the run's "
+                             "`prompts` user with its prompt issuer key), else nats://127.0.0.1:4222")
+    parser.add_argument("--run-dir", default="runs", help="where `jetrl up` keeps runs (default runs/)")
     parser.add_argument("--run", default="default")
     parser.add_argument("--eval", action="store_true", help="publish as eval prompts")
     parser.add_argument("--limit", type=int, default=0, help="only the first N rows (0: all)")
@@ -84,11 +92,22 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_intermixed_args(args)
     try:
         auth, declare = _bus_settings(ns.settings)
-        key = Path(ns.issuer_key_file).read_text().strip().encode() if ns.issuer_key_file else os.environ.get(ISSUER_KEY_ENV, "").encode()
+        run_path = Path(ns.run_dir) / ns.run
+        url, run_user = run_bus(run_path, "prompts", ns.nats_url or DEFAULT_URL,
+                                {"nats_url"} if ns.nats_url else ({"nats_auth"} if auth else set()))
+        if run_user is not None:  # a `jetrl up` run's own bus: its `prompts` user; `up` declared the streams
+            auth, declare = run_user, False
+        issuer = run_path / SECRETS_DIR / PROMPT_ISSUER_KEY
+        if ns.issuer_key_file:
+            key = Path(ns.issuer_key_file).read_text().strip().encode()
+        elif os.environ.get(ISSUER_KEY_ENV):
+            key = os.environ[ISSUER_KEY_ENV].encode()
+        else:  # the run's own key, when pushing to the run's own server
+            key = issuer.read_text().strip().encode() if not ns.nats_url and live_url(run_path) and issuer.is_file() else b""
         if not key:
             print(f"jetrl prompts: no issuer key (--issuer-key-file or {ISSUER_KEY_ENV}): a trainer will not train "
                   "answers to these prompts", file=sys.stderr)
-        n = asyncio.run(push(ns.nats_url, ns.run, ns.dataset, is_eval=ns.eval, limit=ns.limit, prefix=ns.prefix, issuer_key=key,
+        n = asyncio.run(push(url, ns.run, ns.dataset, is_eval=ns.eval, limit=ns.limit, prefix=ns.prefix, issuer_key=key,
                              auth=auth, declare=declare))
     except (FileNotFoundError, ConnectionError, ValueError) as exc:  # no file, no server, a bad row
         print(f"jetrl prompts: {exc}", file=sys.stderr)

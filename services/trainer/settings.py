@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from services.common.model_path import ModelPath
 from services.common.settings import Section, ServiceSettings, flag
 from services.trainer.dataset import DatasetOptions
 from services.weights.broadcast_settings import BroadcastSettings
@@ -161,8 +162,9 @@ class LoRASettings(Section):
 class TrainerSettings(ServiceSettings):
     service = "trainer"
 
-    model_path: str = ".jetrl/models/tiny"
-    """HF model directory (config, safetensors, tokenizer): version 0 of the weights."""
+    model_path: ModelPath = ".jetrl/models/tiny"
+    """HF model directory (config, safetensors, tokenizer): version 0 of the weights; also a name `jetrl
+    models` lists or a hub id in the local HF cache (resolved to its directory)."""
     output_dir: str = ".jetrl/trainer"
     """Checkpoints (`checkpoints/`), staged weight dirs (`weights/`) and the step record live here."""
     zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"
@@ -263,6 +265,14 @@ class TrainerSettings(ServiceSettings):
     max_seq_len: int | None = Field(None, ge=1)
     """Longest trajectory row (tokens) the trainer accepts; a longer group is terminated and counted
     (`terminated_too_long`). Unset: the model config's `max_position_embeddings`."""
+    max_abs_reward: float = Field(1e6, gt=0)
+    """Largest |reward| a trained group may carry; a group beyond it is terminated and counted
+    (`terminated_out_of_bounds`): no real reward comes near, and one finite 3e38 would make a step's
+    reward mean (and `stop_at_reward`) meaningless (services/trainer/validate.py)."""
+    min_logprob: float = Field(-1e4, lt=0)
+    """Lowest behaviour log-prob a trained token may carry (the highest is 0, plus 1e-3 of rounding); a
+    group beyond it is terminated and counted (`terminated_out_of_bounds`). A sampler cannot draw a
+    token below float32's ~-103 (services/trainer/validate.py)."""
     fetch_batch: int = Field(16, ge=1)
     """Trajectory messages per pull request."""
     fetch_timeout_s: float = Field(1.0, gt=0)

@@ -1,7 +1,15 @@
 """What a decoded group must satisfy before the trainer lets it near the model: every token id inside
 the model's vocabulary (an id past the embedding is an IndexError that would end the trainer on every
 resume), rows no longer than `max_seq_len` (attention memory grows with the square of the length),
-and finite rewards and log-probs (one NaN makes the whole step's loss and gradient NaN).
+finite rewards and log-probs (one NaN makes the whole step's loss and gradient NaN), and both within
+bounds no real run crosses (a finite 3e38 reward makes the step's reward mean 1e36, which trips
+`stop_at_reward`, and its advantages swamp every other group's; a -3e38 log-prob makes the importance
+ratio 0 or infinite):
+- rewards: |reward| <= `max_abs_reward` (default 1e6; verifiable rewards are 0/1, reward models and
+  shaped rewards stay within hundreds);
+- log-probs: within [`min_logprob`, `MAX_LOGPROB`]: a log-probability is <= 0 (1e-3 allows the float
+  rounding of a log-softmax), and one below -1e4 (the default `min_logprob`) is a probability of
+  e^-10000, far below the smallest float32 (~1e-45, a log of ~-103) that a sampler can draw from.
 
 A failed check is a `Problem`: the cause it is counted under and a text naming what is wrong. The
 decoder already refuses lengths that disagree with each other or with the metadata (`length_mismatch`)
@@ -15,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-CAUSES = ("malformed", "length_mismatch", "too_long", "empty", "oov_token", "non_finite", "impossible_versions",
-          "unissued_prompt")
+CAUSES = ("malformed", "length_mismatch", "too_long", "empty", "oov_token", "non_finite", "out_of_bounds",
+          "impossible_versions", "unissued_prompt")
 """Every cause a trajectory group is terminated for (`unissued_prompt`: the intake's, an answer to a
 prompt this run never issued)."""
 
@@ -27,12 +35,20 @@ class Problem:
     error: str
 
 
+MAX_LOGPROB = 1e-3
+"""Highest behaviour log-prob accepted: 0, plus the rounding of a float log-softmax."""
+
+
 @dataclass(frozen=True)
 class Limits:
     vocab_size: int | None
     """Token ids must be in [0, vocab_size) (the embedding's rows); None: not checked."""
     max_seq_len: int | None
     """Longest row accepted (tokens); None: no limit."""
+    max_abs_reward: float = 1e6
+    """Largest |reward| accepted."""
+    min_logprob: float = -1e4
+    """Lowest behaviour log-prob accepted (on the trained tokens)."""
 
 
 def model_limits(model_path: str | Path, max_seq_len: int | None) -> Limits:
@@ -67,4 +83,18 @@ def check_group(tensors: dict[str, np.ndarray], limits: Limits) -> Problem | Non
         if values.dtype.kind == "f" and not np.isfinite(values).all():
             n = int((~np.isfinite(values)).sum())
             return Problem("non_finite", f"{key}: {n} value(s) are NaN or infinite")
+    return _out_of_bounds(tensors, limits)
+
+
+def _out_of_bounds(tensors: dict[str, np.ndarray], limits: Limits) -> Problem | None:
+    rewards = np.abs(tensors["rewards"].astype(np.float64))
+    if rewards.size and float(rewards.max()) > limits.max_abs_reward:
+        return Problem("out_of_bounds", f"rewards: {int((rewards > limits.max_abs_reward).sum())} value(s) beyond "
+                                        f"+-{limits.max_abs_reward:g} (max_abs_reward), e.g. {float(rewards.max()):.3g} in magnitude")
+    trained = tensors["loss_mask"] != 0  # the prompt's positions carry no behaviour log-prob
+    logprobs = tensors["logprobs"].astype(np.float64)[trained]
+    bad = (logprobs < limits.min_logprob) | (logprobs > MAX_LOGPROB)
+    if bad.any():
+        return Problem("out_of_bounds", f"logprobs: {int(bad.sum())} value(s) outside [{limits.min_logprob:g}, {MAX_LOGPROB:g}] "
+                                        f"(min_logprob), e.g. {float(logprobs[bad][0]):.3g}")
     return None

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +17,20 @@ import httpx
 
 from services.common.bus import connect, declare_streams, set_default_auth, set_default_declare
 from services.common.logging import configure_logging, get_logger
-from services.common.nats_server import NatsServer, free_port
+from services.common.model_dirs import NotOurs, check_model_dir
+from services.common.model_path import ModelNotFound, require_model
+from services.common.nats_server import free_port
 from services.common.settings import SettingsError, deep_merge
 from services.runs import URL_FILE
 from services.up import SERVICE_SECTIONS
+from services.up.credentials import ADMIN, declare_as_admin, make_credentials
 from services.up.display import Display
 from services.up.layout import layout, priorities
 from services.up.monitor import RunView, watch
 from services.up.presets import preset_for, preset_name, summarize, summary_lines
 from services.up.presets import section as preset_section
+from services.up.report import last_error, write_metrics
 from services.up.report import summary_lines as report_lines
-from services.up.report import write_metrics
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
 from services.up.stack import Stack, settings_class, to_env
@@ -40,11 +44,18 @@ _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TORCH_EXTENSIONS_DIR",
 def run_stack(settings: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
     configure_logging(settings.log_level, settings.log_format, run=settings.run, service="up")
     try:
+        # before anything starts: the model is here, and jetrl never writes into a user's model
+        check_model_dir(require_model(settings.model_path))
         run_dir, kept = prepare_run_dir(Path(settings.run_dir), settings.run)
-    except RunDirInUse as exc:
+    except (RunDirInUse, NotOurs, ModelNotFound) as exc:
         print(f"jetrl up: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_run(settings, sections, run_dir, kept))
+
+
+def passed_env(s: UpSettings, environ: Mapping[str, str]) -> dict[str, str]:
+    """What of `jetrl up`'s environment every service gets: a fixed few, and `up.pass_env`."""
+    return {k: environ[k] for k in (*_PASS_ENV, *s.pass_env) if k in environ}
 
 
 def validate_sections(sections: dict[str, dict[str, Any]]) -> None:
@@ -83,9 +94,14 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         loop.add_signal_handler(sig, on_signal, sig)
 
     started = time.time()
-    nats = NatsServer(run_dir / "nats", log_file=run_dir / "nats-server.log") if s.bus == "embedded" else None
-    base_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
-    base_env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    # the run's NATS users and inference admin key (credentials.py); an open bus only when asked
+    creds = make_credentials(run_dir, s.run, locked=s.bus == "embedded" and not s.open_bus)
+    nats = creds.nats_server(run_dir / "nats", run_dir / "nats-server.log") if s.bus == "embedded" else None
+    base_env = passed_env(s, os.environ)
+    # PYTHONPATH: jetrl's root, then the caller's own when `up.pass_env` names it (a workflow's package)
+    extra_path = [os.environ["PYTHONPATH"]] if "PYTHONPATH" in s.pass_env and os.environ.get("PYTHONPATH") else []
+    base_env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *extra_path]), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                    TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     base_env["JETRL_RUN_DIR"] = str(run_dir)  # marks every process of the run, children included
     stack = Stack(run_dir, base_env)
     view = RunView(started=started, target=stop_at_reward(s) or None)
@@ -96,7 +112,10 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         if nats is not None:
             nats.start()
             url = nats.url
-            log.info("nats-server ready", url=url, store=str(nats.store_dir))
+            log.info("nats-server ready", url=url, store=str(nats.store_dir), users=creds.locked)
+            if not creds.locked:
+                log.warning("open_bus: the bus admits anyone on this host without credentials: any process here can "
+                            "read the prompts, publish groups that are trained and announce weights", url=url)
         else:
             url = s.nats_url
             log.info("using the NATS at nats_url", url=url, replicas=s.nats_replicas)
@@ -105,8 +124,13 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         dataset, task_eval = await asyncio.to_thread(_dataset, s, run_dir)
         # `up`'s own connection (the monitor): its nats_auth; with bus_declare=false (a restricted user
         # on an external bus) it only checks that `jetrl bus init` declared the streams
-        set_default_auth(s.nats_auth)
-        set_default_declare(s.bus_declare)
+        if creds.locked:  # the streams and the bucket declared once as the admin; then watched as the observer
+            await declare_as_admin(url, creds.auth(ADMIN), s.nats_replicas)
+            set_default_auth(creds.auth("observer"))
+            set_default_declare(False)
+        else:
+            set_default_auth(s.nats_auth)
+            set_default_declare(s.bus_declare)
         nc = await connect(url, "jetrl-up")
         await declare_streams(nc.jetstream(), replicas=s.nats_replicas)
         await watch(nc, s.run, view)
@@ -116,7 +140,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         threads = {"OMP_NUM_THREADS": str(shape.torch_threads)}  # the trainer's and the servers' tensor work
         common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json"}
         preset = preset_for(s.dataset_path)  # the copy3 demo's settings, for the demo only (presets.py)
-        sec = lambda name: preset_section(preset, sections, name)  # noqa: E731
+        # the run's credentials under the preset under the user's own section (theirs win)
+        sec = lambda name: deep_merge(creds.section(name, sections.get(name, {})), preset_section(preset, sections, name))  # noqa: E731
         # Ports first, so that every service is told where the servers will be before any of them is up.
         servers = [f"http://127.0.0.1:{free_port()}" for _ in range(s.inference_servers)]
         signed = announce_trust(run_dir, sections)  # the trainer signs announcements, the agents check them
@@ -127,10 +152,10 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             "output_dir": str(run_dir / "trainer"),
             "total_steps": s.total_steps,
             "feeder": {"dataset_path": dataset},
-            # Weights travel in memory to the servers it started (docs/weights.md), unless they are
-            # simulated (no model to receive into: then the disk path, as `trainer.weights_broadcast.
-            # enabled: false` selects).
-            "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers},
+            # Weights travel in memory to the servers it started (docs/weights.md): on this host, through
+            # shared memory (`colocated`), unless they are simulated (no model to receive into: then the
+            # disk path, as `trainer.weights_broadcast.enabled: false` selects).
+            "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers, "transport": "colocated"},
         }
         stack.nice = priorities(s, broadcast=bool(deep_merge(trainer, sec("trainer"))["weights_broadcast"].get("enabled")))
         if not s.dataset_path:  # the demo: a fixed eval set of 32 prompts, every 10 steps
@@ -171,7 +196,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             config = run_dir / "config.json"
             config.write_text(json.dumps({"up": s.model_dump(), **{n: sec(n) for n in SERVICE_SECTIONS if n != "track"}}, default=str))
             track = {**common, "config_path": str(config)}
-            stack.start("track", "services.track", to_env("track", deep_merge(track, sections["track"])), required=False)
+            stack.start("track", "services.track", to_env("track", deep_merge(track, sec("track"))), required=False)
 
         # A server that dies or never loads is reported here, with its log, before the live display.
         await _wait_healthy(servers, stack, s.ready_timeout_s, stop)
@@ -194,6 +219,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
                     display.stop()
                     print(f"\njetrl up: service {failed.name} exited with code {failed.poll()}; "
                           f"last lines of {failed.log_path}:\n{failed.log_tail()}", file=sys.stderr)
+                    print(last_error(failed.log_path), file=sys.stderr)
                     break
                 if view.reached_at is not None:
                     outcome = "converged"
@@ -212,12 +238,13 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         (run_dir / URL_FILE).unlink(missing_ok=True)
     wall = time.time() - started
     extra = {"outcome": outcome, "reached_at_step": view.reached_at, "wall_s": wall, "started_at": started,
-             "servers": view.servers, "evals": view.evals, "settings": used}
+             "servers": view.servers, "evals": view.evals, "settings": used, "workflow_stats": view.workflow_stats,
+             "rollout_outcomes": view.episode_outcomes()}
     write_metrics(run_dir, view.steps, extra)
     from services.up.curves import plot_curves  # numpy: imported when the run is over, not before its start
 
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
-    summary = [f"run {s.run}: {outcome}", *report_lines(view.steps, view.servers, wall)]
+    summary = [f"run {s.run}: {outcome}", *report_lines(view.steps, view.servers, wall, view.episode_outcomes())]
     if view.reached_at is not None:
         at = next(st for st in view.steps if st["step"] == view.reached_at)
         summary.insert(1, f"reached a 10-step mean reward of {view.target} at step {view.reached_at}, {at['time']:.1f} s after the start")
@@ -235,9 +262,9 @@ def _simulated(inference: dict[str, Any]) -> bool:
 
 
 def _make_model(path: str) -> None:
-    from services.inference.make_model import build_model
+    from services.inference.make_model import ensure_model
 
-    build_model(path)
+    ensure_model(path)
 
 
 def _dataset(s: UpSettings, run_dir: Path) -> tuple[str, Path | None]:

@@ -11,8 +11,9 @@ acknowledge (a server restarting) is retried with capped backoff for `report_ret
 counted: a lost report never stops the agent.
 
 The latest announcement is loaded whatever its number, also one below the version served (a trainer
-resumed from an older checkpoint): logged, counted (`version_decreases`), and the cached copies of the
-higher versions are dropped with it.
+resumed from an older checkpoint, which announces under a newer epoch): logged, counted
+(`version_decreases`), and the cached copies of the higher versions are dropped with it. One older
+than the newest accepted by (epoch, version) - a recorded announcement replayed - is refused.
 
 An announcement is acted on only if it is signed by the trainer (when `trust.announce_key` is set)
 and names weights under `weight_roots` (`services/weights/trust.py`); any other is refused before a
@@ -48,7 +49,7 @@ from services.weights.listen import AnnouncementFeed
 from services.weights.publisher import ensure_weight_sync_stream
 from services.weights.server_client import READY_POLL_TIMEOUT_S, ServerClient, ServerError, readiness_urls
 from services.weights.settings import WeightsSettings
-from services.weights.trust import Refused, check, default_roots
+from services.weights.trust import Freshness, Refused, check, default_roots
 
 log = get_logger("weights.agent")
 
@@ -75,6 +76,7 @@ class WeightsAgent:
         self.announce_key = settings.trust.announce()
         self.roots = settings.weight_roots or default_roots(settings.run, WEIGHTS_BUCKET)
         self._refusals: set[asyncio.Future[bool]] = set()
+        self.freshness = Freshness(settings.run)
 
     # ------------------------------------------------------------------------------ announcements
 
@@ -96,9 +98,11 @@ class WeightsAgent:
         One the trainer did not sign, or naming weights outside the roots, is refused here."""
         try:
             check(announced, self.announce_key, self.roots)
+            self.freshness.check(announced)
         except Refused as exc:
             self._refuse(announced, exc)
             return
+        self.freshness.accept(announced)
         log.info("weights announced", version=announced.version, step=announced.step, uri=announced.uri)
         self._wanted = announced
         self._received += 1
@@ -140,7 +144,7 @@ class WeightsAgent:
             self._handled = self._received
             target = self._wanted
             assert target is not None
-            if target.transport == "broadcast":
+            if target.transport in ("broadcast", "colocated"):
                 caught_up = await self.catch_up_target(target)
                 if caught_up is None:
                     continue
@@ -149,11 +153,11 @@ class WeightsAgent:
                 log.info("server already holds the announced version", version=target.version)
                 continue
             if self.loaded_version is not None and target.version < self.loaded_version:
-                # The latest announcement wins, whatever its number: a trainer resumed from an older
-                # checkpoint publishes below what the servers serve, and refusing it would leave them
-                # on weights that trainer never made (its groups all impossible) for good.
-                log.warning("announced version is older than the one served; loading it (the latest announcement wins)",
-                            version=target.version, serving=self.loaded_version)
+                # A newer epoch's lower version (offer refused an older epoch's): a trainer resumed from
+                # an older checkpoint publishes below what the servers serve, and refusing it would
+                # leave them on weights that trainer never made (its groups all impossible) for good.
+                log.warning("announced version is older than the one served; loading it (a newer trainer epoch)",
+                            version=target.version, serving=self.loaded_version, epoch=target.epoch)
                 self.metrics.count("version_decreases")
             await self.load(target)
 

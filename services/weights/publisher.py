@@ -17,7 +17,7 @@ from pathlib import Path
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 
-from schemas.messages import WeightFile, WeightsPublished, decode, encode
+from schemas.messages import MessageError, WeightFile, WeightsPublished, decode, encode
 from schemas.subjects import WEIGHT_SYNC_STREAM, WEIGHTS_BUCKET, Subjects, stream_specs
 from services.common.bus import DECLARE_BUDGET_S, declare_streams
 from services.common.busretry import with_retries
@@ -57,6 +57,16 @@ async def latest_published(nc: NATS, run: str) -> WeightsPublished | None:
     return decode(WeightsPublished, msg.data or b"")  # no payload: a MessageError like any bad one
 
 
+async def next_epoch(nc: NATS, run: str) -> int:
+    """The epoch of a trainer starting now: one above the run's last announced epoch, and at least
+    the Unix time (so it still grows should the stream have lost that announcement)."""
+    try:
+        last = await latest_published(nc, run)
+    except MessageError:
+        last = None  # a malformed last announcement: the time alone
+    return max((last.epoch + 1) if last else 0, int(time.time()))
+
+
 class WeightPublisher:
     def __init__(
         self,
@@ -91,6 +101,8 @@ class WeightPublisher:
         self.on_retry = on_retry
         self.announce_key = announce_key
         self._ready = False
+        self.epoch: int | None = None
+        """This trainer's epoch (`next_epoch`), read once at the first publish; every announcement carries it."""
         self._stored: dict[int, list[str]] | None = None
         """{version: object names} of this run in the bucket: listed at the first collection, then kept."""
         self._uploaded: dict[int, list[str]] = {}
@@ -101,6 +113,9 @@ class WeightPublisher:
             await ensure_weight_sync_stream(self.nc, self.bus_retry_timeout_s, self.on_retry)
             if self.shared_dir is None:
                 await objstore.open_bucket(self.js, self.bucket, budget_s=self.bus_retry_timeout_s, on_retry=self.on_retry)
+            if self.epoch is None:
+                self.epoch = await with_retries("read the last announcement", lambda: next_epoch(self.nc, self.run),
+                                                self.bus_retry_timeout_s, self.on_retry)
             self._ready = True
 
     async def publish_dir(self, version: int, step: int, hf_dir: str | Path, *, consume: bool = False) -> WeightsPublished:
@@ -118,7 +133,8 @@ class WeightPublisher:
         else:
             uri, entries = await self._upload(version, hf_dir, files)
         upload_s = time.perf_counter() - t0
-        msg = sign(WeightsPublished(run=self.run, version=version, uri=uri, files=entries, step=step), self.announce_key)
+        msg = sign(WeightsPublished(run=self.run, version=version, uri=uri, files=entries, step=step, epoch=self.epoch or 0),
+                   self.announce_key)
         data = encode(msg)
         # A repeat after a lost ack is harmless: agents skip the version they already hold.
         await with_retries(f"announce weights v{version}", lambda: self.js.publish(self.subjects.weights_published, data),

@@ -12,7 +12,7 @@ from schemas.messages import WeightsPublished, encode
 from services.common.signing import ANNOUNCEMENT, tag, verify
 from services.weights.files import parse_uri
 
-REFUSAL_CAUSES = ("unsigned", "bad_signature", "outside_roots")
+REFUSAL_CAUSES = ("unsigned", "bad_signature", "outside_roots", "other_run", "replayed")
 """Why an announcement is refused (each counted as `refused_<cause>`)."""
 
 
@@ -48,6 +48,27 @@ def check(msg: WeightsPublished, key: bytes, roots: list[str]) -> None:
             raise Refused("bad_signature", f"announcement of v{msg.version} refused: its signature does not check out")
     if msg.uri and not under_roots(msg.uri, roots):
         raise Refused("outside_roots", f"announcement of v{msg.version} refused: its uri is outside the configured weight_roots")
+
+
+class Freshness:
+    """The newest (epoch, version) an agent accepted: an announcement of another run, or older than
+    that (a lower epoch, or the same epoch and a lower version), is refused. A trainer's epoch only
+    grows (`WeightsPublished.epoch`), so a recorded announcement replayed later, signed or not, is
+    refused; a resumed trainer's lower version comes under a newer epoch and is accepted."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self.newest: tuple[int, int] | None = None
+
+    def check(self, msg: WeightsPublished) -> None:
+        if msg.run != self.run:
+            raise Refused("other_run", f"announcement of v{msg.version} refused: it is for another run")
+        if self.newest is not None and (msg.epoch, msg.version) < self.newest:
+            raise Refused("replayed", f"announcement of v{msg.version} (epoch {msg.epoch}) refused: older than "
+                                      f"v{self.newest[1]} (epoch {self.newest[0]}), already announced (a replay)")
+
+    def accept(self, msg: WeightsPublished) -> None:
+        self.newest = max(self.newest or (msg.epoch, msg.version), (msg.epoch, msg.version))
 
 
 def under_roots(uri: str, roots: list[str]) -> bool:

@@ -68,7 +68,7 @@ def test_default_up_learns_copy3_to_0_9_publishes_versions_and_leaves_nothing_be
     assert status_shows_workers(status, run_dir), status["bus"]["workers"]
     assert status["weights"]["published_version"] >= 1
     assert status["weights"]["servers"][0]["loaded_version"] >= 1
-    assert status["weights"]["servers"][0]["transport"] == "broadcast"  # the default: weights in memory
+    assert status["weights"]["servers"][0]["transport"] == "colocated"  # the default: weights in shared memory
     assert processes_of(tmp_path) == [], "processes left behind after jetrl up exited"
 
     # learned: a 10-step mean reward of 0.9 (chance is ~0.02) within the default step budget

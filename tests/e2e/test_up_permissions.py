@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nats
 import pytest
 
 from schemas.headers import prompt_headers
@@ -23,7 +22,7 @@ from services.common.bus import connect, publish_acked
 from services.common.nats_auth import NatsAuth
 from services.common.nats_server import NatsServer
 from services.common.permissions import authorization_block
-from tests.support.bus_users import as_user, bus_init, make_pki, write_secrets
+from tests.support.bus_users import as_user, bus_init, make_pki, refusal, write_secrets
 from tests.support.up import ROOT, finish, start_up
 
 RUN = "perm"
@@ -138,28 +137,6 @@ ALLOWED = [
     ("observer", "subscribe", f"jetrl.{RUN}.metrics.>"),
     ("rollout", "subscribe", "_INBOX.rollout.abc"),  # its own replies
 ]
-
-
-async def refusal(url: str, user: str, password: str, action: str, subject: str) -> str:
-    """Publish to (or subscribe to) `subject` as `user`; the server's error about it, or "" if none came."""
-    errors: asyncio.Queue[str] = asyncio.Queue()
-
-    async def error_cb(exc: Exception) -> None:
-        errors.put_nowait(str(exc))
-
-    nc = await nats.connect(url, user=user, password=password, error_cb=error_cb, allow_reconnect=False)
-    try:
-        if action == "publish":
-            await nc.publish(subject, b"forged")
-        else:
-            await nc.subscribe(subject)
-        await nc.flush()  # the server has read the command: its -ERR, if any, came before the PONG
-        try:
-            return await asyncio.wait_for(errors.get(), 5)
-        except TimeoutError:
-            return ""
-    finally:
-        await nc.close()
 
 
 @pytest.mark.timeout(300)

@@ -1,7 +1,7 @@
-"""When the announced weight version goes down (a trainer resumed from an older checkpoint, or any
-trainer of the run publishing below what the servers serve), the weights agent loads it: the latest
-announcement wins, whatever its number. A real nats-server, a real CPU inference server and real
-agents as processes."""
+"""When the announced weight version goes down because a trainer resumed from an older checkpoint
+(a new publisher: a newer epoch), the weights agent loads it; a genuine signed announcement of an
+older epoch, recorded and replayed, is refused and reported. A real nats-server, a real CPU inference
+server and real agents as processes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from schemas.messages import WeightsLoaded
+from schemas.messages import WeightsLoaded, WeightsLoadFailed, encode
+from schemas.subjects import Subjects
 from services.common.nats_server import free_port
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine, ModelRequest, WeightUpdateMeta
@@ -19,6 +20,7 @@ from services.weights.publisher import WeightPublisher, ensure_weight_sync_strea
 from tests.support.weights import Stack, make_version, process, server_version, wait_healthy
 
 RUN = "down"
+KEY = "the-runs-announce-key"
 
 
 def _said(log: Path, event: str) -> list[dict]:
@@ -34,14 +36,14 @@ def _said(log: Path, event: str) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-async def test_an_announcement_below_the_served_version_is_loaded_and_the_higher_copies_dropped(
+async def test_a_resumed_trainers_lower_version_loads_and_a_replayed_older_announcement_is_refused(
     nats_url: str, tmp_path: Path, tiny_model: Path
 ) -> None:
     nc = await nats.connect(nats_url)
     await ensure_weight_sync_stream(nc)
     stack = Stack(nats_url, RUN, tmp_path, tiny_model)
     await stack.watch(nc)
-    pub = WeightPublisher(nc, RUN)  # the object store: the agent keeps local copies (keep_local=1)
+    pub = WeightPublisher(nc, RUN, announce_key=KEY.encode())  # the object store: the agent keeps local copies (keep_local=1)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     engine = InferenceEngine(InferenceClientSettings(servers=[url]))
@@ -49,12 +51,15 @@ async def test_an_announcement_below_the_served_version_is_loaded_and_the_higher
     try:
         with process(stack.server_args(port), tmp_path / "server.log") as server:
             await wait_healthy(url, server, tmp_path / "server.log")
-            with process(stack.agent_args(url, 0), tmp_path / "a0.log"):
-                await pub.publish_dir(5, 5, make_version(tiny_model, tmp_path / "c5", 5))
+            with process([*stack.agent_args(url, 0), f"trust.announce_key={KEY}"], tmp_path / "a0.log"):
+                v5 = await pub.publish_dir(5, 5, make_version(tiny_model, tmp_path / "c5", 5))
                 await stack.expect(WeightsLoaded, 5, 1)
 
-                # the next announcement is version 2: loaded, not refused as older
-                await pub.publish_dir(2, 2, make_version(tiny_model, tmp_path / "c2", 2))
+                # a trainer resumed from an older checkpoint (a publisher of its own): version 2 under
+                # a newer epoch, loaded, not refused as older
+                resumed = WeightPublisher(nc, RUN, announce_key=KEY.encode())
+                v2 = await resumed.publish_dir(2, 2, make_version(tiny_model, tmp_path / "c2", 2))
+                assert v2.epoch > v5.epoch
                 await stack.expect(WeightsLoaded, 2, 1)
                 assert await server_version(url) == "2"
                 resp = await engine.agenerate(ModelRequest(input_ids=[1, 5], max_new_tokens=4, ignore_eos=True))
@@ -68,9 +73,18 @@ async def test_an_announcement_below_the_served_version_is_loaded_and_the_higher
             # (here loaded directly) loads the announced one at once
             await engine.update_weights(WeightUpdateMeta(path=str(tmp_path / "c5"), version=5))
             assert await server_version(url) == "5"
-            with process(stack.agent_args(url, 0), tmp_path / "a1.log"):
+            with process([*stack.agent_args(url, 0), f"trust.announce_key={KEY}"], tmp_path / "a1.log"):
                 await stack.expect(WeightsLoaded, 2, 1)
                 assert await server_version(url) == "2"
+
+                # the genuine, signed v5 announcement, recorded and replayed: refused and reported,
+                # and the server stays on v2
+                await nc.jetstream().publish(Subjects(RUN).weights_published, encode(v5))
+                failed = await stack.expect(WeightsLoadFailed, 5, 1)
+                assert "a replay" in failed[0].reason, failed
+                assert await server_version(url) == "2"
+            refused = _said(tmp_path / "a1.log", "weights announcement refused")
+            assert [(e["cause"], e["version"]) for e in refused] == [("replayed", 5)]
     finally:
         await engine.aclose()
         await nc.close()

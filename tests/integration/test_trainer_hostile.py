@@ -57,11 +57,25 @@ def _nan(model: Path) -> bytes:
     return encode_group(g, run=RUN, prompt_id=BAD, worker="w-hostile")
 
 
+def _huge_reward(model: Path) -> bytes:
+    g = make_group(model, "444", seed=44)
+    g["rewards"][1] = 3e38  # finite: passes the NaN check, but one such group would make the step's reward mean 1e36
+    return encode_group(g, run=RUN, prompt_id=BAD, worker="w-hostile")
+
+
+def _huge_logprob(model: Path) -> bytes:
+    g = make_group(model, "555", seed=55)
+    g["logprobs"][0][np.flatnonzero(g["loss_mask"][0])[0]] = -3e38
+    return encode_group(g, run=RUN, prompt_id=BAD, worker="w-hostile")
+
+
 KINDS: dict[str, tuple[Callable[[Path], bytes], str]] = {
     "oov": (_oov, "oov_token"),
     "oversize": (_oversize, "too_long"),
     "lying_metadata": (_lying, "length_mismatch"),
     "nan_reward": (_nan, "non_finite"),
+    "huge_reward": (_huge_reward, "out_of_bounds"),
+    "huge_logprob": (_huge_logprob, "out_of_bounds"),
 }
 
 

@@ -3,11 +3,14 @@ section running as one of them, `jetrl bus init` as the admin, and a test PKI fo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import nats
 
 from services.bus.secrets import new_password
 from services.common.permissions import ADMIN, users
@@ -58,3 +61,25 @@ def bus_init(url: str, files: dict[str, str], ca: Path | None = None, run: str =
          f"nats_auth.user={ADMIN}", f"nats_auth.password_file={files[ADMIN]}", *tls, "connect_timeout_s=10"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
     )
+
+
+async def refusal(url: str, user: str, password: str, action: str, subject: str) -> str:
+    """Publish to (or subscribe to) `subject` as `user`; the server's error about it, or "" if none came."""
+    errors: asyncio.Queue[str] = asyncio.Queue()
+
+    async def error_cb(exc: Exception) -> None:
+        errors.put_nowait(str(exc))
+
+    nc = await nats.connect(url, user=user, password=password, error_cb=error_cb, allow_reconnect=False)
+    try:
+        if action == "publish":
+            await nc.publish(subject, b"forged")
+        else:
+            await nc.subscribe(subject)
+        await nc.flush()  # the server has read the command: its -ERR, if any, came before the PONG
+        try:
+            return await asyncio.wait_for(errors.get(), 5)
+        except TimeoutError:
+            return ""
+    finally:
+        await nc.close()

@@ -15,10 +15,18 @@ import pytest
 
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from services.common.bus import connect
-from services.runs import run_nats
+from services.runs import run_auth, run_nats
 
 ROOT = Path(__file__).resolve().parents[2]
 ETA = 4
+
+
+def up_env(*pythonpath: str) -> dict[str, str]:
+    """The environment `jetrl up` runs in, as a user's shell: the test process's without its own
+    service settings (`JETRL_<SERVICE>__...`, e.g. conftest's trainer issuer key, which would clash with
+    the key `jetrl up` makes for its run)."""
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("JETRL_") and "__" in k)}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), *pythonpath])}
 
 
 def start_up(tmp_path: Path, run: str, steps: int | None, config: dict[str, Any]) -> subprocess.Popen[str]:
@@ -27,7 +35,7 @@ def start_up(tmp_path: Path, run: str, steps: int | None, config: dict[str, Any]
 
     cfg = tmp_path / "up.yaml"
     cfg.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = up_env()
     budget = [] if steps is None else [f"total_steps={steps}"]
     return subprocess.Popen(
         [sys.executable, "-m", "services.up", "--config", str(cfg), f"run={run}", f"run_dir={tmp_path}",
@@ -51,7 +59,8 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
 
 async def read_recording(run_dir: Path, run: str) -> list[tuple[dict[str, str], bytes]]:
     with run_nats(run_dir) as url:
-        nc = await connect(url, "e2e-check", connect_timeout_s=10)
+        # the whole recording: the run's admin user (`jetrl up` locks its bus; replay and export run as it)
+        nc = await connect(url, "e2e-check", connect_timeout_s=10, auth=run_auth(run_dir, "admin"))
         js = nc.jetstream()
         last = (await js.stream_info(TRAJECTORIES_STREAM)).state.last_seq
         sub = await js.subscribe(Subjects(run).trajectories, ordered_consumer=True, stream=TRAJECTORIES_STREAM)

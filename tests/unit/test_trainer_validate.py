@@ -40,6 +40,10 @@ def test_a_good_group_passes() -> None:
         (lambda t: t["input_ids"].__setitem__((1, 1), -1), "oov_token"),
         (lambda t: t["rewards"].__setitem__(1, np.nan), "non_finite"),
         (lambda t: t["logprobs"].__setitem__((2, 4), -np.inf), "non_finite"),
+        (lambda t: t["rewards"].__setitem__(1, 3e38), "out_of_bounds"),
+        (lambda t: t["rewards"].__setitem__(1, -2e6), "out_of_bounds"),
+        (lambda t: t["logprobs"].__setitem__((2, 4), -3e38), "out_of_bounds"),
+        (lambda t: t["logprobs"].__setitem__((2, 4), 0.5), "out_of_bounds"),
     ],
 )
 def test_each_bad_value_is_refused_under_its_cause(change: object, cause: str) -> None:

@@ -26,3 +26,22 @@ def test_a_key_in_the_config_wins(tmp_path: Path) -> None:
     assert announce_trust(tmp_path, {"weights": {"trust": {"announce_key_file": "/run/k"}}}) == {}
     assert announce_trust(tmp_path, {"trainer": {"trust": {"announce_key": "k"}}}) == {}
     assert not (tmp_path / "announce-key").exists()
+
+
+def test_each_service_gets_its_own_user_and_the_config_wins(tmp_path: Path) -> None:
+    from services.up.credentials import make_credentials
+
+    creds = make_credentials(tmp_path, "r")
+    rollout = creds.section("rollout", {})
+    assert rollout == {"nats_auth": {"user": "rollout", "password_file": str(tmp_path / "secrets" / "rollout")}, "bus_declare": False}
+    assert creds.section("inference", {}) == {"admin_api_key_file": str(creds.admin_key_file)}
+    assert creds.section("weights", {})["trust"] == {"inference_admin_api_key_file": str(creds.admin_key_file)}
+    own = {"nats_auth": {"user": "me"}, "trust": {"inference_admin_api_key_file": "/k", "prompt_issuer_key": "x"}}
+    assert creds.section("trainer", own) == {}
+    assert creds.section("inference", {"admin_api_key": "k"}) == {}
+    password = (tmp_path / "secrets" / "trainer").read_text()
+    assert make_credentials(tmp_path, "r").section("trainer", {}) == creds.section("trainer", {})
+    assert (tmp_path / "secrets" / "trainer").read_text() == password, "kept on a second call"
+    (tmp_path / "o").mkdir()
+    opened = make_credentials(tmp_path / "o", "r", locked=False)
+    assert "nats_auth" not in opened.section("trainer", {}) and not (tmp_path / "o" / "secrets" / "admin").exists()

@@ -163,3 +163,21 @@ def test_help_is_instant_and_lists_settings() -> None:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
         assert key in out, f"jetrl {cmd} --help does not list {key}"
         assert out.strip().endswith("TORCH False"), f"jetrl {cmd} --help imported torch"
+
+
+def test_an_announcement_older_by_epoch_and_version_is_refused_as_a_replay() -> None:
+    from schemas.messages import WeightsPublished
+    from services.weights.trust import Freshness, Refused
+
+    def ann(epoch: int, version: int, run: str = "r") -> WeightsPublished:
+        return WeightsPublished(run=run, version=version, uri="", files=[], step=version, epoch=epoch)
+
+    fresh = Freshness("r")
+    for a in (ann(10, 5), ann(10, 5), ann(10, 6), ann(11, 2)):  # a re-read, a newer version, a resumed trainer
+        fresh.check(a)
+        fresh.accept(a)
+    for old, cause in ((ann(11, 1), "replayed"), (ann(10, 9), "replayed"), (ann(12, 9, run="other"), "other_run")):
+        with pytest.raises(Refused) as exc:
+            fresh.check(old)
+        assert exc.value.cause == cause
+    assert fresh.newest == (11, 2)

@@ -6,7 +6,12 @@ many open models are trained to emit):
 Each `<tool_call>...</tool_call>` block holding a JSON object with a string `name` and an object (or
 JSON string) `arguments` becomes one tool call; the text outside the blocks is the message content. A
 block whose body is not such an object is not a tool call: it stays in the content as written, so
-nothing the model produced silently disappears.
+nothing the model produced silently disappears. A last `<tool_call>` left open (the model ended its
+turn right after the object, as it does under a `required` / named tool_choice, whose grammar allows
+only EOS once the call object is complete) is read the same way when its body is such an object.
+JSON is read with raw control characters allowed inside strings (`strict=False`): xgrammar 0.2.7,
+SGLang's grammar backend and the CPU server's, lets a string with `maxLength` hold a raw tab; the
+arguments answered are re-encoded (`json.dumps`), so clients get them escaped.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import re
 from dataclasses import dataclass
 
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN = "<tool_call>"
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,7 @@ class ToolCall:
 
 def _as_call(body: str, call_id: str) -> ToolCall | None:
     try:
-        obj = json.loads(body.strip())
+        obj = json.loads(body.strip(), strict=False)  # raw control characters in strings: see module doc
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -42,7 +48,7 @@ def _as_call(body: str, call_id: str) -> ToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json.loads(args, strict=False)
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -62,7 +68,13 @@ def parse_tool_calls(text: str, id_prefix: str = "call") -> tuple[str, list[Tool
         pos = match.end()
         if call is not None:
             calls.append(call)
-    kept.append(text[pos:])
+    rest = text[pos:]
+    start = rest.find(_OPEN)
+    last = _as_call(rest[start + len(_OPEN):], f"{id_prefix}_{len(calls)}") if start >= 0 else None
+    if last is not None:
+        calls.append(last)
+        rest = rest[:start]
+    kept.append(rest)
     content = "".join(kept)
     return (content.strip() if calls else content), calls
 
