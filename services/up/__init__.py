@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     try:  # a bad --config (missing, not YAML, unknown section or key) is a message and exit 2
         data = read_yaml(line.config) if line.config else {}
         sections = _service_sections(line.config, data)
-        validate_sections(sections)
         settings = load_settings(UpSettings, overrides=line.overrides, values=data.get("up") or {})
+        validate_sections(sections, settings.dataset_path)
     except SettingsError as exc:
         print(f"jetrl up: {exc}", file=sys.stderr)
         return 2
