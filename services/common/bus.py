@@ -220,12 +220,12 @@ def _config(spec: StreamSpec, replicas: int) -> StreamConfig:
         max_bytes=spec.max_bytes,
         max_msg_size=spec.max_msg_size,
         duplicate_window=spec.duplicate_window_s,
-        discard=DiscardPolicy.OLD,
+        discard=DiscardPolicy.NEW if spec.discard == "new" else DiscardPolicy.OLD,
     )
 
 
 _COMPARED = ("subjects", "retention", "max_msgs_per_subject", "max_age", "max_bytes", "max_msg_size", "duplicate_window",
-             "num_replicas")
+             "num_replicas", "discard")
 
 
 async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | None = None, *, replicas: int | None = None,

@@ -84,7 +84,8 @@ async def probe(url: str, secrets: Path, server: str) -> list[str]:
 def test_a_default_up_admits_only_its_own_services_and_stops_within_its_deadlines_without_a_bus(tmp_path: Path) -> None:
     config = {name: {"shutdown_timeout_s": SHUTDOWN_S} for name in SERVICES}
     config["trainer"]["checkpoint_every"] = 0
-    config["up"] = {"stop_timeout_s": 60}  # up kills what overran only long after the deadlines checked here
+    # up kills what overran only long after the deadlines checked here
+    config["up"] = {"stop_timeout_s": 60, "recording_max_bytes": 500_000_000}
     proc = start_up(tmp_path, RUN, 400, config)
     run_dir = tmp_path / RUN
     secrets = run_dir / SECRETS_DIR
@@ -117,7 +118,11 @@ def test_a_default_up_admits_only_its_own_services_and_stops_within_its_deadline
         # the run's own tools find their credentials by themselves
         status = jetrl("status", f"run={RUN}", f"run_dir={tmp_path}", "format=json", "log_format=json")
         assert status.returncode == 0, status.stderr[-3000:]
-        assert json.loads(status.stdout)["weights"]["published_version"] >= 1
+        shown = json.loads(status.stdout)
+        assert shown["weights"]["published_version"] >= 1
+        # disk: each stream's use (the recording's cap set above) and the store's
+        assert shown["bus"]["streams"]["TRAJECTORIES"]["max_bytes"] == 500_000_000
+        assert shown["bus"]["streams"]["OBJ_WEIGHTS"]["bytes"] > 0 and shown["bus"]["store"]["used"] > 0, shown["bus"]
         data = tmp_path / "more.jsonl"
         data.write_text("".join(json.dumps({"prompt": "abc", "answer": "abc"}) + "\n" for _ in range(2)))
         pushed = jetrl("prompts", "push", str(data), "--run", RUN, "--run-dir", str(tmp_path))
