@@ -122,10 +122,15 @@ async def supervise(
         await sup.wait()
         waiter.cancel()
     finally:
-        try:
-            await asyncio.wait_for(sup.stack.aclose(), timeout=max(0.5, sup.left() - 1.0))
-        except TimeoutError:
+        # Not wait_for: it would wait for the cancelled close to end, and a close stuck on a peer that is
+        # gone (a publish attempt's own timeout) may not end soon; the process exits anyway.
+        closing = asyncio.ensure_future(sup.stack.aclose())
+        done, _ = await asyncio.wait({closing}, timeout=max(0.5, sup.left() - 1.0))
+        if not done:
             log.warning("closing resources took longer than the deadline; exiting anyway")
+            closing.cancel()
+        elif closing.exception() is not None:
+            raise closing.exception()  # type: ignore[misc]
         stop_retrying_when(None)
     sup.raise_if_failed()
 
