@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,16 +30,11 @@ from pathlib import Path
 
 import httpx
 
+from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine, ModelRequest
 
 LEVELS = (1, 4, 16, 64)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_server(model: Path, port: int, log_path: Path, args: tuple[str, ...] = ("max_batch_size=64",),

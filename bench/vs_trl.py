@@ -32,14 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.support.proc_cpu import TreeCPU  # noqa: E402  (after the sys.path line)
-from services.up.run import DEMO_DEFAULTS  # noqa: E402
+from services.up.presets import DEMO_PRESET  # noqa: E402
 
 # jetrl's demo defaults, given to TRL as they are (jetrl runs with its defaults, stated below)
-PROMPTS_PER_STEP = DEMO_DEFAULTS["trainer"]["batch_groups"]
-GROUP = DEMO_DEFAULTS["rollout"]["group_size"]
-LR = DEMO_DEFAULTS["trainer"]["lr"]
-NEW_TOKENS = DEMO_DEFAULTS["rollout"]["max_new_tokens"]
-TEMPERATURE = DEMO_DEFAULTS["rollout"]["temperature"]
+PROMPTS_PER_STEP = DEMO_PRESET["trainer"]["batch_groups"]
+GROUP = DEMO_PRESET["rollout"]["group_size"]
+LR = DEMO_PRESET["trainer"]["lr"]
+NEW_TOKENS = DEMO_PRESET["rollout"]["max_new_tokens"]
+TEMPERATURE = DEMO_PRESET["rollout"]["temperature"]
 CLIP = 0.2
 ENTROPY = 0.03
 

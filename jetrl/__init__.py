@@ -48,6 +48,11 @@ _EXPORTS: dict[str, str] = {
     "LossOutput": "services.trainer.algorithms.api",
     "Standard": "services.trainer.algorithms.standard",
     "PPOSettings": "services.trainer.settings",
+    # AReaL's helpers, as its workflows, rewards and agents import them (docs/compat.md)
+    "AsyncRewardWrapper": "services.rollout.compat.reward",
+    "import_from_string": "services.rollout.compat.helpers",
+    "apply_chat_template": "services.rollout.compat.helpers",
+    "load_hf_tokenizer": "services.rollout.compat.helpers",
     # naming things in settings ("pkg.mod:Name", "pkg.mod.Name", "file.py:Name")
     "resolve_ref": "services.common.refs",
 }
@@ -56,6 +61,7 @@ __all__ = [
     "AdvantageInput",
     "Algorithm",
     "ArealOpenAI",
+    "AsyncRewardWrapper",
     "GenerationHyperparameters",
     "GroupedRolloutWorkflow",
     "InferenceEngine",
@@ -68,9 +74,12 @@ __all__ = [
     "Standard",
     "TensorDict",
     "WorkflowError",
+    "apply_chat_template",
     "concat_padded",
     "concat_padded_tensors",
     "encode_chat",
+    "import_from_string",
+    "load_hf_tokenizer",
     "resolve_ref",
     "reward_items",
     "sample_tensors",
@@ -80,7 +89,19 @@ __all__ = [
 ]
 
 
+#: AReaL's utility modules, under the same names: `from jetrl import stats_tracker, logging, perf_tracer`
+_MODULES: dict[str, str] = {
+    "stats_tracker": "jetrl.stats_tracker",
+    "logging": "jetrl.logging",
+    "perf_tracer": "jetrl.perf_tracer",
+}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'jetrl' has no attribute {name!r} (public names: {', '.join(__all__)})")
@@ -90,13 +111,15 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return __all__
+    return [*__all__, *_MODULES]
 
 
 if TYPE_CHECKING:
     from services.common.refs import resolve_ref
     from services.rollout.agent.direct import ArealOpenAI
     from services.rollout.api import TensorDict, concat_padded_tensors
+    from services.rollout.compat.helpers import apply_chat_template, import_from_string, load_hf_tokenizer
+    from services.rollout.compat.reward import AsyncRewardWrapper
     from services.rollout.engine import InferenceEngine
     from services.rollout.gconfig import GenerationHyperparameters
     from services.rollout.io_struct import ModelRequest, ModelResponse

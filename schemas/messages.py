@@ -101,10 +101,11 @@ class WeightsPublished(Message):
     files: list[WeightFile]
     step: int
     published_at: float = Field(default_factory=time.time)
-    transport: Literal["disk", "broadcast"] = "disk"
+    transport: Literal["disk", "broadcast", "colocated"] = "disk"
     """How this version reached the servers. `disk`: fetch `uri`. `broadcast`: the trainer sent it over
-    a torch.distributed group to `members`; then `uri`/`files` name the latest disk copy (version
-    `disk_version`, empty if none yet), where a server outside the group catches up."""
+    a torch.distributed group to `members`; `colocated`: it handed it to `members` on its own host
+    through shared memory (`/update_weights_from_tensor`). For both, `uri`/`files` name the latest disk
+    copy (version `disk_version`, empty if none yet), where a server that missed it catches up."""
     members: list[str] = Field(default_factory=list)
     """broadcast: the servers that now serve this version."""
     group: str = ""
@@ -134,7 +135,7 @@ class WeightsLoaded(Message):
     version: int
     seconds: float
     loaded_at: float = Field(default_factory=time.time)
-    transport: Literal["disk", "broadcast"] = "disk"
+    transport: Literal["disk", "broadcast", "colocated"] = "disk"
 
 
 class WeightsLoadFailed(Message):
@@ -143,7 +144,7 @@ class WeightsLoadFailed(Message):
     version: int
     reason: str
     failed_at: float = Field(default_factory=time.time)
-    transport: Literal["disk", "broadcast"] = "disk"
+    transport: Literal["disk", "broadcast", "colocated"] = "disk"
 
 
 # ---------------------------------------------------------------------------------------------- reward

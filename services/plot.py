@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else path
     out.mkdir(parents=True, exist_ok=True)
     steps: list[dict[str, Any]] = view.steps
-    write_metrics(out, steps, {"servers": view.servers, "evals": view.evals})
+    write_metrics(out, steps, {"servers": view.servers, "evals": view.evals, "workflow_stats": view.workflow_stats})
     png = plot_curves(out, steps, f"jetrl run {path.name}", view.evals)
     wall = steps[-1]["time"] if steps else 0.0
     print("\n".join(summary_lines(steps, view.servers, wall)))

@@ -54,6 +54,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+@pytest.fixture(scope="session")
+def ascii_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with the printable-ASCII vocabulary (`make-model --vocab ascii`): it can spell
+    JSON and tool-call markup, which the default vocabulary cannot."""
+    from services.inference.make_model import build_model
+
+    return build_model(tmp_path_factory.mktemp("models") / "ascii", vocab="ascii")
+
+
 @pytest.fixture
 async def nc(nats_url: str) -> AsyncIterator[Any]:
     """A plain nats-py connection to the test's server, jetrl's streams declared."""

@@ -40,7 +40,9 @@ def build_parser(prog: str, description: str, cls: type[ServiceSettings], *, con
     )
     parser.add_argument("--config", help=config_help)
     for f in flags(cls):
+        # argparse %-formats a flag's help: a literal "%" in a docstring ("~25%") must be escaped
         doc = f"{f.key}={'true' if f.switch else '...'}: {f.doc}" if f.doc else f.key
+        doc = doc.replace("%", "%%")
         if f.switch:
             parser.add_argument(f.name, dest=f.key, action="store_const", const="true", help=doc)
         elif f.bare is not None:

@@ -65,7 +65,8 @@ class TrustSettings(BaseModel):
 ADMIN_ROUTES = frozenset({
     "/pause_generation", "/continue_generation", "/abort_request", "/update_weights_from_disk",
     "/update_weight_version", "/flush_cache", "/init_weights_update_group", "/update_weights_from_distributed",
-    "/destroy_weights_update_group", "/get_weights_by_name",
+    "/destroy_weights_update_group", "/get_weights_by_name", "/update_weights_from_tensor", "/begin_weight_update",
+    "/end_weight_update",
 })
 """The inference server's admin routes today (SGLang's ADMIN_OPTIONAL ones that jetrl serves or
 calls), for the docs: what decides is `is_admin_route`, which holds every route admin that is not

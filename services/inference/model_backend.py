@@ -10,6 +10,7 @@ updates happen, so a load always falls between two steps.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -22,7 +23,10 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.utils import logging as hf_logging
 
 from services.common.logging import get_logger
+from services.common.model_path import require_model
+from services.inference import penalties
 from services.inference.cost import CallCost
+from services.inference.grammar import DEAD_END, Grammars
 from services.inference.requests import Joining, SamplingParams
 from services.inference.sampling import TopLogprobs, sample_top
 from services.inference.weights import load_safetensors_into
@@ -39,19 +43,35 @@ class _Row:
     generator: torch.Generator
     next_pos: int
     last_token: int = 0
+    grammar: Any = None
+    """Its `GrammarMatcher` when the request constrains its output (grammar.py)."""
+    counts: torch.Tensor | None = None
+    """Its output tokens' counts when it has penalties or a logit bias (penalties.py)."""
 
 
 class TransformersBackend:
-    def __init__(self, model_path: str, *, seed: int = 0, version: str = "0", threads: int = 1, tokenizer: bool = True) -> None:
-        """`tokenizer=False` (a `skip_tokenizer_init` server) loads none: ids in, ids out."""
+    def __init__(self, model_path: str, *, seed: int = 0, version: str = "0", threads: int = 1, tokenizer: bool = True,
+                 device: str = "cpu", dtype: str = "float32", attn_implementation: str | None = None,
+                 memory_fraction: float = 0.0) -> None:
+        """`tokenizer=False` (a `skip_tokenizer_init` server) loads none: ids in, ids out. The model runs
+        on `device` in `dtype`; sampling runs on the CPU (float32 logits), so a seeded request draws
+        the same way on every device."""
         torch.set_num_threads(threads)
-        path = Path(model_path)
+        path = Path(require_model(model_path))  # a name this machine does not have: says what to do
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model_path {model_path!r} has no config.json (build one with `jetrl make-model`)")
         config = AutoConfig.from_pretrained(path)
         # No progress bar: its tqdm monitor thread would outlive the load and wake for the server's lifetime.
         hf_logging.disable_progress_bar()
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device: cuda, but torch sees no CUDA GPU here (torch "
+                               f"{torch.__version__}); serve on device: cpu, or install a CUDA build of torch")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and memory_fraction > 0:
+            torch.cuda.set_per_process_memory_fraction(memory_fraction)  # the rest is the trainer's (one GPU, both)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation)
+        self.model = model.to(self.device).eval() if self.device.type != "cpu" else model.eval()  # type: ignore[arg-type]
+        self._cache_kw = cache_kwarg(self.model)
         self.model_path = str(path)
         self.tokenizer: Any = None
         if tokenizer:
@@ -76,6 +96,43 @@ class TransformersBackend:
         self.forward_rows: dict[str, Counter[int]] = {"prefill": Counter(), "decode": Counter(), "decode+prefill": Counter()}
         """How many rows each model forward ran, per kind (`/server_info`): the batching actually achieved."""
         self.cost = CallCost()
+        self._grammars: Grammars | None = None
+        self.grammar_failed: dict[int, str] = {}
+        """Sids whose grammar allowed no token of the vocabulary in the last step, and why (the
+        scheduler ends them with a 400 abort, as SGLang ends a request it cannot serve)."""
+        self.grammar_done: set[int] = set()
+        """Sids whose grammar completed in the last step (the scheduler finishes them, as SGLang does
+        when a grammar terminates: only reached with `ignore_eos`, since a grammar ends on EOS)."""
+
+    @property
+    def grammars(self) -> Grammars | None:
+        """The grammar compiler (built at first use: xgrammar is imported then); None without a tokenizer."""
+        if self._grammars is None and self.tokenizer is not None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammars
+
+    def _new_row(self, j: Joining, next_pos: int) -> _Row:
+        spec = j.params.grammar
+        matcher = None if spec is None or self.grammars is None else self.grammars.matcher(spec)
+        counts = torch.zeros(self.vocab_size) if penalties.wants(j.params) else None
+        return _Row(j.sid, j.params, self._generator(j.params), next_pos=next_pos, grammar=matcher, counts=counts)
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[Token]:
+        """Sample a token for each row (its grammar, if any, applied and advanced)."""
+        matchers = [r.grammar for r in rows] if any(r.grammar is not None for r in rows) else None
+        dead: set[int] = set()
+        logits = penalties.adjust(logits, rows)
+        tokens, logps, tops = sample_top(logits, [r.params for r in rows], [r.generator for r in rows], matchers, dead)
+        penalties.observe(rows, tokens)
+        out: list[Token] = []
+        for i, (row, tok, lp, top) in enumerate(zip(rows, tokens, logps, tops, strict=True)):
+            row.last_token = tok
+            out.append((row.sid, tok, lp, top))
+            if i in dead:
+                self.grammar_failed[row.sid] = DEAD_END.format(kind=row.params.grammar.kind if row.params.grammar else "")
+            elif row.grammar is not None and row.grammar.is_terminated():
+                self.grammar_done.add(row.sid)
+        return out
 
     @property
     def batch_size(self) -> int:
@@ -118,19 +175,17 @@ class TransformersBackend:
             # Identical prompts (a group's samples: one prompt, n completions) are run once; each
             # request's row then gets a copy of that prompt's logits and cache, and samples on its own.
             unique, which = _dedup([j.prompt for j in group])
-            ids = torch.tensor(unique, dtype=torch.long)
+            ids = torch.tensor(unique, dtype=torch.long, device=self.device)
             cache = DynamicCache()
             self.forward_rows["prefill"][len(unique)] += 1
-            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+            logits = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}).logits[:, -1, :].float().cpu()
             layers = _keys_values(cache)
             if which is not None:
                 logits = logits.index_select(0, which)
-                layers = [(k.index_select(0, which), v.index_select(0, which)) for k, v in layers]
-            rows = [_Row(j.sid, j.params, self._generator(j.params), next_pos=length) for j in group]
-            tokens, logps, tops = sample_top(logits, [r.params for r in rows], [r.generator for r in rows])
-            for row, tok, lp, top in zip(rows, tokens, logps, tops, strict=True):
-                row.last_token = tok
-                out.append((row.sid, tok, lp, top))
+                on = which.to(self.device)
+                layers = [(k.index_select(0, on), v.index_select(0, on)) for k, v in layers]
+            rows = [self._new_row(j, length) for j in group]
+            out += self._sample(logits, rows)
             self._merge(rows, layers, torch.ones(len(group), length, dtype=torch.long))
         return out, self.version
 
@@ -180,32 +235,30 @@ class TransformersBackend:
             mask[run:, width:] = 1
             keys = [torch.cat([k, k.new_zeros(new, *k.shape[1:])]) for k in keys]
             values = [torch.cat([v, v.new_zeros(new, *v.shape[1:])]) for v in values]
-            rows = rows + [_Row(j.sid, j.params, self._generator(j.params), next_pos=length) for j in joining]
+            rows = rows + [self._new_row(j, length) for j in joining]
         self.forward_rows["decode+prefill" if joining else "decode"][run + new] += 1
         cache = DynamicCache(ddp_cache_data=list(zip(keys, values, strict=True)))
         started = time.thread_time()
+        dev = self.device
         logits = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
-        ).logits[:, -1, :]
+            input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True, logits_to_keep=1,
+            **{self._cache_kw: cache},
+        ).logits[:, -1, :].float().cpu()
         if not joining:
             self.cost.observe(run, time.thread_time() - started)
         layers = _keys_values(cache)
         if which is not None:
             expand = torch.cat([torch.arange(run), run + which])
             logits, mask = logits.index_select(0, expand), mask.index_select(0, expand)
-            layers = [(k.index_select(0, expand), v.index_select(0, expand)) for k, v in layers]
+            on = expand.to(dev)
+            layers = [(k.index_select(0, on), v.index_select(0, on)) for k, v in layers]
         self._keys = [k for k, _ in layers]
         self._values = [v for _, v in layers]
         self._mask = mask
         for r in self._rows:
             r.next_pos += 1
         self._rows = rows
-        tokens, logps, tops = sample_top(logits, [r.params for r in rows], [r.generator for r in rows])
-        out: list[Token] = []
-        for row, tok, lp, top in zip(rows, tokens, logps, tops, strict=True):
-            row.last_token = tok
-            out.append((row.sid, tok, lp, top))
-        return out
+        return self._sample(logits, rows)
 
     def remove(self, sids: set[int]) -> None:
         """Drop finished or aborted sequences; trim padding columns no remaining row needs."""
@@ -220,16 +273,18 @@ class TransformersBackend:
         self._rows = [self._rows[i] for i in keep]
         mask = self._mask.index_select(0, index)
         used = mask.any(dim=0)
+        on = index.to(self.device)
         if bool(used.all()):
             self._mask = mask
-            self._keys = [k.index_select(0, index) for k in self._keys]
-            self._values = [v.index_select(0, index) for v in self._values]
+            self._keys = [k.index_select(0, on) for k in self._keys]
+            self._values = [v.index_select(0, on) for v in self._values]
             return
         # Columns no remaining row attends to (padding, or the positions of rows that left) go.
         cols = used.nonzero().squeeze(1)
         self._mask = mask.index_select(1, cols)
-        self._keys = [k.index_select(0, index).index_select(2, cols) for k in self._keys]
-        self._values = [v.index_select(0, index).index_select(2, cols) for v in self._values]
+        cols_on = cols.to(self.device)
+        self._keys = [k.index_select(0, on).index_select(2, cols_on) for k in self._keys]
+        self._values = [v.index_select(0, on).index_select(2, cols_on) for v in self._values]
 
     def load_weights(self, model_path: str, version: str | None) -> str:
         """Load a checkpoint's safetensors in place (between steps); raises WeightLoadError and
@@ -257,6 +312,12 @@ def _dedup(prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor | No
     if len(index) == len(prompts):
         return prompts, None
     return [list(p) for p in index], torch.tensor(which, dtype=torch.long)
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its KV cache by: `cache` (transformers >= 5.x; the old
+    `past_key_values` is deprecated there and goes in 5.40), else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _keys_values(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

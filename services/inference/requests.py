@@ -11,6 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.inference.grammar import FIELDS as GRAMMAR_FIELDS
+from services.inference.grammar import GrammarError, GrammarSpec, parse_grammar
+
 
 class RequestError(ValueError):
     """A request the server will not run (HTTP 400)."""
@@ -19,9 +22,8 @@ MAX_TOP_LOGPROBS = 20
 """The most `top_logprobs_num` the CPU server computes (OpenAI's own limit for `top_logprobs`)."""
 
 # Known SGLang sampling params this server accepts only at their neutral value.
-_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
-_IGNORED = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "json_schema", "regex",
-            "ebnf", "structural_tag", "custom_params", "logit_bias", "stream_interval"}
+_NEUTRAL = {"repetition_penalty": 1.0, "min_p": 0.0}
+_IGNORED = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval"}
 _TOP_IGNORED = {"logprob_start_len", "return_text_in_logprobs", "custom_logit_processor", "modalities",
                 "image_data", "session_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
                 "data_parallel_rank", "log_metrics", "return_hidden_states", "priority"}
@@ -43,6 +45,14 @@ class SamplingParams:
     top_logprobs_num: int = 0
     """How many most likely tokens to report per output position (a top-level request field in SGLang,
     carried here so the decode loop sees it); 0 unless `return_logprob` is set."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it is already in the output (penalties.py)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already in the output."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits (SGLang's `logit_bias`, keys as strings there)."""
+    grammar: GrammarSpec | None = None
+    """The output constraint (`json_schema`, `regex` or `ebnf`), enforced while decoding (grammar.py)."""
 
     @property
     def greedy(self) -> bool:
@@ -95,7 +105,8 @@ def _float(name: str, v: Any) -> float:
     return float(v)
 
 
-_KNOWN = (set(SamplingParams.__dataclass_fields__) - {"seed", "top_logprobs_num"}) | {"sampling_seed", "n"} | set(_NEUTRAL) | _IGNORED
+_KNOWN = ((set(SamplingParams.__dataclass_fields__) - {"seed", "top_logprobs_num", "grammar"}) | {"sampling_seed", "n"}
+          | set(_NEUTRAL) | _IGNORED | set(GRAMMAR_FIELDS))
 """Every `sampling_params` field the server knows (computed once: a batch parses one object per input)."""
 
 
@@ -143,6 +154,22 @@ def _parse_sampling(raw: dict[str, Any], top_logprobs_num: int) -> SamplingParam
     if not isinstance(stop_ids, list):
         raise RequestError(f"stop_token_ids must be a list of integers, got {stop_ids!r}")
     seed = raw.get("sampling_seed")
+    penalty = {}
+    for name in ("frequency_penalty", "presence_penalty"):
+        penalty[name] = _float(name, raw.get(name) or 0.0)
+        if not -2.0 <= penalty[name] <= 2.0:  # SGLang's own check, word for word
+            raise RequestError(f"{name} must be in [-2, 2], got {penalty[name]}.")
+    bias = raw.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias must be an object of token id -> bias, got {bias!r}")
+    try:
+        logit_bias = tuple(sorted((int(k), _float("logit_bias[]", v)) for k, v in bias.items()))
+    except ValueError as exc:
+        raise RequestError(f"logit_bias keys must be token ids: {exc}") from exc
+    try:
+        grammar = parse_grammar(raw)
+    except GrammarError as exc:
+        raise RequestError(str(exc)) from exc
     return SamplingParams(
         max_new_tokens=max_new,
         temperature=temperature,
@@ -156,6 +183,10 @@ def _parse_sampling(raw: dict[str, Any], top_logprobs_num: int) -> SamplingParam
         skip_special_tokens=bool(raw.get("skip_special_tokens", True)),
         no_stop_trim=bool(raw.get("no_stop_trim", False)),
         top_logprobs_num=top_logprobs_num,
+        frequency_penalty=penalty["frequency_penalty"],
+        presence_penalty=penalty["presence_penalty"],
+        logit_bias=logit_bias,
+        grammar=grammar,
     )
 
 
@@ -245,11 +276,20 @@ def parse_generate(
             for tok in prompt:  # name the first bad one
                 if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
                     raise RequestError(f"{where}: token id {tok!r} is out of vocabulary (vocab size {vocab_size})")
+        for token, _ in params[i].logit_bias:  # SGLang's own check, word for word
+            if not 0 <= token < vocab_size:
+                raise RequestError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token}.")
+        # SGLang's TokenizerManager._validate_one_request, word for word: an input as long as the context
+        # is refused whatever max_new_tokens asks; then prompt + max_new_tokens must fit
+        if len(prompt) >= context_length:
+            raise RequestError(f"The input ({len(prompt)} tokens) is longer than the model's context length ({context_length} tokens).")
         total = len(prompt) + params[i].max_new_tokens
         if total > context_length:
             raise RequestError(
-                f"Requested token count exceeds the model's maximum context length of {context_length} tokens: "
-                f"{len(prompt)} prompt tokens + max_new_tokens {params[i].max_new_tokens} = {total}"
+                f"Requested token count exceeds the model's maximum context length of {context_length} tokens. You "
+                f"requested a total of {total} tokens: {len(prompt)} tokens from the input messages and "
+                f"{params[i].max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit."
             )
     rid = body.get("rid")
     expanded = [p for p in prompts for _ in range(n)]

@@ -4,6 +4,9 @@ distribution it was actually drawn from (temperature, top-k and top-p applied, r
 Each row draws its uniform number from its own generator, so a request with `sampling_seed` gets the
 same tokens whatever else is in the batch; the draw is an inverse-CDF lookup, one batched op.
 Greedy rows (temperature 0 or top_k 1) take the argmax and report its logprob under softmax(logits).
+A row with a grammar (`json_schema` / `regex` / `ebnf`, services/inference/grammar.py) has every token its
+grammar forbids masked to -inf first, so its logprobs are those of the constrained, renormalised
+distribution the token was drawn from, and the token is then fed to its matcher.
 A row whose params ask for `top_logprobs_num` N also gets the N most likely tokens of that same
 distribution (so the sampled token is among them whenever it ranks in the top N); tokens the filters
 removed (probability 0) are left out, so a row may get fewer than N.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from services.inference.grammar import Matchers, advance, mask_logits
 from services.inference.requests import SamplingParams
 
 
@@ -59,10 +63,15 @@ def sample(
 
 
 def sample_top(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator], matchers: Matchers | None = None,
+    dead: set[int] | None = None,
 ) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
-    """logits [B, V] -> (token per row, its logprob, the row's top log-probs or None)."""
-    logits = logits.float()
+    """logits [B, V] -> (token per row, its logprob, the row's top log-probs or None). `matchers`: per
+    row its grammar matcher or None (constrained rows are masked, then advanced by their token); rows
+    whose grammar allows no token are added to `dead` (grammar.py)."""
+    logits, stuck = mask_logits(logits.float(), matchers)
+    if dead is not None:
+        dead |= stuck
     first = params[0]
     if all(p is first for p in params):  # one setting for the whole batch (the usual case: parsing caches them)
         greedy = [first.greedy] * len(params)
@@ -82,7 +91,9 @@ def sample_top(
         drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
         tokens = drawn if not any(greedy) else torch.where(torch.tensor(greedy), logp.argmax(dim=-1), drawn)
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens.tolist(), chosen.tolist(), _top(logp, params)
+    token_list = tokens.tolist()
+    advance(matchers, token_list, stuck)
+    return token_list, chosen.tolist(), _top(logp, params)
 
 
 def _uniforms(generators: list[torch.Generator]) -> torch.Tensor:

@@ -195,9 +195,14 @@ class Scheduler:
         self.tokens_generated += len(out)
 
     def _stop_check(self, seq: Seq, tok: int) -> dict[str, Any] | None:
+        """SGLang's finish rules (`Req.update_finish_state`): with `ignore_eos` no token ends the output,
+        neither EOS nor `stop_token_ids`; a completed grammar ends it after the length check."""
         p, n = seq.params, len(seq.output_ids)
+        failed = getattr(self.backend, "grammar_failed", None)
+        if failed and seq.sid in failed:
+            return {"type": "abort", "message": failed.pop(seq.sid), "status_code": 400, "err_type": "BadRequestError"}
         if n >= p.min_new_tokens:
-            if (not p.ignore_eos and tok in self.backend.eos_ids) or tok in p.stop_token_ids:
+            if not p.ignore_eos and (tok in self.backend.eos_ids or tok in p.stop_token_ids):
                 return {"type": "stop", "matched": tok}
             if p.stop:
                 longest = max(len(s) for s in p.stop)
@@ -207,6 +212,10 @@ class Scheduler:
                         return {"type": "stop", "matched": s}
         if n >= p.max_new_tokens:
             return {"type": "length", "length": n}
+        done = getattr(self.backend, "grammar_done", None)
+        if done and seq.sid in done:
+            done.discard(seq.sid)
+            return {"type": "stop", "matched": tok}
         return None
 
     def _finish(self, seq: Seq, finish: dict[str, Any]) -> None:

@@ -19,10 +19,12 @@ from services.common.logging import get_logger
 from services.common.runner import Supervisor, supervise
 from services.inference.auth import middleware
 from services.inference.dist_weights import DistWeights
+from services.inference.grammar import GrammarError, check_grammars
 from services.inference.replies import error_body, models_body, output_body
 from services.inference.requests import RequestError, parse_generate
 from services.inference.scheduler import Scheduler, Seq
 from services.inference.settings import InferenceSettings
+from services.inference.tensor_update import TensorUpdate
 from services.inference.weights import WeightLoadError
 
 log = get_logger("inference")
@@ -53,7 +55,8 @@ def make_backend(settings: InferenceSettings) -> Any:
 
     return TransformersBackend(
         settings.model_path, seed=settings.seed, version=settings.weight_version, threads=settings.torch_threads,
-        tokenizer=not settings.skip_tokenizer_init,
+        tokenizer=not settings.skip_tokenizer_init, device=settings.device, dtype=settings.dtype,
+        attn_implementation=settings.attn_implementation or None, memory_fraction=settings.memory_fraction,
     )
 
 
@@ -65,6 +68,7 @@ class InferenceServer:
         self.generate_calls = 0
         """`/generate` HTTP requests received (a batch is one), in `/server_info`."""
         self.dist_weights = DistWeights(self, settings.weights_group_timeout_s)
+        self.tensor_update = TensorUpdate(self)
 
     @property
     def ready(self) -> bool:
@@ -100,6 +104,7 @@ class InferenceServer:
         r.add_get("/v1/models", self.models)
         r.add_get("/v1/loads", self.load)
         self.dist_weights.register(r)  # SGLang's distributed weight update (dist_weights.py)
+        self.tensor_update.register(r)  # SGLang's update from tensors by handle, same host (tensor_update.py)
         return app
 
     @web.middleware
@@ -137,7 +142,10 @@ class InferenceServer:
                     _refuse_tokenizer_features(params.stop, params.min_new_tokens)
             if gen.stream and len(gen.prompts) > 1:
                 raise RequestError("stream: true with a batch input or n > 1 is not supported by the CPU server")
-        except RequestError as exc:
+            if any(p.grammar is not None for p in gen.param_list):  # compiled now: a bad grammar is this 400
+                skip = self.settings.skip_tokenizer_init
+                check_grammars([p.grammar for p in gen.param_list], None if skip else getattr(backend, "grammars", None))
+        except (RequestError, GrammarError) as exc:
             return web.json_response(error_body(str(exc)), status=400)
         rids: list[str | None] = [*gen.rids] if gen.rids else [None] * len(gen.prompts)
         seqs = [await self.sched.submit(p, params, rid) for p, params, rid in zip(gen.prompts, gen.param_list, rids, strict=True)]

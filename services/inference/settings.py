@@ -1,4 +1,5 @@
-"""Settings of `jetrl inference`, the SGLang-protocol server on CPU."""
+"""Settings of `jetrl inference`: the SGLang-protocol server on transformers (on a GPU, or the CPU
+stand-in for machines without one), or real SGLang launched with these settings."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
+from services.common.model_path import ModelPath
 from services.common.settings import Section, ServiceSettings
 from services.common.signing import load_key
 from services.inference.auth import is_loopback
@@ -34,8 +36,9 @@ class InferenceSettings(ServiceSettings):
     `sglang` package and a CUDA GPU) with these settings as its flags; see docs/sglang.md."""
     sglang_args: list[str] = []
     """Extra `sglang.launch_server` flags with `engine: sglang` (e.g. `--tp-size=2`, `--mem-fraction-static=0.8`)."""
-    model_path: str = ".jetrl/models/tiny"
-    """Local HF model directory (config.json + *.safetensors [+ tokenizer]); `jetrl make-model` builds the default."""
+    model_path: ModelPath = ".jetrl/models/tiny"
+    """HF model directory (config.json + safetensors, sharded or not [+ tokenizer]), a name `jetrl models`
+    lists (made by `jetrl make-model NAME`) or a hub id in the local HF cache; `jetrl make-model` builds the default."""
     host: str = "127.0.0.1"
     """Address to listen on. Beyond loopback the server refuses to start without `admin_api_key` or
     `api_key`: its admin routes swap the weights and pause generation (docs/security.md)."""
@@ -63,6 +66,21 @@ class InferenceSettings(ServiceSettings):
     """Seed of the server's sampler for requests without `sampling_seed`."""
     torch_threads: int = 1
     """torch intra-op threads of the decode thread."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where this server's model runs: `cuda` (the first visible GPU; `CUDA_VISIBLE_DEVICES` picks
+    another) makes it a transformers server on the GPU, `cpu` the stand-in for machines without one.
+    Sampling runs on the CPU either way (float32 logits), so seeded requests draw alike."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The dtype the model is served in (the weights are cast on load and on every update): bfloat16
+    on a GPU; float32 on the CPU, where bf16 matmuls are slow. With `engine: sglang`, anything but
+    float32 is passed as `--dtype`. The trainer's `weights_broadcast.dtype` should match it."""
+    memory_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """device cuda: the most of the GPU's memory this server's torch allocator may take
+    (`torch.cuda.set_per_process_memory_fraction`), e.g. 0.3 when it shares one GPU with the trainer;
+    0: no limit."""
+    attn_implementation: str = ""
+    """transformers' attention implementation (`sdpa`, `eager`, `flash_attention_2` where installed);
+    empty: transformers' default. (With `engine: sglang` use `sglang_args` `--attention-backend=...`.)"""
     context_length: int = 0
     """Longest prompt + completion; 0 means the model's max_position_embeddings."""
     skip_tokenizer_init: bool = False

@@ -32,6 +32,8 @@ def launch_argv(s: InferenceSettings) -> list[str]:
     ]
     if s.context_length:
         argv.append(f"--context-length={s.context_length}")
+    if s.dtype != "float32":
+        argv.append(f"--dtype={s.dtype}")
     api_key, admin_api_key = s.keys()  # on SGLang's command line: readable by this machine's users (docs/security.md)
     if api_key:
         argv.append(f"--api-key={api_key}")

@@ -13,8 +13,11 @@ from services.reward.answers import reference_answer
 
 def math_verify(completion: str = "", **row: Any) -> float:
     """1.0 if math-verify finds the completion's final answer equivalent to the reference (LaTeX,
-    fractions, boxed answers, numbers), else 0.0."""
+    fractions, boxed answers, numbers), else 0.0. A GSM8K answer field (worked solution, then
+    `#### <answer>`) is read as what follows its `####`."""
     answer = reference_answer(row, "math_verify")
+    if "####" in answer:
+        answer = answer.rsplit("####", 1)[1].strip()
     gold = _mv.parse(answer)
     if not gold:
         gold = _mv.parse(f"${answer}$")

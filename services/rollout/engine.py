@@ -72,6 +72,7 @@ class InferenceEngine:
         # (measured: 64 concurrent generations ran slower than 16). Created on first use, in the loop.
         self._session: aiohttp.ClientSession | None = None
         self.batcher = GenerateBatcher(self._post_generate, settings.batch_max_size)
+        self.constrained_restarts = 0  # constrained generations an abort cut, restarted from their prompt
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -218,6 +219,7 @@ class InferenceEngine:
                 seed=req.seed,
                 rid=f"{req.rid}-p{passes}" if req.rid else None,
                 top_logprobs_num=req.top_logprobs,
+                **req.extras(),
             )
             body, server = await self._generate_pass(server, payload, episode)
             if episode is not None:
@@ -248,6 +250,10 @@ class InferenceEngine:
             if len(ids) >= req.max_new_tokens:
                 stop_reason = "length"
                 break
+            if req.constrained and ids:  # a grammar's state cannot pass to a continuation: start over
+                self.constrained_restarts += 1
+                log.info("constrained generation aborted; restarted", dropped=len(ids), restarts=self.constrained_restarts)
+                ids, logprobs, versions, tops = [], [], [], []
             # An abort with no progress (e.g. "Abort before prefill"): a paused server blocks the next
             # pass itself, so only a short growing pause guards against a server that aborts at once.
             idle_aborts = 0 if part.output_ids else idle_aborts + 1

@@ -38,6 +38,19 @@ class ModelRequest:
     top_logprobs: int = 0
     """Also report this many most likely tokens per output position (SGLang's `top_logprobs_num`),
     in `ModelResponse.output_top_logprobs`; 0: none."""
+    frequency_penalty: float = 0.0
+    """SGLang's: subtracted from a token's logit once per time it is already in the output ([-2, 2])."""
+    presence_penalty: float = 0.0
+    """SGLang's: subtracted from the logit of every token already in the output ([-2, 2])."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> bias added to its logit (SGLang's `logit_bias`)."""
+    json_schema: str | None = None
+    """Constrain the output to JSON valid against this schema (JSON text), enforced while decoding
+    (SGLang's `sampling_params.json_schema`). At most one of `json_schema`, `regex`, `ebnf`."""
+    regex: str | None = None
+    """Constrain the output to this regular expression (SGLang's `regex`)."""
+    ebnf: str | None = None
+    """Constrain the output to this EBNF grammar (SGLang's `ebnf`, xgrammar's dialect)."""
     gconfig: GenerationHyperparameters | None = None
     """AReaL's way to give the sampling settings; when set, its values replace the flat fields above."""
     tokenizer: Any = None
@@ -62,6 +75,19 @@ class ModelRequest:
                 raise BadRequestError(str(exc)) from exc
             for name, value in sampling.items():
                 setattr(self, name, value)
+        given = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name)]
+        if len(given) > 1:  # SGLang refuses it too; said here, before any server is asked
+            raise BadRequestError(f"ModelRequest sets {' and '.join(given)}: at most one output constraint per request")
+
+    def extras(self) -> dict[str, Any]:
+        """The output constraint, penalties and logit bias, as `build_generate_payload` takes them."""
+        return {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf, "logit_bias": self.logit_bias,
+                "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty}
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the output is held to a grammar (its state cannot be carried into a continuation)."""
+        return bool(self.json_schema or self.regex or self.ebnf)
 
 
 @dataclass

@@ -10,21 +10,39 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from services.rollout.kwargs import resolve_callable_kwargs
 from services.rollout.workflow import RolloutWorkflow, WorkflowError, import_ref
 
 
-def _is_agent(obj: Any) -> bool:
+def is_agent(obj: Any) -> bool:
     run = getattr(obj, "run", None)
     return run is not None and inspect.iscoroutinefunction(run)
 
 
 def wrap_agent(agent: Any, kwargs: Mapping[str, Any]) -> RolloutWorkflow:
     """Extension point for agents (any object or class with `async def run()`): wrap it in
-    a workflow that runs it against the OpenAI-compatible proxy and records its interactions."""
+    a workflow that runs it against the OpenAI-compatible proxy and records its interactions.
+
+    `kwargs` as AReaL passes `workflow_kwargs` to an agent: the agent workflow's own settings
+    (`mode`, `discount`, `max_new_tokens`, ...: `AgentWorkflow`'s parameters) stay with it; every
+    other key is the agent's constructor argument, as are those in jetrl's `agent_kwargs`."""
     from services.rollout.agent.workflow import AgentWorkflow
 
+    own = set(inspect.signature(AgentWorkflow).parameters) - {"agent"}
+    mine = {k: v for k, v in kwargs.items() if k in own}
+    theirs = {k: v for k, v in kwargs.items() if k not in own}
+    if theirs:
+        given = mine.get("agent_kwargs") or {}
+        if isinstance(given, str):
+            import json
+
+            given = json.loads(given)
+        mine["agent_kwargs"] = {**theirs, **dict(given)}
+        if isinstance(agent, type):
+            agent_kwargs = resolve_callable_kwargs(agent, mine["agent_kwargs"], "workflow_kwargs")
+            mine["agent_kwargs"] = agent_kwargs
     try:
-        return AgentWorkflow(agent, **kwargs)
+        return AgentWorkflow(agent, **mine)
     except TypeError as exc:
         raise WorkflowError(f"agent {agent!r}: bad workflow_kwargs {sorted(kwargs)}: {exc}") from exc
 
@@ -48,7 +66,7 @@ def resolve_workflow(spec: Any, kwargs: Mapping[str, Any] | None = None) -> Roll
         except TypeError as exc:
             raise WorkflowError(f"workflow {spec.__name__}: bad workflow_kwargs {sorted(kwargs)}: {exc}") from exc
         return spec(**kwargs)
-    if _is_agent(spec):
+    if is_agent(spec):
         return wrap_agent(spec, kwargs)
     raise WorkflowError(
         f"workflow {spec!r} is not a RolloutWorkflow instance or subclass, an agent with `async def run`, "

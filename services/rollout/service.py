@@ -5,7 +5,12 @@ Standard workflow arguments: a workflow class's constructor gets, for each of th
 accepts and `workflow_kwargs` does not set, the worker's value: `tokenizer` (loaded from
 `model_path`), `reward` (a RewardClient on this worker's NATS connection), `reward_fn`,
 `reward_timeout_s`, `group_size`, `max_new_tokens`, `temperature`, `gconfig` (AReaL's
-`GenerationHyperparameters`, `n_samples=1`; `workflow_kwargs.gconfig.<field>=...` changes it). A
+`GenerationHyperparameters`, `n_samples=1`; `workflow_kwargs.gconfig.<field>=...` changes it).
+`reward_fn` and `reward_timeout_s` are offered to a workflow of the user's only when the rollout
+settings set them (their defaults are the copy3 demo's, meaningless to another workflow: a missing
+`reward_fn` is then the constructor's clear error, never a silently substituted one). An agent named
+directly as the workflow gets `tokenizer`, `max_new_tokens` and `temperature`, so the generation
+settings apply to it. Callables in `workflow_kwargs` may be reference strings (`kwargs.py`). A
 workflow whose constructor does not name `group_size` (a `**kwargs` catch-all does not count) is
 wrapped in `GroupedRolloutWorkflow(group_size)`. The weight versions of every group are checked
 (`versions.CheckedWorkflow`).
@@ -25,7 +30,9 @@ from services.common.logging import bind_context, get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.runner import Supervisor, supervise
 from services.rollout.dump import TrajectoryDumper
-from services.rollout.resolve import resolve_workflow
+from services.rollout.kwargs import resolve_callable_kwargs
+from services.rollout.resolve import is_agent, resolve_workflow
+from services.rollout.selection import Accepting, EvalOrTrain
 from services.rollout.settings import RolloutSettings
 from services.rollout.sglang_protocol import READY_POLL_TIMEOUT_S, readiness_urls
 from services.rollout.tokenizer import load_pretrained_tokenizer
@@ -50,8 +57,31 @@ def standard_kwargs(settings: RolloutSettings, tokenizer: Callable[[], Any], rew
     }
 
 
+#: standard values whose defaults belong to jetrl's own demo: offered to a user's workflow only when set
+_DEMO_STANDARD = ("reward_fn", "reward_timeout_s")
+#: standard values an agent named directly as the workflow gets (the agent workflow's own settings)
+_AGENT_STANDARD = ("tokenizer", "max_new_tokens", "temperature")
+
+
 def build_workflow(settings: RolloutSettings, standard: dict[str, Callable[[], Any]]) -> RolloutWorkflow:
+    """The workflow `jetrl rollout` runs: `workflow` (and `eval_workflow` for evaluation prompts),
+    grouped, version-checked, filtered by `should_accept_fn`."""
+    workflow = _build_one(settings, standard)
+    if settings.eval_workflow:
+        evaluating = settings.model_copy(update={"workflow": settings.eval_workflow, "workflow_kwargs": settings.eval_workflow_kwargs})
+        workflow = EvalOrTrain(workflow, _build_one(evaluating, standard))
+    if settings.should_accept_fn:
+        accept = import_ref(settings.should_accept_fn)
+        if not callable(accept):
+            raise WorkflowError(f"should_accept_fn {settings.should_accept_fn!r} is a {type(accept).__name__}, not a function")
+        workflow = Accepting(workflow, accept)
+    return workflow
+
+
+def _build_one(settings: RolloutSettings, standard: dict[str, Callable[[], Any]]) -> RolloutWorkflow:
     cls = import_ref(settings.workflow)
+    if not (isinstance(cls, type) and cls.__module__.startswith("services.")):
+        standard = {k: v for k, v in standard.items() if k not in _DEMO_STANDARD or k in settings.model_fields_set}
     kwargs = dict(settings.workflow_kwargs)
     if isinstance(kwargs.get("gconfig"), Mapping):  # from a config file: changes to the standard gconfig
         try:
@@ -66,6 +96,11 @@ def build_workflow(settings: RolloutSettings, standard: dict[str, Callable[[], A
         for name in accepted - set(kwargs):
             kwargs[name] = standard[name]()
         groups_itself = "group_size" in params
+        kwargs = resolve_callable_kwargs(cls, kwargs, "workflow_kwargs")
+    elif is_agent(cls):
+        for name in _AGENT_STANDARD:
+            if name not in kwargs:
+                kwargs[name] = standard[name]()
     workflow: RolloutWorkflow = CheckedWorkflow(resolve_workflow(cls, kwargs))
     if not groups_itself and settings.group_size > 1:
         workflow = GroupedRolloutWorkflow(workflow, settings.group_size)

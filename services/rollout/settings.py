@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
+from services.common.model_path import ModelPath
 from services.common.settings import ServiceSettings
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.gconfig import GenerationHyperparameters
@@ -20,14 +21,22 @@ def _default_worker() -> str:
 class RolloutSettings(ServiceSettings):
     service: ClassVar[str] = "rollout"
 
-    model_path: str = ".jetrl/models/tiny"
-    """Model directory whose tokenizer the workflow uses (the inference servers hold the weights)."""
+    model_path: ModelPath = ".jetrl/models/tiny"
+    """Model whose tokenizer the workflow uses (the inference servers hold the weights): a directory, a
+    name `jetrl models` lists, or a hub id in the local HF cache."""
     inference: InferenceClientSettings = InferenceClientSettings()
     """The inference servers and how to call them."""
     workflow: str = "services.rollout.workflows.rlvr:RLVRWorkflow"
     """The workflow, "package.module:Class" or "package.module.Class" (a RolloutWorkflow subclass, or an agent with `async def run`)."""
     workflow_kwargs: dict[str, Any] = {}
     """Keyword arguments of the workflow's constructor (override the standard ones below)."""
+    eval_workflow: str = ""
+    """The workflow evaluation prompts run (AReaL's `eval_workflow`, same spellings as `workflow`); empty: `workflow`."""
+    eval_workflow_kwargs: dict[str, Any] = {}
+    """Keyword arguments of `eval_workflow`'s constructor (the standard ones are offered as to `workflow`)."""
+    should_accept_fn: str = ""
+    """AReaL's `should_accept_fn`, "pkg.mod:fn" or "pkg.mod.fn": called with each group's tensor dict;
+    a group it returns false for is rejected, counted (`groups_not_accepted_total`). Empty: keep all."""
     group_size: int = Field(8, ge=1)
     """Samples per prompt (GRPO's group). A workflow without a `group_size` argument is run this many times per prompt."""
     max_new_tokens: int = Field(32, ge=1)
@@ -52,6 +61,11 @@ class RolloutSettings(ServiceSettings):
     """On SIGTERM, how long in-flight episodes may finish before their prompts are handed back."""
     episode_timeout_s: float = Field(1800.0, ge=0)
     """Longest run of one episode; past it the attempt fails (retried after nak_delay_s, rejected at max_deliver). 0 = no limit."""
+    fail_fast_after: int = Field(64, ge=0)
+    """A worker none of whose episodes has succeeded stops after this many failed episode attempts,
+    with the last one's exception (a workflow that fails every episode would burn the dataset in
+    silence; `jetrl up` then stops with it on screen). Once one succeeded, failures are counted and
+    logged but never stop the worker. 0: never stop."""
     worker: str = Field(default_factory=_default_worker)
     """This worker's name in trajectories and metrics (default hostname-pid)."""
     dump_to_file: bool = False

@@ -122,12 +122,20 @@ def build_generate_payload(
     seed: int | None = None,
     rid: str | None = None,
     top_logprobs_num: int = 0,
+    json_schema: str | None = None,
+    regex: str | None = None,
+    ebnf: str | None = None,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    logit_bias: dict[int, float] | None = None,
 ) -> dict[str, Any]:
     """The body of one `/generate` pass: token ids in, output logprobs requested, no streaming. Stop
     strings are never sent (a `--skip-tokenizer-init` server refuses them, older ones ignored them): the
     engine applies them to the output itself. `sampling_seed` is sent but only honoured by a server
     started with `--enable-deterministic-inference`; nothing relies on it. `top_logprobs_num` > 0 asks
-    for that many most likely tokens per output position as well."""
+    for that many most likely tokens per output position as well. `json_schema` / `regex` / `ebnf`
+    (at most one) constrain the output while decoding; SGLang needs its tokenizer for them (a server
+    started with `--skip-tokenizer-init` has no grammar backend and fails the request)."""
     sampling: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
@@ -139,6 +147,15 @@ def build_generate_payload(
         sampling["stop_token_ids"] = list(stop_token_ids)
     if seed is not None:
         sampling["sampling_seed"] = seed
+    for name, constraint in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf)):
+        if constraint:
+            sampling[name] = constraint
+    if frequency_penalty:
+        sampling["frequency_penalty"] = frequency_penalty
+    if presence_penalty:
+        sampling["presence_penalty"] = presence_penalty
+    if logit_bias:
+        sampling["logit_bias"] = {str(k): float(v) for k, v in logit_bias.items()}  # SGLang's keys are strings
     payload: dict[str, Any] = {
         "input_ids": list(input_ids),
         "sampling_params": sampling,

@@ -15,10 +15,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-#: model types for which AutoTokenizer loads a `TokenizersBackend` tokenizer_config as is (no
-#: model-specific tokenizer, no correction of the declared class); tests/unit/test_rollout_groups.py
-#: checks each against the installed transformers
-GENERIC_MODEL_TYPES = frozenset({"llama"})
+from services.common.model_path import require_model
+
+#: model types for which AutoTokenizer loads a `TokenizersBackend` tokenizer_config as is: transformers
+#: registers no tokenizer class of its own for them, or registers one but keeps the declared class
+#: (the type is not in its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, as qwen2 is: there it loads its
+#: Qwen2Tokenizer instead). tests/unit/test_rollout_tokenizer.py checks each against the installed
+#: transformers, tests/integration/test_architectures.py loads a tiny model of each.
+GENERIC_MODEL_TYPES = frozenset({"llama", "mistral", "qwen3", "gemma", "phi"})
 
 
 def _json(path: Path) -> dict[str, Any] | None:
@@ -44,6 +48,7 @@ def generic_tokenizer_dir(model_path: str) -> bool:
 def load_pretrained_tokenizer(model_path: str) -> Any:
     """The tokenizer `AutoTokenizer.from_pretrained(model_path)` gives, without importing torch when
     the directory allows it."""
+    model_path = require_model(model_path)  # a model name this machine does not have: says what to do
     if generic_tokenizer_dir(model_path):
         from transformers import TokenizersBackend
 

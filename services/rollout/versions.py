@@ -30,7 +30,9 @@ log = get_logger("rollout.workflow")
 def workflow_name(workflow: Any) -> str:
     """"module.Class" of what the user wrote: through the wrappers (`GroupedRolloutWorkflow`,
     `CheckedWorkflow`) to their workflow, and to the agent of an agent workflow."""
-    while isinstance(workflow, (GroupedRolloutWorkflow, CheckedWorkflow)):
+    from services.rollout.selection import Accepting, EvalOrTrain
+
+    while isinstance(workflow, (GroupedRolloutWorkflow, CheckedWorkflow, Accepting, EvalOrTrain)):
         workflow = workflow.workflow
     target = getattr(workflow, "agent_spec", None) or workflow
     if isinstance(target, str):

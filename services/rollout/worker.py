@@ -20,6 +20,7 @@ semantics"):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
 from services.rollout.dump import TrajectoryDumper
 from services.rollout.engine import BadRequestError
+from services.rollout.failures import EpisodeFailures, set_current
 from services.rollout.puller import Puller
 from services.rollout.stats import RolloutStats
 from services.rollout.tensors import group_sizes
@@ -72,6 +74,8 @@ class WorkerConfig:
     drain_timeout_s: float = 10.0
     episode_timeout_s: float = 1800.0
     """Longest run of one episode; 0 = no limit."""
+    fail_fast_after: int = 0
+    """Failed episode attempts, none having succeeded yet, after which the worker stops; 0: never."""
     version_poll_s: float = 0.5
     """While a prompt waits for its `min_version`, re-read the servers' versions this often (a load
     report on `weights.loaded` wakes it at once)."""
@@ -99,6 +103,8 @@ class RolloutWorker:
         self.metrics = metrics
         self.dumper = dumper
         self.stats = RolloutStats()
+        self.failures = EpisodeFailures(workflow_name(workflow), config.fail_fast_after)
+        self._task_ids = itertools.count()  # AReaL's integer task ids, one per episode task
         self.max_deliver = config.max_deliver
         self.gate = VersionGate(engine, poll_s=config.version_poll_s)
         self._inflight: set[asyncio.Task[None]] = set()
@@ -153,6 +159,9 @@ class RolloutWorker:
         failures = 0  # consecutive failed pulls: the backoff grows as the bus stays away
         try:
             while not stopping.is_set():
+                fatal = self.failures.fatal()
+                if fatal is not None:  # every episode fails: stop, with the error, rather than burn prompts
+                    raise fatal
                 puller.wake.clear()
                 while puller.arrived:
                     self._start(puller.arrived.popleft())
@@ -268,8 +277,9 @@ class RolloutWorker:
         return prompt_id_of(self.run_name, msg.headers)
 
     async def _episode(self, msg: Msg, task: PromptTask, is_eval: bool, started: float) -> None:
+        set_current(self.failures)  # this episode's task: where a shrunk group is reported
         try:
-            with workflow_context.set(is_eval=is_eval, task_id=task.prompt_id):
+            with workflow_context.set(is_eval=is_eval, task_id=next(self._task_ids), prompt_id=task.prompt_id):
                 result = as_tensor_dict(await self._run_episode(task))
             encoded = None if result is None else self._encode(task, result, is_eval, prompt_tag_of(msg.headers))
         except Exception as exc:
@@ -283,6 +293,7 @@ class RolloutWorker:
         if self.dumper is not None:
             await self.dumper.awrite(task.prompt_id, result, is_eval)
         await msg.ack()
+        self.failures.succeeded()
         samples, tokens = group_sizes(result)
         self.stats.episode_done(time.monotonic() - started, samples, tokens, rejected=False)
 
@@ -309,14 +320,16 @@ class RolloutWorker:
     async def _failed(self, msg: Msg, task: PromptTask, is_eval: bool, exc: Exception, started: float) -> None:
         attempt = msg.metadata.num_delivered or 1
         permanent = isinstance(exc, PERMANENT_ERRORS)
-        if permanent or attempt >= self.max_deliver:
-            log.error("episode failed; prompt rejected", prompt_id=task.prompt_id, attempt=attempt, error=repr(exc))
+        final = permanent or attempt >= self.max_deliver
+        self.failures.failed(exc, prompt_id=task.prompt_id, attempt=attempt, final=final)
+        if self._wake is not None:  # the loop checks whether every episode fails
+            self._wake.set()
+        if final:
             if self.metrics is not None:
                 self.metrics.count("dead_letters")
             reason = f"{type(exc).__name__}: {exc} (attempt {attempt} of {self.max_deliver})"
             await self._reject(msg, task, is_eval, reason, started)
             return
-        log.warning("episode failed; retrying later", prompt_id=task.prompt_id, attempt=attempt, error=repr(exc))
         if self.metrics is not None:
             self.metrics.count("episode_errors")
         await msg.nak(delay=self.config.nak_delay_s)
@@ -369,4 +382,7 @@ class RolloutWorker:
         gate = {"version_waits": float(self.gate.waits), "version_wait_s": self.gate.waited_s}
         if self.gate.version is not None:
             gate["servers_version"] = float(self.gate.version)
-        return {**self.stats.snapshot(), **gate}
+        # the workflow's own statistics (AReaL's stats_tracker), means over the interval, by scope/key
+        from services.rollout.compat import stats_tracker
+
+        return {**self.stats.snapshot(), **gate, **self.failures.counters(), **stats_tracker.export_all(reset=True)}

@@ -14,14 +14,16 @@ context variable, so it follows the episode's task and every task it starts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from services.common.refs import RefError, resolve_ref
+from services.rollout.failures import note_shrunk
 from services.rollout.tensors import TensorDict, concat_padded
 
 
@@ -36,7 +38,10 @@ class WorkflowError(TypeError):
 @dataclass(frozen=True)
 class WorkflowContext:
     is_eval: bool = False
-    task_id: str | None = None
+    task_id: int | None = None
+    """AReaL's: an integer per episode task (the worker counts its prompts' episodes)."""
+    prompt_id: str | None = None
+    """jetrl's: the prompt's id on the bus (`<epoch>-<row>[-r<n>]`), the same on every retry."""
 
     def stat_scope(self) -> str:
         """Where an episode's statistics go: evaluation figures never mix with training ones."""
@@ -48,32 +53,71 @@ _CURRENT: contextvars.ContextVar[WorkflowContext] = contextvars.ContextVar(
 )
 
 
+class _ContextSet:
+    """What `workflow_context.set(...)` returns: the context is set at once (AReaL's `set(ctx)`), and
+    as a `with` block it is put back when the block ends (jetrl's worker uses it so)."""
+
+    def __init__(self, ctx: WorkflowContext) -> None:
+        self.ctx = ctx
+        self._token = _CURRENT.set(ctx)
+
+    def __enter__(self) -> WorkflowContext:
+        return self.ctx
+
+    def __exit__(self, *exc: Any) -> None:
+        _CURRENT.reset(self._token)
+
+
 class _WorkflowContextAccess:
-    """`workflow_context.is_eval`, `.task_id`, `.stat_scope()` read the running episode's context;
-    `with workflow_context.set(is_eval=..., task_id=...)` sets it (the worker does this)."""
+    """`workflow_context.is_eval`, `.task_id` (an int, as AReaL's), `.prompt_id`, `.stat_scope()`,
+    `.get()` read the running episode's context; `workflow_context.set(ctx)` or
+    `with workflow_context.set(is_eval=..., task_id=..., prompt_id=...)` sets
+    it (the worker does this); `await workflow_context.get_httpx_client()` /
+    `get_aiohttp_session()` give the shared HTTP client of the running event loop, as AReaL's do."""
 
     def get(self) -> WorkflowContext:
         return _CURRENT.get()
 
-    @contextlib.contextmanager
-    def set(self, *, is_eval: bool = False, task_id: str | None = None) -> Iterator[WorkflowContext]:
-        ctx = WorkflowContext(is_eval=is_eval, task_id=task_id)
-        token = _CURRENT.set(ctx)
-        try:
-            yield ctx
-        finally:
-            _CURRENT.reset(token)
+    def set(self, ctx: WorkflowContext | None = None, *, is_eval: bool = False, task_id: int | None = None,
+            prompt_id: str | None = None) -> _ContextSet:
+        return _ContextSet(ctx if ctx is not None else WorkflowContext(is_eval=is_eval, task_id=task_id, prompt_id=prompt_id))
 
     @property
     def is_eval(self) -> bool:
         return _CURRENT.get().is_eval
 
     @property
-    def task_id(self) -> str | None:
+    def task_id(self) -> int | None:
         return _CURRENT.get().task_id
+
+    @property
+    def prompt_id(self) -> str | None:
+        return _CURRENT.get().prompt_id
 
     def stat_scope(self) -> str:
         return _CURRENT.get().stat_scope()
+
+    async def get_httpx_client(self) -> Any:
+        """One `httpx.AsyncClient` per event loop, shared by the episodes it runs."""
+        return _shared("httpx", lambda: __import__("httpx").AsyncClient(timeout=3600.0))
+
+    async def get_aiohttp_session(self) -> Any:
+        """One `aiohttp.ClientSession` per event loop, shared by the episodes it runs."""
+        import aiohttp
+
+        return _shared("aiohttp", lambda: aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600.0)))
+
+
+_CLIENTS: dict[tuple[int, str], Any] = {}
+
+
+def _shared(kind: str, make: Any) -> Any:
+    loop = asyncio.get_running_loop()
+    key = (id(loop), kind)
+    client = _CLIENTS.get(key)
+    if client is None or getattr(client, "is_closed", False) or getattr(client, "closed", False):
+        client = _CLIENTS[key] = make()
+    return client
 
 
 workflow_context = _WorkflowContextAccess()
@@ -111,14 +155,55 @@ def interactions_to_tensors(interactions: Mapping[str, Any]) -> TensorDict:
         row = to_tensors()
         if not isinstance(row, Mapping) and not hasattr(row, "items"):
             raise WorkflowError(f"interaction {key!r}: to_tensor_dict() returned {type(row).__name__}, not a tensor dict")
+        check_tensor_dict(dict(row.items()), f"interaction {key!r}: to_tensor_dict()")
         rows.append(dict(row.items()))
     if not rows:
         raise WorkflowError("the workflow returned an empty dict of interactions")
     return concat_padded(rows)
 
 
+TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
+"""Per-token tensors of the contract: `[batch, seq]`, all of one shape."""
+
+
+def _shape(key: str, value: Any) -> tuple[int, ...]:
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        try:
+            shape = np.shape(value)
+        except ValueError as exc:  # ragged nested lists
+            raise WorkflowError(f"returned tensor dict: {key} is not an array ({type(value).__name__}): {exc}") from exc
+    return tuple(int(n) for n in shape)
+
+
+def check_tensor_dict(result: Mapping[str, Any], where: str = "returned tensor dict") -> None:
+    """The shapes of one returned tensor dict, before anything indexes into them: per-token keys
+    `[batch, seq]` (a `[seq]` tensor where `[1, seq]` is meant is the usual slip), `rewards` `[batch]`,
+    any other key `[batch]` or `[batch, seq]`. A mistake is a WorkflowError naming the key, its shape
+    and the shape expected: the workflow's bug, which no retry fixes."""
+    shapes = {key: _shape(key, value) for key, value in result.items()}
+    anchor = "attention_mask" if "attention_mask" in shapes else "input_ids" if "input_ids" in shapes else None
+    if anchor is None:
+        raise WorkflowError(f"{where}: no input_ids or attention_mask (keys: {sorted(result)})")
+    ref = shapes[anchor]
+    if len(ref) != 2:
+        hint = f" (e.g. [1, {ref[0]}]: add the batch dimension, `t.unsqueeze(0)`)" if len(ref) == 1 else ""
+        raise WorkflowError(f"{where}: {anchor} has shape {list(ref)}, expected [batch, seq]{hint}")
+    batch, seq = ref
+    for key, shape in shapes.items():
+        if key in TOKEN_KEYS:
+            if shape != ref:
+                raise WorkflowError(f"{where}: {key} has shape {list(shape)}, expected [batch, seq] = {[batch, seq]} like {anchor}")
+        elif key == "rewards":
+            if shape != (batch,):
+                raise WorkflowError(f"{where}: rewards has shape {list(shape)}, expected [batch] = [{batch}] (one reward per sample)")
+        elif shape not in ((batch,), (batch, seq)):
+            raise WorkflowError(f"{where}: {key} has shape {list(shape)}, expected [{batch}] (per sample) or {[batch, seq]} (per token)")
+
+
 def as_tensor_dict(result: TensorDict | dict[str, Any] | None) -> TensorDict | None:
-    """Normalise what `arun_episode` returned: a tensor dict or None; anything else is a WorkflowError."""
+    """Normalise what `arun_episode` returned: a tensor dict (shapes checked) or None; anything else is
+    a WorkflowError."""
     if result is None:
         return None
     if not isinstance(result, Mapping):
@@ -127,6 +212,7 @@ def as_tensor_dict(result: TensorDict | dict[str, Any] | None) -> TensorDict | N
         )
     if is_interactions(result):
         return interactions_to_tensors(result)
+    check_tensor_dict(result)
     return dict(result)
 
 
@@ -153,6 +239,8 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
             raise first from group
         results = [as_tensor_dict(t.result()) for t in tasks]
         kept = [r for r in results if r is not None]
+        if kept and len(kept) < self.group_size:
+            note_shrunk(len(kept), self.group_size)
         return concat_padded(kept) if kept else None
 
 

@@ -111,9 +111,10 @@ def render_weights(status: WeightsStatus, now: float | None = None) -> str:
         lines.append("  published: nothing yet")
     else:
         where = status.uri
-        if status.transport == "broadcast":
+        if status.transport in ("broadcast", "colocated"):
             disk = "none yet" if status.disk_version is None else f"v{status.disk_version} {status.uri}"
-            where = f"by broadcast to {status.members} server(s); latest disk copy {disk}"
+            how = "by broadcast" if status.transport == "broadcast" else "in shared memory"
+            where = f"{how} to {status.members} server(s); latest disk copy {disk}"
         lines.append(
             f"  published: v{status.published_version} (step {status.published_step}, {_ago(now, status.published_at)}) {where}"
         )

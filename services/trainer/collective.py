@@ -11,6 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from services.trainer import memory
 from services.trainer.actor import PPOActor
 from services.trainer.engine import TrainEngine
 from services.trainer.gather import StreamSpec, gather_stream
@@ -73,6 +74,9 @@ def execute(engine: TrainEngine, actor: PPOActor, cmd: Command, sink: BucketStre
         state = engine.full_state_dict() if cmd.weights_state else None
         if cmd.weights_dir or cmd.weights_state or cmd.weights_stream:  # part of what publishing costs the step
             stats = {**stats, "weights_gather_s": time.perf_counter() - t0}
+        trim_s = memory.release_freed()  # what the step freed goes back to the system (memory.py)
+        now, peak = memory.resident()
+        stats = {**stats, "trim_s": trim_s, "resident_gib": now / 2**30, "peak_resident_gib": peak / 2**30}
         return Result(stats=stats, weights_dir=weights, state=state)
     if cmd.op == "weights":
         return Result(weights_dir=engine.upload_weights(cmd.weights_dir) if cmd.weights_dir else None)

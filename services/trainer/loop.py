@@ -42,7 +42,7 @@ from services.trainer.feeder import Feeder
 from services.trainer.gather import StreamSpec, streamable
 from services.trainer.intake import Group, Intake, trust_prompts
 from services.trainer.settings import TrainerSettings
-from services.trainer.step_metrics import step_values
+from services.trainer.step_metrics import StepFacts, step_values
 from services.trainer.validate import model_limits
 
 log = get_logger("trainer")
@@ -279,7 +279,9 @@ class Trainer:
             finally:
                 _remove(res.weights_dir)
         t_end = time.monotonic()
-        values = step_values(self, batch, groups, res.stats, before, (t0, t_data, t_train, t_end))
+        facts = StepFacts(self.version, self.intake.counts, before, self.last_seq,
+                          self.feeder.metric_values() if self.feeder is not None else {})
+        values = step_values(facts, batch, groups, res.stats, (t0, t_data, t_train, t_end))
         self._record({"version": self.version, "prompt_ids": [g.prompt_id for g in groups],
                       "seqs": [g.seq for g in groups], "last_seq": self.last_seq})
         if self.metrics is not None:

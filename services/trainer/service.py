@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from services.common.bus import close_connection, connect
 from services.common.logging import bind_context, get_logger
+from services.common.model_path import require_model
 from services.common.runner import Supervisor, supervise
 from services.trainer import checkpoint as ckpt
 from services.trainer.actor import PPOActor
@@ -42,6 +43,7 @@ async def run_ranks(settings: TrainerSettings, rank0: Callable[[Any, Any], Await
     """Every rank builds the engine; rank 0 runs `rank0(settings, engine)`, the others follow its
     commands. Shared by `jetrl trainer` and `jetrl replay`. `early`: rank 0 gets the engine's build
     as a task instead and starts before it is done (a fresh start needs no engine to begin feeding)."""
+    require_model(settings.model_path)  # a model name this machine does not have: fail now, saying what to do
     if early:
         _import_heavy()
     building = asyncio.ensure_future(_build_engine(settings))
@@ -138,10 +140,17 @@ def _broadcast_publisher(settings: TrainerSettings, nc: Any, disk: Any) -> Any:
         return None
     from services.weights.broadcast import WeightBroadcaster
     from services.weights.broadcast_publish import BroadcastPublisher
+    from services.weights.colocated import ColocatedSender
+    from services.weights.sender import VersionSender
 
-    sender = WeightBroadcaster(b.servers, master_address=b.master_address, dtype=b.dtype, bucket_mb=b.bucket_mb,
-                               timeout_s=b.timeout_s, group_name=b.group_name, checksum=b.checksum,
-                               keys=settings.trust.inference_keys())
+    sender: VersionSender
+    if b.transport == "colocated":
+        sender = ColocatedSender(b.servers, dtype=b.dtype, bucket_mb=b.bucket_mb, timeout_s=b.timeout_s, adopt=b.adopt,
+                                 keys=settings.trust.inference_keys())
+    else:
+        sender = WeightBroadcaster(b.servers, master_address=b.master_address, dtype=b.dtype, bucket_mb=b.bucket_mb,
+                                   timeout_s=b.timeout_s, group_name=b.group_name, checksum=b.checksum,
+                                   keys=settings.trust.inference_keys())
     return BroadcastPublisher(nc, settings.run, sender, disk, b.disk_every, retry_s=settings.bus_retry_timeout_s,
                               background=b.background)
 

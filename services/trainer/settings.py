@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from services.common.model_path import ModelPath
 from services.common.settings import Section, ServiceSettings, flag
 from services.trainer.dataset import DatasetOptions
 from services.weights.broadcast_settings import BroadcastSettings
@@ -34,8 +35,10 @@ class PPOSettings(Section):
     clipped per sequence (GSPO; use a small eps_clip, e.g. 3e-4 / 4e-4, and seq-mean-token-mean)."""
     temperature: float = Field(1.0, gt=0)
     """Logits are divided by this before log-probs (must match the sampling temperature)."""
-    entropy_coef: float = Field(0.03, ge=0)
-    """Entropy bonus coefficient (the copy3 demo needs ~0.03 to avoid locking onto wrong digits)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient. 0: a pretrained model samples diversely enough, and a bonus makes its
+    replies drift (longer, noisier); the copy3 demo's preset sets 0.03 so the toy does not lock onto
+    wrong digits."""
     kl_coef: float = Field(0.0, ge=0)
     """KL penalty to the reference model (the initial weights); 0 loads no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -159,8 +162,9 @@ class LoRASettings(Section):
 class TrainerSettings(ServiceSettings):
     service = "trainer"
 
-    model_path: str = ".jetrl/models/tiny"
-    """HF model directory (config, safetensors, tokenizer): version 0 of the weights."""
+    model_path: ModelPath = ".jetrl/models/tiny"
+    """HF model directory (config, safetensors, tokenizer): version 0 of the weights; also a name `jetrl
+    models` lists or a hub id in the local HF cache (resolved to its directory)."""
     output_dir: str = ".jetrl/trainer"
     """Checkpoints (`checkpoints/`), staged weight dirs (`weights/`) and the step record live here."""
     zero_stage: Literal["auto", 0, 1, 2, 3] = "auto"
@@ -174,8 +178,9 @@ class TrainerSettings(ServiceSettings):
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the published weights (cast from the fp32 master copy): bfloat16 halves what is hashed,
     moved and loaded, for a server that serves in bf16."""
-    lr: float = Field(1e-3, gt=0)
-    """AdamW learning rate."""
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate. 1e-5 suits full fine-tuning of a pretrained model; LoRA takes ~10x more
+    (1e-4), a randomly initialised toy ~1e-3 (the copy3 demo's preset); docs/trainer.md "Choosing settings"."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay (decoupled, applied to every parameter)."""
     adam_betas: tuple[float, float] = (0.9, 0.999)

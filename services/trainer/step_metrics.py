@@ -5,45 +5,72 @@ since the start, where the step's time went, and the feeder's counters."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from schemas.metric_names import GROUP_OUTCOMES
+from schemas.metric_names import (
+    ACCURACY,
+    DATA_WAIT_FRACTION,
+    GROUP_OUTCOMES,
+    GROUPS,
+    PUBLISH_TIME_S,
+    REWARD_MEAN,
+    SAMPLES,
+    STALENESS_HIST_PREFIX,
+    STALENESS_MAX,
+    STEP_TIME_S,
+    TOKENS_PER_S,
+    TOTAL_PREFIX,
+    TRAIN_TIME_S,
+)
 
 if TYPE_CHECKING:
     from services.trainer.intake import Group
-    from services.trainer.loop import Trainer
 
 
-def step_values(trainer: Trainer, batch: dict[str, Any], groups: list[Group], stats: dict[str, float], before: Counter[str],
+@dataclass(frozen=True)
+class StepFacts:
+    """What the step reports besides its batch, handed over by the trainer (this module reads no
+    trainer): the version being trained, the intake's verdicts since the start and before this step,
+    the last trajectory sequence consumed, and the feeder's counters."""
+
+    version: int
+    counts: Counter[str]
+    before: Counter[str]
+    last_seq: int
+    feeder: Mapping[str, float] = field(default_factory=dict)
+
+
+def step_values(facts: StepFacts, batch: dict[str, Any], groups: list[Group], stats: dict[str, float],
                 times: tuple[float, float, float, float]) -> dict[str, float]:
     """`times`: the step's start, data ready, training done, end (monotonic seconds)."""
     t0, t_data, t_train, t_end = times
-    counts = trainer.intake.counts - before
+    counts = facts.counts - facts.before
     rewards = batch["rewards"]
     values = dict(stats)
-    stale_hist = Counter(trainer.version - 1 - g.head_version for g in groups)
-    values.update({f"staleness_{k}": float(v) for k, v in sorted(stale_hist.items())})
+    stale_hist = Counter(facts.version - 1 - g.head_version for g in groups)
+    values.update({f"{STALENESS_HIST_PREFIX}{k}": float(v) for k, v in sorted(stale_hist.items())})
     tokens = float(batch["attention_mask"].sum())
     values.update({
-        "reward_mean": float(rewards.mean()),
-        "accuracy": float((rewards >= 1.0).mean()),
-        "staleness_max": float(max(stale_hist)),
-        "groups": float(len(groups)),
-        "samples": float(rewards.size),
+        REWARD_MEAN: float(rewards.mean()),
+        ACCURACY: float((rewards >= 1.0).mean()),
+        STALENESS_MAX: float(max(stale_hist)),
+        GROUPS: float(len(groups)),
+        SAMPLES: float(rewards.size),
         **{f"{outcome}_groups": float(counts[outcome])
            for outcome in GROUP_OUTCOMES if outcome != "accepted"},
-        "step_time_s": t_end - t0,
-        "train_time_s": t_train - t_data,
-        "publish_time_s": t_end - t_train,
+        STEP_TIME_S: t_end - t0,
+        TRAIN_TIME_S: t_train - t_data,
+        PUBLISH_TIME_S: t_end - t_train,
         # what publishing the weights cost this step: gathering them (and writing the checkpoint, on
         # the disk path) inside the training call, plus waiting on the publish itself
         "publish_share": (values.get("weights_gather_s", 0.0) + t_end - t_train) / max(t_end - t0, 1e-9),
-        "data_wait_fraction": (t_data - t0) / max(t_end - t0, 1e-9),
-        "tokens_per_s": tokens / max(t_train - t_data, 1e-9),
-        "last_seq": float(trainer.last_seq),
+        DATA_WAIT_FRACTION: (t_data - t0) / max(t_end - t0, 1e-9),
+        TOKENS_PER_S: tokens / max(t_train - t_data, 1e-9),
+        "last_seq": float(facts.last_seq),
     })
-    for key, total in trainer.intake.counts.items():
-        values[f"total_{key}"] = float(total)
-    if trainer.feeder is not None:
-        values.update(trainer.feeder.metric_values())
+    for key, total in facts.counts.items():
+        values[f"{TOTAL_PREFIX}{key}"] = float(total)
+    values.update(facts.feeder)
     return values

@@ -11,6 +11,7 @@ from rich.live import Live
 from rich.table import Table
 
 from services.up.monitor import ACCURACY_KEYS, REWARD_KEYS, STALENESS_KEYS, WAIT_KEYS, RunView, pick
+from services.up.report import outcome_text
 from services.up.settings import UpSettings
 from services.up.stack import Stack
 
@@ -30,6 +31,7 @@ class Display:
         self.mode = mode
         self._live: Live | None = None
         self._printed_step = -1
+        self._printed_outcomes = ""
 
     def __enter__(self) -> Display:
         if self.mode == "live":
@@ -52,6 +54,12 @@ class Display:
         elif self.mode == "lines" and self.view.step != self._printed_step and self.view.steps:
             self._printed_step = self.view.step
             print(self._line(), flush=True)
+        elif self.mode == "lines" and not self.view.steps:
+            # before the first step: failing episodes are said at once, not after the first step
+            failures = outcome_text(self.view.episode_outcomes())
+            if failures and failures != self._printed_outcomes:
+                self._printed_outcomes = failures
+                print(f"no step yet; rollout: {failures}", flush=True)
 
     def _line(self) -> str:
         last = self.view.steps[-1]
@@ -63,6 +71,7 @@ class Display:
             f"wait {_fmt(pick(last, WAIT_KEYS), '.2f')} rollout {self.view.rollout_rate():.1f} ep/s "
             f"servers {servers} t={last['time']:.0f}s"
             + (f" | eval@{self.view.evals[-1]['step']} {_fmt(self.view.evals[-1].get('eval_reward_mean'))}" if self.view.evals else "")
+            + (f" | {failures}" if (failures := outcome_text(self.view.episode_outcomes())) else "")
         )
 
     def _table(self) -> Table:
@@ -84,6 +93,7 @@ class Display:
         table.add_row("staleness (versions)", _fmt(pick(last, STALENESS_KEYS), ".2f"))
         table.add_row("trainer wait fraction", _fmt(pick(last, WAIT_KEYS), ".2f"))
         table.add_row("rollout episodes/s", f"{v.rollout_rate():.1f} ({v.live_workers('rollout')} workers reporting)")
+        table.add_row("rollout failures", outcome_text(v.episode_outcomes()) or "none")
         for server, version in sorted(v.servers.items()):
             table.add_row(f"server {server}", f"weights v{version}")
         alive = sum(1 for p in self.stack.procs if p.poll() is None)

@@ -19,6 +19,7 @@ REWARD_KEYS = (names.REWARD_MEAN,)
 ACCURACY_KEYS = (names.ACCURACY,)
 STALENESS_KEYS = (names.STALENESS_MEAN,)
 WAIT_KEYS = (names.DATA_WAIT_FRACTION,)
+OUTCOME_KEYS = ("episodes_failed_total", "rejected_total", "groups_shrunk_total", "groups_not_accepted_total")
 
 
 def pick(values: dict[str, float], keys: tuple[str, ...]) -> float | None:
@@ -48,6 +49,9 @@ class RunView:
     """One dict per eval round (service "eval"): step and the round's values."""
     servers: dict[str, int] = field(default_factory=dict)
     """Weight version loaded per inference server."""
+    workflow_stats: list[dict[str, Any]] = field(default_factory=list)
+    """The workflows' own statistics (AReaL's `stats_tracker`, keys `<scope>/<name>`): one dict per
+    rollout metrics event that carried any, with its time and worker."""
     malformed: int = 0
     target: float | None = None
     """A 10-step mean reward to watch for (`stop_at_reward`); None: none."""
@@ -58,6 +62,10 @@ class RunView:
 
     def add(self, event: MetricsEvent) -> None:
         self.latest[f"{event.service}/{event.worker}"] = event
+        if event.service == "rollout":
+            scoped = {k: v for k, v in event.values.items() if "/" in k}
+            if scoped:
+                self.workflow_stats.append({"time": event.time - self.started, "worker": event.worker, **scoped})
         if event.service == "eval" and event.step is not None:
             self.evals.append({"step": event.step, "time": event.time - self.started, **event.values})
         if event.service == "trainer" and event.step is not None:
@@ -80,6 +88,19 @@ class RunView:
 
     def rollout_rate(self, key: str = names.EPISODES_PER_S) -> float:
         return sum(e.values.get(key, 0.0) for k, e in self.latest.items() if k.startswith("rollout/"))
+
+    def episode_outcomes(self) -> dict[str, float]:
+        """What went wrong in the rollout workers, summed over them (their latest totals): episode
+        attempts failed (`failed_by_<Type>`, and `episodes_failed_total`), prompts rejected, groups
+        shrunk by episodes that returned None."""
+        out: dict[str, float] = {}
+        for key, event in self.latest.items():
+            if not key.startswith("rollout/"):
+                continue
+            for name, value in event.values.items():
+                if name.startswith("failed_by_") or name in OUTCOME_KEYS:
+                    out[name] = out.get(name, 0.0) + value
+        return out
 
     def live_workers(self, service: str, within_s: float = 30.0) -> int:
         now = time.time()

@@ -16,9 +16,29 @@ def write_metrics(run_dir: Path, steps: list[dict[str, Any]], extra: dict[str, A
     return path
 
 
-def summary_lines(steps: list[dict[str, Any]], servers: dict[str, int], wall_s: float) -> list[str]:
+def outcome_text(outcomes: dict[str, float]) -> str:
+    """The rollout workers' failures in a few words ("failed 12 (KeyError 9, TypeError 3) rejected 4
+    shrunk 1"); empty when nothing went wrong."""
+    failed = outcomes.get("episodes_failed_total", 0.0)
+    rejected = outcomes.get("rejected_total", 0.0)
+    shrunk = outcomes.get("groups_shrunk_total", 0.0)
+    refused = outcomes.get("groups_not_accepted_total", 0.0)
+    if not (failed or rejected or shrunk or refused):
+        return ""
+    kinds = sorted(((k.removeprefix("failed_by_"), n) for k, n in outcomes.items() if k.startswith("failed_by_") and n),
+                   key=lambda kv: -kv[1])
+    by = f" ({', '.join(f'{k} {n:.0f}' for k, n in kinds)})" if kinds else ""
+    text = f"episodes failed {failed:.0f}{by} rejected {rejected:.0f} groups shrunk {shrunk:.0f}"
+    return text + (f" not accepted {refused:.0f}" if refused else "")
+
+
+def summary_lines(steps: list[dict[str, Any]], servers: dict[str, int], wall_s: float,
+                  outcomes: dict[str, float] | None = None) -> list[str]:
+    """`outcomes`: the rollout workers' failure counts (`RunView.episode_outcomes`), shown whenever
+    something failed, and above all when no step was trained."""
+    failures = outcome_text(outcomes or {})
     if not steps:
-        return ["no trainer step was recorded"]
+        return ["no trainer step was recorded", *([f"rollout: {failures}"] if failures else [])]
     first = [v for s in steps[:10] if (v := pick(s, REWARD_KEYS)) is not None]
     last = [v for s in steps[-10:] if (v := pick(s, REWARD_KEYS)) is not None]
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
@@ -29,6 +49,8 @@ def summary_lines(steps: list[dict[str, Any]], servers: dict[str, int], wall_s: 
     lines += startup_lines(steps)
     lines += waste_lines(steps)
     lines += publish_lines(steps)
+    if failures:
+        lines.append(f"rollout: {failures}")
     for server, version in sorted(servers.items()):
         lines.append(f"server {server}: weight version {version}")
     return lines
@@ -84,3 +106,21 @@ def _median(xs: list[float]) -> float:
     ordered = sorted(xs)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def last_error(log_path: Path) -> str:
+    """The last error a service logged (its JSON log line), with its traceback as text: what a
+    service died of, readable in the terminal rather than escaped inside a JSON line."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("level") in ("error", "critical"):
+            head = f"{entry.get('event', '')}: {entry.get('error', '')}".strip(": ")
+            return f"the error ({log_path.name}):\n{head}\n{entry.get('exception', '')}".rstrip()
+    return ""

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +17,20 @@ import httpx
 
 from services.common.bus import connect, declare_streams, set_default_auth, set_default_declare
 from services.common.logging import configure_logging, get_logger
+from services.common.model_dirs import NotOurs, check_model_dir
+from services.common.model_path import ModelNotFound, require_model
 from services.common.nats_server import free_port
-from services.common.settings import SettingsError
+from services.common.settings import SettingsError, deep_merge
 from services.runs import URL_FILE
 from services.up import SERVICE_SECTIONS
 from services.up.credentials import ADMIN, declare_as_admin, make_credentials
 from services.up.display import Display
 from services.up.layout import layout, priorities
 from services.up.monitor import RunView, watch
-from services.up.report import summary_lines, write_metrics
+from services.up.presets import preset_for, preset_name, summarize, summary_lines
+from services.up.presets import section as preset_section
+from services.up.report import last_error, write_metrics
+from services.up.report import summary_lines as report_lines
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
 from services.up.stack import Stack, settings_class, to_env
@@ -38,11 +44,18 @@ _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TORCH_EXTENSIONS_DIR",
 def run_stack(settings: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
     configure_logging(settings.log_level, settings.log_format, run=settings.run, service="up")
     try:
+        # before anything starts: the model is here, and jetrl never writes into a user's model
+        check_model_dir(require_model(settings.model_path))
         run_dir, kept = prepare_run_dir(Path(settings.run_dir), settings.run)
-    except RunDirInUse as exc:
+    except (RunDirInUse, NotOurs, ModelNotFound) as exc:
         print(f"jetrl up: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_run(settings, sections, run_dir, kept))
+
+
+def passed_env(s: UpSettings, environ: Mapping[str, str]) -> dict[str, str]:
+    """What of `jetrl up`'s environment every service gets: a fixed few, and `up.pass_env`."""
+    return {k: environ[k] for k in (*_PASS_ENV, *s.pass_env) if k in environ}
 
 
 def validate_sections(sections: dict[str, dict[str, Any]]) -> None:
@@ -56,19 +69,6 @@ def validate_sections(sections: dict[str, dict[str, Any]]) -> None:
             raise SettingsError(f"--config section {name!r}: {exc}") from exc
 
 
-# The demo's defaults (copy3 on the tiny model; docs/reference/tiny-model-rl.md); a --config
-# section overrides any of them. Measured on copy3 (bench/README.md): at 16 prompts a step the steps
-# to 0.9 spread over 186-399 (a run can sit at ~0.8 for 100 steps with a digit locked on a wrong
-# answer); at 32 they stay within ~150-190 (~30% more samples); lr 2e-3 is no faster than 1e-3. eta 2
-# lets generation overlap training (at eta 0 the trainer waits for data); the feeder keeps eta + 1
-# steps of prompts in flight. One rollout worker (`up.rollout_workers`) runs 64 episodes at once: the
-# feeder's 96 prompts in flight are mostly waiting for their version, and a slot costs only memory.
-DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
-    "rollout": {"max_new_tokens": 4, "group_size": 8, "temperature": 1.0, "max_concurrent": 64},
-    "trainer": {"batch_groups": 32, "eta": 2, "lr": 1e-3, "checkpoint_every": 50, "feeder": {"max_in_flight": 96}},
-}
-
-
 DEMO_STOP_AT_REWARD = 0.9
 """Where the demo stops unless `stop_at_reward` says otherwise: copy3 is learned (a 10-step mean reward
 of 0.9; chance is ~0.02)."""
@@ -79,13 +79,6 @@ def stop_at_reward(s: UpSettings) -> float:
     if s.stop_at_reward is not None:
         return s.stop_at_reward
     return 0.0 if s.dataset_path else DEMO_STOP_AT_REWARD
-
-
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path, kept: Path | None) -> int:
@@ -104,13 +97,17 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     # the run's NATS users and inference admin key (credentials.py); an open bus only when asked
     creds = make_credentials(run_dir, s.run, locked=s.bus == "embedded" and not s.open_bus)
     nats = creds.nats_server(run_dir / "nats", run_dir / "nats-server.log") if s.bus == "embedded" else None
-    base_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
-    base_env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    base_env = passed_env(s, os.environ)
+    # PYTHONPATH: jetrl's root, then the caller's own when `up.pass_env` names it (a workflow's package)
+    extra_path = [os.environ["PYTHONPATH"]] if "PYTHONPATH" in s.pass_env and os.environ.get("PYTHONPATH") else []
+    base_env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *extra_path]), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                    TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     base_env["JETRL_RUN_DIR"] = str(run_dir)  # marks every process of the run, children included
     stack = Stack(run_dir, base_env)
     view = RunView(started=started, target=stop_at_reward(s) or None)
     display = Display(s, view, stack)
     outcome = "failed"
+    used: dict[str, Any] = {}
     try:
         if nats is not None:
             nats.start()
@@ -124,7 +121,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             log.info("using the NATS at nats_url", url=url, replicas=s.nats_replicas)
         (run_dir / URL_FILE).write_text(url)  # lets `jetrl status` / `plot` find the live run
         await asyncio.to_thread(_make_model, s.model_path)
-        dataset = s.dataset_path or str(await asyncio.to_thread(_make_dataset, run_dir, s.dataset_size))
+        dataset, task_eval = await asyncio.to_thread(_dataset, s, run_dir)
         # `up`'s own connection (the monitor): its nats_auth; with bus_declare=false (a restricted user
         # on an external bus) it only checks that `jetrl bus init` declared the streams
         if creds.locked:  # the streams and the bucket declared once as the admin; then watched as the observer
@@ -143,8 +140,9 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         log.info("process layout", cores=shape.cores, rollout_workers=shape.rollout_workers, torch_threads=shape.torch_threads)
         threads = {"OMP_NUM_THREADS": str(shape.torch_threads)}  # the trainer's and the servers' tensor work
         common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json"}
-        sec = lambda name: deep_merge(deep_merge(creds.section(name, sections.get(name, {})), DEMO_DEFAULTS.get(name, {})),  # noqa: E731
-                                      sections.get(name, {}))
+        preset = preset_for(s.dataset_path)  # the copy3 demo's settings, for the demo only (presets.py)
+        # the run's credentials under the preset under the user's own section (theirs win)
+        sec = lambda name: deep_merge(creds.section(name, sections.get(name, {})), preset_section(preset, sections, name))  # noqa: E731
         # Ports first, so that every service is told where the servers will be before any of them is up.
         servers = [f"http://127.0.0.1:{free_port()}" for _ in range(s.inference_servers)]
         signed = announce_trust(run_dir, sections)  # the trainer signs announcements, the agents check them
@@ -155,15 +153,19 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             "output_dir": str(run_dir / "trainer"),
             "total_steps": s.total_steps,
             "feeder": {"dataset_path": dataset},
-            # Weights travel in memory to the servers it started (docs/weights.md), unless they are
-            # simulated (no model to receive into: then the disk path, as `trainer.weights_broadcast.
-            # enabled: false` selects).
-            "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers},
+            # Weights travel in memory to the servers it started (docs/weights.md): on this host, through
+            # shared memory (`colocated`), unless they are simulated (no model to receive into: then the
+            # disk path, as `trainer.weights_broadcast.enabled: false` selects).
+            "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers, "transport": "colocated"},
         }
         stack.nice = priorities(s, broadcast=bool(deep_merge(trainer, sec("trainer"))["weights_broadcast"].get("enabled")))
         if not s.dataset_path:  # the demo: a fixed eval set of 32 prompts, every 10 steps
             eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1)
             trainer["feeder"] |= {"eval_dataset_path": str(eval_set), "eval_every": 10, "eval_size": 32}
+        elif task_eval is not None:  # a generated task's held-out rows, for a trainer section's `feeder.eval_every`
+            trainer["feeder"]["eval_dataset_path"] = str(task_eval)
+        used = _print_settings(s, {"trainer": deep_merge(trainer, sec("trainer")), "rollout": sec("rollout"),
+                                   "inference": sec("inference")})
         # The trainer first: its start (DeepSpeed's import and init, the model) is the longest of all and
         # needs no inference server, so it overlaps the servers' start instead of following it. Its
         # prompts wait in the PROMPTS stream until a rollout worker is up.
@@ -218,6 +220,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
                     display.stop()
                     print(f"\njetrl up: service {failed.name} exited with code {failed.poll()}; "
                           f"last lines of {failed.log_path}:\n{failed.log_tail()}", file=sys.stderr)
+                    print(last_error(failed.log_path), file=sys.stderr)
                     break
                 if view.reached_at is not None:
                     outcome = "converged"
@@ -236,12 +239,13 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         (run_dir / URL_FILE).unlink(missing_ok=True)
     wall = time.time() - started
     extra = {"outcome": outcome, "reached_at_step": view.reached_at, "wall_s": wall, "started_at": started,
-             "servers": view.servers, "evals": view.evals}
+             "servers": view.servers, "evals": view.evals, "settings": used, "workflow_stats": view.workflow_stats,
+             "rollout_outcomes": view.episode_outcomes()}
     write_metrics(run_dir, view.steps, extra)
     from services.up.curves import plot_curves  # numpy: imported when the run is over, not before its start
 
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
-    summary = [f"run {s.run}: {outcome}", *summary_lines(view.steps, view.servers, wall)]
+    summary = [f"run {s.run}: {outcome}", *report_lines(view.steps, view.servers, wall, view.episode_outcomes())]
     if view.reached_at is not None:
         at = next(st for st in view.steps if st["step"] == view.reached_at)
         summary.insert(1, f"reached a 10-step mean reward of {view.target} at step {view.reached_at}, {at['time']:.1f} s after the start")
@@ -259,9 +263,29 @@ def _simulated(inference: dict[str, Any]) -> bool:
 
 
 def _make_model(path: str) -> None:
-    from services.inference.make_model import build_model
+    from services.inference.make_model import ensure_model
 
-    build_model(path)
+    ensure_model(path)
+
+
+def _dataset(s: UpSettings, run_dir: Path) -> tuple[str, Path | None]:
+    """The training prompts (and a generated task's eval set): the demo's copy3 prompts without a
+    `dataset_path`, a generated task's with `task:<name>` (services/common/arith_task.py), else the path."""
+    if not s.dataset_path:
+        return str(_make_dataset(run_dir, s.dataset_size)), None
+    if s.dataset_path.startswith("task:"):
+        from services.common.arith_task import write_task
+
+        train, held_out = write_task(s.dataset_path.removeprefix("task:"), run_dir / "data", s.dataset_size)
+        return str(train), held_out
+    return s.dataset_path, None
+
+
+def _print_settings(s: UpSettings, merged: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The effective settings of the services that decide what is learned: printed, and returned for metrics.json."""
+    effective = summarize({name: settings_class(name).model_validate(values) for name, values in merged.items()})
+    print("\n".join(summary_lines(effective, preset_name(s.dataset_path))), flush=True)
+    return {"preset": preset_name(s.dataset_path), **effective}
 
 
 def _make_dataset(run_dir: Path, n: int, name: str = "copy3.jsonl", seed: int = 0) -> Path:

@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from services.common.model_path import ModelPath
 from services.common.settings import ServiceSettings, flag
 
 
@@ -18,8 +19,10 @@ class UpSettings(ServiceSettings):
     """Run name (part of every subject); the run directory is `<run_dir>/<run>`."""
     run_dir: str = "runs"
     """Where each run keeps its NATS store, logs, checkpoints, metrics and plots."""
-    model_path: str = ".jetrl/models/tiny"
-    """Model served and trained; the default tiny model is built here if missing."""
+    model_path: ModelPath = ".jetrl/models/tiny"
+    """Model served and trained: a model directory (used as it is, never written), a name `jetrl models`
+    lists (`jetrl make-model NAME` first), or a hub id in the local HF cache; the default tiny model is built
+    here if the path does not exist."""
     dataset_path: str = ""
     """Prompt dataset (JSONL/Parquet); empty = generate the copy3 demo prompts in the run directory."""
     dataset_size: int = Field(4096, ge=1)
@@ -50,6 +53,11 @@ class UpSettings(ServiceSettings):
     """Stop early once the 10-step mean reward reaches this (0 = run all `total_steps`). Unset: 0.9 for
     the demo (no `dataset_path`: copy3 is learned there, and the run ends instead of idling on), 0 with
     a dataset of your own."""
+    pass_env: list[str] = []
+    """Environment variables of `jetrl up`'s own environment passed through to every service, beside the
+    few it always passes (PATH, HOME, ...), e.g. `[OPENAI_API_KEY, HF_HOME]` for an agent that reads
+    them; names not set are skipped. Nothing else of the caller's environment reaches a service. `PYTHONPATH`
+    listed here is appended to jetrl's own (so a workflow's package outside the repository imports)."""
     display: str = "auto"
     """auto (live table on a terminal, a line per step otherwise) | live | lines | none."""
     stop_timeout_s: float = Field(20.0, gt=0)

@@ -144,7 +144,7 @@ class WeightsAgent:
             self._handled = self._received
             target = self._wanted
             assert target is not None
-            if target.transport == "broadcast":
+            if target.transport in ("broadcast", "colocated"):
                 caught_up = await self.catch_up_target(target)
                 if caught_up is None:
                     continue

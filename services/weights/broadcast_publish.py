@@ -34,9 +34,10 @@ from schemas.subjects import Subjects
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
-from services.weights.broadcast import VersionResult, WeightBroadcaster
+from services.weights.broadcast import VersionResult
 from services.weights.bucket_stream import BucketStream, StreamClosed
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream, next_epoch
+from services.weights.sender import VersionSender
 from services.weights.trust import sign
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ log = get_logger("weights.broadcast")
 
 
 class BroadcastPublisher:
-    def __init__(self, nc: NATS, run: str, broadcaster: WeightBroadcaster, disk: WeightPublisher | None, disk_every: int,
+    def __init__(self, nc: NATS, run: str, broadcaster: VersionSender, disk: WeightPublisher | None, disk_every: int,
                  retry_s: float = 300.0, background: bool = True) -> None:
         self.js = nc.jetstream()
         self.nc = nc
@@ -186,14 +187,15 @@ class BroadcastPublisher:
     async def _announce(self, version: int, result: VersionResult, hf_dir: Path | None) -> WeightsPublished:
         """Report every server's outcome, announce the version, publish its disk copy (`hf_dir`)."""
         self.history.append(result)
+        how = self.broadcaster.transport
         reports = [self._report(self.subjects.weights_loaded(server), WeightsLoaded(
-            run=self.run, server=server, version=version, seconds=result.seconds, transport="broadcast")) for server in result.loaded]
+            run=self.run, server=server, version=version, seconds=result.seconds, transport=how)) for server in result.loaded]
         reports += [self._report(self.subjects.weights_failed(server), WeightsLoadFailed(
-            run=self.run, server=server, version=version, reason=reason, transport="broadcast"))
+            run=self.run, server=server, version=version, reason=reason, transport=how))
             for server, reason in result.failed.items()]
         disk = self.last_disk
         msg = WeightsPublished(
-            run=self.run, version=version, step=version, transport="broadcast", members=result.loaded,
+            run=self.run, version=version, step=version, transport=how, members=result.loaded,
             group=self.broadcaster.address, dtype=self.broadcaster.dtype_name, buckets=result.buckets, bytes=result.bytes,
             uri=disk.uri if disk else "", files=list(disk.files) if disk else [], disk_version=disk.version if disk else None,
             epoch=self.epoch,
@@ -210,7 +212,7 @@ class BroadcastPublisher:
                 "broadcast_members": float(len(result.loaded)), "broadcast_failed": float(len(result.failed)),
                 "broadcast_rebuilds": float(result.rebuilds), "broadcast_held_peak_bytes": float(result.held_peak_bytes),
             }, step=version, version=version)
-        log.info("weights broadcast", version=version, members=result.loaded, failed=list(result.failed),
+        log.info("weights broadcast", transport=how, version=version, members=result.loaded, failed=list(result.failed),
                  seconds=round(result.seconds, 3), bytes=result.bytes, buckets=result.buckets, rebuilds=result.rebuilds)
         if hf_dir is not None and self.disk is not None:
             # after the broadcast: members already hold this version, so their agents skip the disk copy

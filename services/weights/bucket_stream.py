@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from typing import Protocol
 
@@ -40,6 +41,9 @@ class BucketSource(Protocol):
     """Buckets of the version (known once the first has come)."""
     peak_bytes: int
     """The most gathered bytes held at once."""
+    ready_at: float | None
+    """`time.perf_counter()` when the version's first bucket was there to send (None: not yet): the
+    broadcast's time counts from here, not from the start of the training call that gathers it."""
 
     async def next(self) -> Bucket | None: ...
     def release(self, bucket: Bucket) -> None: ...
@@ -54,6 +58,7 @@ class ListSource:
         self.buckets = buckets
         self.count = len(buckets)
         self.peak_bytes = sum(b.nbytes for b in buckets)
+        self.ready_at: float | None = time.perf_counter()
         self._i = 0
 
     async def next(self) -> Bucket | None:
@@ -86,6 +91,7 @@ class BucketStream:
         """Buckets gathered, over every pass (a restart gathers the version again)."""
         self.dropped = 0
         """Buckets gathered but not sent: put after a restart or finish."""
+        self.ready_at: float | None = None
         self._cond = threading.Condition()
         self._ready: deque[Bucket] = deque()
         self._held = 0
@@ -131,6 +137,8 @@ class BucketStream:
             if self._stale or self._finished:
                 self.dropped += 1
                 return
+            if self.ready_at is None:
+                self.ready_at = time.perf_counter()
             self._held += 1
             self.held_bytes += bucket.nbytes
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)

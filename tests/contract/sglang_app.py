@@ -32,6 +32,13 @@ def sends_weight_version_spans() -> bool:
         return False
 
 
+def _has_weight_update_sessions() -> bool:
+    """Whether this SGLang wants weight updates inside `/begin_weight_update` ... `/end_weight_update` (0.5.21 on)."""
+    from sglang.srt.managers import io_struct
+
+    return hasattr(io_struct, "BeginWeightUpdateReqInput")
+
+
 class StandIn:
     """The part of SGLang's `TokenizerManager` the routes jetrl calls use, backed by the CPU server."""
 
@@ -55,6 +62,8 @@ class StandIn:
         self.gracefully_exit = False
         self.weight_version = server_args.weight_version
         self.spans = sends_weight_version_spans()
+        self.sessions = _has_weight_update_sessions()
+        self.in_session = False
 
     def _set_version(self, version: str) -> None:
         # Routes read `config_value("weight_version")` from 0.5.19 (server args are read-only there),
@@ -117,6 +126,30 @@ class StandIn:
         self._set_version(info["weight_version"])
         self.model_path = info["model_path"]
         return bool(out["success"]), str(out["message"]), int(out.get("num_paused_requests", 0))
+
+    async def update_weights_from_tensor(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+        """SGLang parsed and validated the request (its payloads: base64 text, decoded to bytes by the
+        versions whose field is `Base64Bytes`); they go on to the CPU server as base64. From 0.5.21 the
+        scheduler refuses an update outside a `/begin_weight_update` session; so does this stand-in."""
+        import base64
+
+        if self.sessions and not self.in_session:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        entries = [e if isinstance(e, str) else base64.b64encode(bytes(e)).decode() for e in obj.serialized_named_tensors]
+        body = {"serialized_named_tensors": entries, "load_format": obj.load_format, "flush_cache": obj.flush_cache,
+                "abort_all_requests": obj.abort_all_requests, "weight_version": obj.weight_version}
+        out = (await self.http.post("/update_weights_from_tensor", json=body)).json()
+        if out["success"] and obj.weight_version is not None:
+            self._set_version(str(obj.weight_version))
+        return bool(out["success"]), str(out["message"])
+
+    async def begin_weight_update(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+        self.in_session = True
+        return True, "Success"
+
+    async def end_weight_update(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+        self.in_session = False
+        return True, "Success"
 
     async def get_internal_state(self) -> list[dict[str, Any]]:
         return [{}]

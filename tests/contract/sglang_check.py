@@ -47,7 +47,25 @@ def judges() -> dict[str, Any]:
                            "/abort_request": model(io_struct.AbortReq)}
     if hasattr(io_struct, "ContinueGenerationReqInput"):
         out["/continue_generation"] = model(io_struct.ContinueGenerationReqInput)
+    out["finish"] = _finish
     return out
+
+
+def _finish(body: dict[str, Any]) -> None:
+    """SGLang's own token-based finish rule (`Req._check_token_based_finish`) on one output token:
+    raises when SGLang's decision differs from `body["finished"]` (what the CPU server did)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(**body["sampling_params"])
+    req = SimpleNamespace(sampling_params=params, eos_token_ids=set(body["eos"]), tokenizer=None,
+                          output_ids=list(body["tokens"]), finished_reason=None, finished_len=None)
+    finished = Req._check_token_based_finish(req, list(body["tokens"]))
+    if finished != body["finished"]:
+        raise ValueError(f"SGLang {'finishes' if finished else 'does not finish'} on {body['tokens']} with {body['sampling_params']}; "
+                         f"the CPU server {'did' if body['finished'] else 'did not'}")
 
 
 def _sampling(raw: dict[str, Any]) -> None:

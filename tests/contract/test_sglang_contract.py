@@ -195,12 +195,52 @@ async def test_sglang_accepts_what_jetrl_sends_and_what_the_cpu_server_answers(
     assert {s["path"] for s in sent} >= {"/generate", "/pause_generation", "/continue_generation", "/update_weights_from_disk"}
     assert any(s["path"] == "/generate" and len(s["body"]["input_ids"]) == GROUP and isinstance(s["body"]["input_ids"][0], list)
                for s in sent)  # the batch form is judged too
-    # A control the judge must refuse: the `stop` field jetrl used to send to a --skip-tokenizer-init server.
+    sent += constrained_payloads()
+    sent += await finish_rules(recorder.url)
+    # Controls the judge must refuse: the `stop` field jetrl used to send to a --skip-tokenizer-init
+    # server, and two grammars in one request.
     old = {"method": "POST", "path": "/generate", "body": {"input_ids": PROMPT, "sampling_params": {"stop": ["\n"]}}}
-    verdicts = judge(VERSIONS[-1], [*sent, old], answered)
+    two = {"method": "POST", "path": "/generate", "body": {"input_ids": PROMPT, "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}}
+    verdicts = judge(VERSIONS[-1], [*sent, old, two], answered)
     assert verdicts[len(sent)]["ok"] is False and "skip_tokenizer_init" in verdicts[len(sent)]["error"]
-    bad = [v for i, v in enumerate(verdicts) if not v["ok"] and i != len(sent)]
+    assert verdicts[len(sent) + 1]["ok"] is False and "Only one of" in verdicts[len(sent) + 1]["error"]
+    bad = [v for i, v in enumerate(verdicts) if not v["ok"] and i < len(sent)]
     assert not bad, bad
+
+
+def constrained_payloads() -> list[dict[str, Any]]:
+    """The `/generate` bodies jetrl sends for structured output: the agent proxy's tool-call and
+    response_format constraints, a regex and an EBNF, alone and as one batch (judged by SGLang)."""
+    from services.rollout.agent.constraints import output_constraint
+    from services.rollout.agent.options import ResponseFormat, ToolChoice
+    from services.rollout.sglang_protocol import build_batch_payload, build_generate_payload
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    constraints = [{"json_schema": output_constraint(tools, ToolChoice("required"), ResponseFormat())},
+                   {"json_schema": output_constraint(None, ToolChoice(), ResponseFormat("json_object"))},
+                   {"regex": "(yes|no)"}, {"ebnf": 'root ::= "a" | "b"'}]
+    payloads = [build_generate_payload(PROMPT, max_new_tokens=8, **c) for c in constraints]
+    assert all(k in p["sampling_params"] for p, c in zip(payloads, constraints, strict=True) for k in c)
+    return [{"method": "POST", "path": "/generate", "body": b} for b in [*payloads, build_batch_payload(payloads)]]
+
+
+async def finish_rules(url: str) -> list[dict[str, Any]]:
+    """What the CPU server does with `stop_token_ids`, with and without `ignore_eos`, as items for SGLang's
+    own finish rule to judge (`Req._check_token_based_finish`: with ignore_eos no token ends the output)."""
+    engine = InferenceEngine(InferenceClientSettings(servers=[url], max_retries=0))
+    try:
+        free = await engine.agenerate(ModelRequest(PROMPT, max_new_tokens=4, temperature=0.0, ignore_eos=True))
+        stop_id = free.output_ids[0]
+        items = []
+        for ignore_eos in (False, True):
+            res = await engine.agenerate(ModelRequest(PROMPT, max_new_tokens=4, temperature=0.0, ignore_eos=ignore_eos,
+                                                      stop_token_ids=[stop_id]))
+            items.append({"method": "POST", "path": "finish", "body": {
+                "sampling_params": {"stop_token_ids": [stop_id], "ignore_eos": ignore_eos, "max_new_tokens": 4},
+                "tokens": [stop_id], "eos": [2], "finished": res.stop_reason == "stop" and len(res.output_ids) == 1}})
+        return items
+    finally:
+        await engine.aclose()
 
 
 @dataclass
@@ -378,3 +418,31 @@ async def test_the_agent_proxys_stop_strings_through_sglangs_app(app: App, tiny_
     finally:
         await srv.aclose()
         await engine.aclose()
+
+
+async def test_a_colocated_update_goes_through_sglangs_own_route(app: App, server: ServerProcess, tiny_model: Path) -> None:
+    """The trainer's colocated sender against SGLang's `/update_weights_from_tensor` (and, from 0.5.21,
+    its session routes): SGLang parses the request, the CPU server behind it takes the tensors by
+    shared-memory handle, bit for bit. The server's weights and version are put back after."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.weights.colocated import ColocatedSender
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    original = {n: p.detach() for n, p in model.named_parameters()}
+    state = {n: t + 0.5 for n, t in original.items()}
+    name = "model.layers.0.mlp.down_proj.weight"
+    async with httpx.AsyncClient(timeout=30) as http:
+        before = (await http.get(f"{server.url}/model_info")).json()["weight_version"]
+        sender = ColocatedSender([app.url], bucket_mb=0.05, timeout_s=60)
+        try:
+            result = await sender.send_version(77, state)
+            assert result.loaded == [app.url], result.failed
+            assert (await http.get(f"{app.url}{MODEL_INFO}")).json()["weight_version"] == "77"
+            served = (await http.post(f"{server.url}/get_weights_by_name", json={"name": name, "truncate_size": 1 << 30})).json()
+            assert torch.equal(torch.tensor(served, dtype=torch.float32), state[name])
+            assert (await sender.send_version(int(before), original)).loaded == [app.url]
+        finally:
+            await sender.aclose()
+        assert (await http.get(f"{server.url}/model_info")).json()["weight_version"] == before

@@ -43,12 +43,13 @@ def jetrl_status(run: str, run_dir: Path) -> dict[str, Any]:
 def test_default_up_learns_copy3_to_0_9_publishes_versions_and_leaves_nothing_behind(tmp_path: Path) -> None:
     """`jetrl up` as a new user runs it: every setting at its default (the step budget, the batch, eta,
     the stop at a 10-step mean reward of 0.9)."""
-    from services.up.run import DEMO_DEFAULTS, DEMO_STOP_AT_REWARD
+    from services.up.presets import DEMO_PRESET
+    from services.up.run import DEMO_STOP_AT_REWARD
     from services.up.settings import UpSettings
 
     budget = UpSettings.model_fields["total_steps"].default
-    eta = DEMO_DEFAULTS["trainer"]["eta"]
-    batch = DEMO_DEFAULTS["trainer"]["batch_groups"]
+    eta = DEMO_PRESET["trainer"]["eta"]
+    batch = DEMO_PRESET["trainer"]["batch_groups"]
     proc = start_up(tmp_path, "e2e", None, {})
     run_dir = tmp_path / "e2e"
     status = None
@@ -67,7 +68,7 @@ def test_default_up_learns_copy3_to_0_9_publishes_versions_and_leaves_nothing_be
     assert status_shows_workers(status, run_dir), status["bus"]["workers"]
     assert status["weights"]["published_version"] >= 1
     assert status["weights"]["servers"][0]["loaded_version"] >= 1
-    assert status["weights"]["servers"][0]["transport"] == "broadcast"  # the default: weights in memory
+    assert status["weights"]["servers"][0]["transport"] == "colocated"  # the default: weights in shared memory
     assert processes_of(tmp_path) == [], "processes left behind after jetrl up exited"
 
     # learned: a 10-step mean reward of 0.9 (chance is ~0.02) within the default step budget

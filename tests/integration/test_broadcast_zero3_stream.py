@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,5 +115,42 @@ async def test_a_server_killed_mid_stream_restarts_the_gather_and_a_failed_gathe
             result = await sender.send(5, stream)
             assert result.loaded == [a.url] and result.held_peak_bytes == whole[0].nbytes
             assert version_of(a.url) == "5" and torch.equal(served(a.url, "model.norm.weight"), v5["model.norm.weight"])
+        finally:
+            await sender.aclose()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["broadcast", "colocated"])
+async def test_broadcast_seconds_count_from_the_first_bucket_not_from_the_training_call(tiny_model: Path, tmp_path: Path,
+                                                                                         kind: str) -> None:
+    # The trainer opens the stream when its training call starts; the gather puts the first bucket only
+    # once the step is done. `broadcast_seconds` used to count that whole wait (it equalled train_time_s).
+    from services.weights.colocated import ColocatedSender
+
+    with running_servers(tiny_model, tmp_path, 1) as [server]:
+        sender: WeightBroadcaster | ColocatedSender = (
+            WeightBroadcaster([server.url], bucket_mb=0.05, timeout_s=20) if kind == "broadcast"
+            else ColocatedSender([server.url], bucket_mb=0.05, timeout_s=20))
+        try:
+            buckets = make_buckets(model_state(tiny_model, 0.01), torch.float32, sender.bucket_bytes, checksum=False)
+            stream = BucketStream(asyncio.get_running_loop())
+            step_done = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            first_put: list[float] = []
+
+            def gather_after_the_step() -> list[int]:
+                asyncio.run_coroutine_threadsafe(step_done.wait(), loop).result()
+                first_put.append(time.perf_counter())
+                return produce(stream, buckets, lambda i: None)
+
+            async def training_step() -> None:
+                await asyncio.sleep(0.5)  # the step's compute, which the sender must not count
+                step_done.set()
+
+            opened = time.perf_counter()
+            result, _, _ = await asyncio.gather(sender.send(1, stream), asyncio.to_thread(gather_after_the_step), training_step())
+            ended = time.perf_counter()
+            assert result.loaded == [server.url] and version_of(server.url) == "1"
+            assert result.seconds <= ended - first_put[0] < ended - opened - 0.4
         finally:
             await sender.aclose()

@@ -79,8 +79,12 @@ async def test_stop_token_ids_end_the_completion(engine: InferenceEngine) -> Non
     free = await engine.agenerate(ModelRequest(PROMPTS[1], max_new_tokens=10, temperature=0.0, ignore_eos=True))
     stop_id = free.output_ids[3]
     cut = free.output_ids.index(stop_id) + 1
-    r = await engine.agenerate(ModelRequest(PROMPTS[1], max_new_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]))
+    assert not set(free.output_ids[:cut]) & {0, 1, 2}  # no special token (EOS) before the cut
+    r = await engine.agenerate(ModelRequest(PROMPTS[1], max_new_tokens=10, temperature=0.0, stop_token_ids=[stop_id]))
     assert r.stop_reason == "stop" and r.output_ids == free.output_ids[:cut]
+    # SGLang's rule (`Req._check_token_based_finish` returns first): with ignore_eos no token ends it
+    r = await engine.agenerate(ModelRequest(PROMPTS[1], max_new_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]))
+    assert r.stop_reason == "length" and r.output_ids == free.output_ids
 
 
 async def test_seeded_sampling_is_reproducible(engine: InferenceEngine, target: Target) -> None:

@@ -62,7 +62,7 @@ class Recording:
 
     async def agenerate(self, req: Any, *, episode: str | None = None) -> Any:
         call: list[Any] = [episode, None]
-        self.calls[workflow_context.task_id or ""].append(call)
+        self.calls[workflow_context.prompt_id or ""].append(call)
         call[1] = await self.engine.agenerate(req, episode=episode)
         return call[1]
 

@@ -34,7 +34,7 @@ class CountingWorkflow(SyntheticWorkflow):
         self.scopes: dict[str, str] = {}
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Any:
-        task_id = workflow_context.task_id or "?"
+        task_id = workflow_context.prompt_id or "?"
         self.starts[task_id] = self.starts.get(task_id, 0) + 1
         self.scopes[task_id] = workflow_context.stat_scope()
         return await super().arun_episode(engine, data)

@@ -118,7 +118,7 @@ def test_one_update_on_the_same_batch_moves_the_weights_as_trl_does(tiny_model: 
     groups, prompts, completions, rewards = _sample(start, tok, seed=0)
     assert 0 < sum(rewards) < len(rewards), "the batch must carry a learning signal"
 
-    settings = TrainerSettings(model_path=str(tiny_model), seed=0, lr=LR, ppo={"adv_eps": 1e-4})
+    settings = TrainerSettings(model_path=str(tiny_model), seed=0, lr=LR, ppo={"adv_eps": 1e-4, "entropy_coef": 0.03})
     engine = TrainEngine(settings)
     actor = PPOActor(engine, settings.ppo)
     stats = actor.ppo_update(shard(actor.compute_advantages(collate(groups)), 1, 1)[0])

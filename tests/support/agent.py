@@ -52,8 +52,11 @@ class RecordingEngine(InferenceEngine):
     def __init__(self, settings: InferenceClientSettings) -> None:
         super().__init__(settings)
         self.calls: list[ModelResponse] = []
+        self.requests: list[ModelRequest] = []
+        """Every request asked, answered or not (a refused one has no call)."""
 
     async def agenerate(self, req: ModelRequest, *, episode: str | None = None) -> ModelResponse:
+        self.requests.append(req)
         resp = await super().agenerate(req, episode=episode)
         self.calls.append(resp)
         return resp

@@ -21,13 +21,21 @@ ROOT = Path(__file__).resolve().parents[2]
 ETA = 4
 
 
+def up_env(*pythonpath: str) -> dict[str, str]:
+    """The environment `jetrl up` runs in, as a user's shell: the test process's without its own
+    service settings (`JETRL_<SERVICE>__...`, e.g. conftest's trainer issuer key, which would clash with
+    the key `jetrl up` makes for its run)."""
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("JETRL_") and "__" in k)}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), *pythonpath])}
+
+
 def start_up(tmp_path: Path, run: str, steps: int | None, config: dict[str, Any]) -> subprocess.Popen[str]:
     """`jetrl up` on a run of its own under `tmp_path`; `steps` None: its default step budget."""
     import yaml
 
     cfg = tmp_path / "up.yaml"
     cfg.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = up_env()
     budget = [] if steps is None else [f"total_steps={steps}"]
     return subprocess.Popen(
         [sys.executable, "-m", "services.up", "--config", str(cfg), f"run={run}", f"run_dir={tmp_path}",

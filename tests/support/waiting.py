@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -17,7 +18,7 @@ def wait_until(
     check: Callable[[], bool],
     *,
     timeout_s: float,
-    proc: subprocess.Popen | None = None,  # type: ignore[type-arg]
+    proc: subprocess.Popen[Any] | None = None,
     log: Path | None = None,
     interval_s: float = 0.05,
     ignore: tuple[type[BaseException], ...] = (),
@@ -43,7 +44,7 @@ def http_ok(url: str) -> bool:
     return False
 
 
-def wait_http_ok(url: str, *, timeout_s: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:  # type: ignore[type-arg]
+def wait_http_ok(url: str, *, timeout_s: float, proc: subprocess.Popen[Any] | None = None, log: Path | None = None) -> None:
     wait_until(f"{url} to answer 200", lambda: http_ok(url), timeout_s=timeout_s, proc=proc, log=log)
 
 

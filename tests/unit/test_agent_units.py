@@ -329,3 +329,16 @@ def test_streamed_events_rebuild_text_and_tool_calls_in_the_sdks_own_accumulator
     assert snapshot is not None and snapshot.stop_reason == "tool_use"
     assert [(b.type, getattr(b, "text", None), getattr(b, "input", None)) for b in snapshot.content] == [
         ("text", "12 ab", None), ("tool_use", None, {"a": 1})]
+
+
+def test_areals_creation_order_discount_is_offered_beside_the_tree() -> None:
+    cache, (_, _, c) = three_turns()
+    m = [user("q"), bot("a1"), user("more")]
+    make(cache, m, "b2", [1, 5, 6, 7, 8], [13], cache.find_parent(m))  # a branch: i3, made last
+    cache.set_reward(1.0, c.id)
+    # AReaL's rule: back through creation order (i3, i2, i1, i0), whatever the tree
+    assert cache.returns(0.5, "creation_order") == pytest.approx({"i3": 0.0, "i2": 1.0, "i1": 0.5, "i0": 0.25})
+    assert cache.returns(0.5)["i0"] == pytest.approx(0.5 * (0.5 * 1.0 + 0.0) / 2)  # jetrl's tree: the branch averaged
+    with pytest.raises(ValueError, match="discount rule must be one of"):
+        cache.returns(0.5, "linear")
+    assert c.model_response.output_tokens == [11, 12] and c.model_response.input_len == 7

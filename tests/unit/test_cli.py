@@ -27,6 +27,18 @@ def test_top_level_help_lists_every_command() -> None:
         assert name in out.stdout
 
 
+def test_every_listed_command_answers_help() -> None:
+    """Each command `jetrl --help` lists prints its help and exits 0 (a "%" in a setting's docstring
+    once crashed `jetrl up --help` inside argparse's %-formatting)."""
+    listed = jetrl("--help").stdout.split("commands:\n", 1)[1].split("\n\n", 1)[0]
+    names = [line.split()[0] for line in listed.splitlines() if line.strip()]
+    assert names == list(COMMANDS)
+    for name in names:
+        out = jetrl(name, "--help")
+        assert out.returncode == 0, f"jetrl {name} --help: {out.stderr[-800:]}"
+        assert f"jetrl {name}" in out.stdout or "usage" in out.stdout, out.stdout[:300]
+
+
 def test_unknown_command_is_an_error() -> None:
     out = jetrl("nope")
     assert out.returncode == 2

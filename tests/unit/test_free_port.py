@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from services.common.nats_server import _ephemeral_low, free_port
+from services.common.ports import _ephemeral_low, free_port
 
 
 def test_picked_ports_are_free_and_below_the_range_the_kernel_hands_out() -> None:

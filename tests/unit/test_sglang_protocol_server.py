@@ -22,10 +22,14 @@ def parse(body: dict, **kw: object):
         ({"input_ids": [1, 48]}, "out of vocabulary"),
         ({"input_ids": [1, -1]}, "out of vocabulary"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be >= 0"),
-        ({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 60}}, "maximum context length"),
+        ({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 60}}, "of 64 tokens. You requested a total of 70"),
+        # SGLang's rule: an input as long as the context is refused even with max_new_tokens 0
+        ({"input_ids": [1] * 64, "sampling_params": {"max_new_tokens": 0}}, r"The input \(64 tokens\) is longer than the model's context"),
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
         ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "unknown field"),
-        ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "not supported"),
+        ({"input_ids": [1], "sampling_params": {"repetition_penalty": 1.5}}, "not supported"),
+        ({"input_ids": [1], "sampling_params": {"frequency_penalty": 2.5}}, r"frequency_penalty must be in \[-2, 2\]"),
+        ({"input_ids": [1], "sampling_params": {"logit_bias": {"48": 1.0}}}, r"logit_bias must has keys in \[0, 47\]"),
         ({"text": "abc"}, "needs a tokenizer"),
     ],
 )

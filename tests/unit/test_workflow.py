@@ -85,17 +85,25 @@ def test_agents_and_interactions_go_through_the_agent_extension() -> None:
 async def test_workflow_context_follows_the_episode_and_its_tasks() -> None:
     assert workflow_context.stat_scope() == "rollout" and workflow_context.task_id is None
 
-    async def inner() -> tuple[bool, str | None, str]:
+    async def inner() -> tuple[bool, int | None, str | None, str]:
         await asyncio.sleep(0)
-        return workflow_context.is_eval, workflow_context.task_id, workflow_context.stat_scope()
+        return workflow_context.is_eval, workflow_context.task_id, workflow_context.prompt_id, workflow_context.stat_scope()
 
-    with workflow_context.set(is_eval=True, task_id="t1"):
+    with workflow_context.set(is_eval=True, task_id=1, prompt_id="t1"):
         with_eval = await asyncio.gather(inner(), inner())
-    with workflow_context.set(task_id="t2"):
+    with workflow_context.set(task_id=2, prompt_id="t2"):
         train = await inner()
-    assert with_eval == [(True, "t1", "eval-rollout")] * 2
-    assert train == (False, "t2", "rollout")
+    assert with_eval == [(True, 1, "t1", "eval-rollout")] * 2
+    assert train == (False, 2, "t2", "rollout")
     assert workflow_context.get().task_id is None  # reset after the block
+    # AReaL's spelling: set(ctx) sets at once
+    from services.rollout.workflow import WorkflowContext
+
+    async def areal_style() -> int | None:
+        workflow_context.set(WorkflowContext(is_eval=False, task_id=7))
+        return workflow_context.task_id
+
+    assert await asyncio.create_task(areal_style()) == 7 and workflow_context.task_id is None
 
 
 async def test_grouped_concatenates_kept_samples_padded_to_the_longest() -> None:

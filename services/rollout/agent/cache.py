@@ -20,6 +20,9 @@ from typing import Any
 
 from services.rollout.agent.requests import Message, message_key
 
+DISCOUNT_RULES = ("tree", "creation_order")
+"""How rewards propagate back to earlier turns (`InteractionCache.returns`)."""
+
 
 @dataclass(eq=False)
 class Interaction:
@@ -45,6 +48,15 @@ class Interaction:
     children: list[Interaction] = field(default_factory=list)
     reward: float | None = None
     seq: int = 0
+
+    @property
+    def model_response(self) -> Any:
+        """The generation as AReaL's `InteractionWithTokenLogpReward.model_response` has it."""
+        from services.rollout.io_struct import ModelResponse
+
+        return ModelResponse(input_ids=list(self.prompt_ids), output_ids=list(self.output_ids),
+                             output_logprobs=list(self.output_logprobs), output_versions=list(self.output_versions),
+                             stop_reason=self.stop_reason, latency_s=0.0, server="")
 
     @property
     def full_ids(self) -> list[int]:
@@ -121,9 +133,21 @@ class InteractionCache:
     def has_rewards(self) -> bool:
         return any(i.reward is not None for i in self._items.values())
 
-    def returns(self, discount: float) -> dict[str, float]:
+    def returns(self, discount: float, rule: str = "tree") -> dict[str, float]:
+        """Each interaction's discounted return. `rule` "tree" (jetrl's): own reward plus `discount`
+        times the mean of its children's returns; "creation_order" (AReaL's): walking back from the
+        latest interaction, `return[i] = reward[i] + discount * return[i+1]` in creation order,
+        whatever the conversation tree."""
         if not 0.0 <= discount <= 1.0:
             raise ValueError(f"discount must be in [0, 1], got {discount}")
+        if rule not in DISCOUNT_RULES:
+            raise ValueError(f"discount rule must be one of {DISCOUNT_RULES}, got {rule!r}")
+        if rule == "creation_order":
+            running, linear = 0.0, {}
+            for item in sorted(self._items.values(), key=lambda i: i.seq, reverse=True):
+                running = running * discount + (item.reward or 0.0)
+                linear[item.id] = running
+            return linear
         out: dict[str, float] = {}
         for item in sorted(self._items.values(), key=lambda i: i.seq, reverse=True):
             value = item.reward or 0.0

@@ -37,7 +37,12 @@ def run_agent(spec: Any, agent_kwargs: dict[str, Any], data: dict[str, Any], bas
     os.environ["ANTHROPIC_BASE_URL"] = session_url
     os.environ["ANTHROPIC_API_KEY"] = os.environ.get("JETRL_AGENT_API_KEY", "jetrl")
     agent = _agent(spec, agent_kwargs)
-    result = agent.run(data, base_url=base_url)
+    # the session's root as `base_url`: it serves the OpenAI routes and Anthropic's /v1/messages alike
+    extra = {"base_url": session_url, "api_key": os.environ["OPENAI_API_KEY"]}
+    params = inspect.signature(agent.run).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        extra = {k: v for k, v in extra.items() if k in params}
+    result = agent.run(data, **extra)
     if inspect.isawaitable(result):
         result = asyncio.run(_awaited(result))
     return result

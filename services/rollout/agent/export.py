@@ -106,11 +106,12 @@ def _concat(cache: InteractionCache, returns: dict[str, float]) -> dict[str, Age
     return samples
 
 
-def export_session(cache: InteractionCache, discount: float = 1.0, style: str = "individual") -> dict[str, AgentSample]:
-    """Completion id -> sample, with discounted returns as rewards."""
+def export_session(cache: InteractionCache, discount: float = 1.0, style: str = "individual",
+                   rule: str = "tree") -> dict[str, AgentSample]:
+    """Completion id -> sample, with discounted returns as rewards (`rule`: `InteractionCache.returns`)."""
     if style not in STYLES:
         raise ExportError(f"unknown export style {style!r}; expected one of {', '.join(STYLES)}")
-    returns = cache.returns(discount)
+    returns = cache.returns(discount, rule)
     return _individual(cache, returns) if style == "individual" else _concat(cache, returns)
 
 

@@ -56,6 +56,29 @@ def stop(value: Any, name: str) -> list[str]:
     return list(stops)
 
 
+def penalty(body: dict[str, Any], name: str) -> float:
+    """`frequency_penalty` / `presence_penalty`: a number in [-2, 2] (OpenAI's and SGLang's range)."""
+    value = number(body, name, float, -2.0) or 0.0
+    if value > 2.0:
+        raise bad_request(f"{name} must be in [-2, 2], got {value}", name)
+    return float(value)
+
+
+def logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI `logit_bias`: token id (as a string) -> bias in [-100, 100]."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise bad_request(f"logit_bias must be an object of token id -> bias, got {short(raw)}", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        if not str(key).lstrip("-").isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > 100:
+            raise bad_request(f"logit_bias entries must be token id -> a number in [-100, 100], got {short({key: value})}", "logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
 def flag(body: dict[str, Any], name: str) -> bool:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):

@@ -1,17 +1,17 @@
 """The request options that constrain a completion's shape, `tool_choice` and `response_format`, in
 each dialect's spelling, and the check that a completion met them.
 
-How each is honoured (the model is a policy being trained, so nothing can be forced at sampling time
-without changing what it learns from; the proxy conditions the prompt and then checks):
+How each is honoured: the inference server enforces them while decoding (constraints.py turns them
+into SGLang's `json_schema`; the tokens sampled under the constraint, with the logprobs of the
+constrained distribution, are what is recorded and trained on), and the proxy conditions the prompt:
 - `tool_choice` none: the tools are not rendered into the prompt and the completion is not parsed for
   tool calls (its text is the content, whatever it holds).
-- `tool_choice` required: the assistant turn is opened with `<tool_call>` (prompt tokens, not trained
-  on); the completion must then hold at least one valid call to an offered tool.
-- named tool: the turn is opened with `<tool_call>{"name": "<tool>", "arguments": ` and every call
-  must name that tool.
-- `response_format` json_object: the content must be a JSON object; json_schema: it must also
-  validate against the schema.
-A completion that misses its constraint is still recorded (its tokens are the policy's and can be
+- `tool_choice` required / a named tool: the assistant turn is opened with `<tool_call>` (prompt
+  tokens, not trained on) and the completion is held to one call object of an offered tool (of the
+  named one).
+- `response_format` json_object: a JSON object; json_schema: JSON valid against the schema.
+The completion is still checked: one that misses its constraint (cut by `max_tokens` before the JSON
+ended, or from a server that does not enforce it) is recorded (its tokens are the policy's and can be
 rewarded and exported like any other), and the request is answered 422 naming the completion id and
 what was wrong, so the agent sees the failure instead of a reply that breaks the contract.
 """
@@ -34,11 +34,7 @@ class ToolChoice:
 
     def prefill(self) -> str:
         """Text that opens the assistant's turn (rendered after the generation prompt)."""
-        if self.mode == "required":
-            return "<tool_call>"
-        if self.mode == "named":
-            return '<tool_call>{"name": ' + json.dumps(self.name, ensure_ascii=False) + ', "arguments": '
-        return ""
+        return "<tool_call>" if self.mode in ("required", "named") else ""
 
     def label(self) -> str:
         return f"tool_choice {self.name!r}" if self.mode == "named" else f"tool_choice {self.mode!r}"

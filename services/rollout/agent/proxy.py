@@ -18,6 +18,7 @@ from typing import Any
 from services.common.logging import get_logger
 from services.rollout.agent.cache import Interaction, InteractionCache
 from services.rollout.agent.chat import ChatTokenizer
+from services.rollout.agent.constraints import output_constraint
 from services.rollout.agent.errors import ProxyError, bad_request, not_found
 from services.rollout.agent.export import STYLES, AgentSample, ExportError, export_session
 from services.rollout.agent.options import unmet
@@ -28,7 +29,7 @@ from services.rollout.engine import BadRequestError, InferenceError, ModelReques
 
 log = get_logger("rollout.agent")
 
-ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
+ID_PREFIX = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_", "completions": "cmpl-"}
 
 
 @dataclass
@@ -59,6 +60,8 @@ class Session:
     cache: InteractionCache = field(default_factory=InteractionCache)
     ended: bool = False
     started: float = field(default_factory=time.monotonic)
+    stored: dict[str, CanonicalRequest] = field(default_factory=dict)
+    """The request of each stored Responses API response (`store`, default true), for `GET .../responses/{id}`."""
 
 
 @dataclass
@@ -105,6 +108,8 @@ class AgentProxy:
 
     # ---- completions ---------------------------------------------------------------------------
     def _prompt(self, session: Session, request: CanonicalRequest) -> Prompt:
+        if request.raw_prompt is not None:  # /v1/completions: the text as it is, no template, no parent
+            return Prompt(request.messages, None, list(self.chat.tokenizer(request.raw_prompt).input_ids), False, "")
         messages = request.messages
         if request.previous_id is not None:
             previous = session.cache.get(request.previous_id)
@@ -138,6 +143,7 @@ class AgentProxy:
         session = self.session(session_id)
         if session.ended:
             raise ProxyError(409, f"session {session_id} has ended; start a new one", code="session_ended")
+        constraint = output_constraint(request.tools, request.tool_choice, request.response_format)
         prompt = self._prompt(session, request)
         model_request = ModelRequest(
             input_ids=prompt.ids,
@@ -148,6 +154,10 @@ class AgentProxy:
             stop=list(request.stop),
             seed=request.seed,
             top_logprobs=request.top_logprobs if request.logprobs else 0,
+            json_schema=constraint,
+            frequency_penalty=request.frequency_penalty,
+            presence_penalty=request.presence_penalty,
+            logit_bias=dict(request.logit_bias),
         )
         # n samples of one prompt; a given seed is varied per sample or they would all be the same
         samples = [replace(model_request, seed=None if request.seed is None else request.seed + i) for i in range(request.n)]
@@ -197,7 +207,10 @@ class AgentProxy:
         session.cache.add(interaction)
         self.stats.completions += 1
         self.stats.completion_tokens += len(interaction.output_ids)
-        return interaction, unmet(content, calls, request.tools, request.tool_choice, request.response_format)
+        why = unmet(content, calls, request.tools, request.tool_choice, request.response_format)
+        if why is not None and interaction.stop_reason == "length":
+            why += f" (cut by max_tokens after {len(interaction.output_ids)} tokens)"
+        return interaction, why
 
     # ---- rewards and export --------------------------------------------------------------------
     def set_reward(self, session_id: str, reward: Any, interaction_id: str | None = None) -> Interaction:
@@ -211,15 +224,17 @@ class AgentProxy:
         except LookupError as exc:
             raise bad_request(str(exc)) from exc
 
-    def export(self, session_id: str, discount: float = 1.0, style: str = "individual") -> dict[str, AgentSample]:
-        """The session's samples (completion id -> sample); the session is closed and forgotten."""
+    def export(self, session_id: str, discount: float = 1.0, style: str = "individual",
+               rule: str = "tree") -> dict[str, AgentSample]:
+        """The session's samples (completion id -> sample); the session is closed and forgotten.
+        `rule`: how rewards propagate back ("tree" or AReaL's "creation_order", `cache.returns`)."""
         session = self.session(session_id)
         if style not in STYLES:
             raise bad_request(f"style must be one of {', '.join(STYLES)}, got {style!r}", "style")
         if not 0.0 <= discount <= 1.0:
             raise bad_request(f"discount must be in [0, 1], got {discount}", "discount")
         try:
-            samples = export_session(session.cache, discount, style)
+            samples = export_session(session.cache, discount, style, rule)
         except ExportError as exc:
             raise bad_request(str(exc), "style") from exc
         self.drop_session(session_id)

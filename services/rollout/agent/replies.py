@@ -135,7 +135,7 @@ def response(item: Interaction, request: CanonicalRequest, chat: ChatTokenizer, 
         "top_logprobs": request.top_logprobs,
         "usage": {
             "input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
-            "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0},
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0},
         } if done else None,
     }
 

@@ -19,6 +19,9 @@ from services.rollout.agent.options import ResponseFormat, ToolChoice, parse_res
 
 Message = dict[str, Any]
 ROLES = {"system", "developer", "user", "assistant", "tool"}
+SERVED_MODEL = "jetrl"
+"""The model name every answer carries (and `/v1/models` lists), whatever name the client sent: the
+policy being trained, not the model a framework thinks it is calling."""
 
 
 @dataclass
@@ -32,7 +35,15 @@ class CanonicalRequest:
     top_k: int | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
-    model: str = "jetrl"
+    model: str = SERVED_MODEL
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> bias (Chat Completions and Completions `logit_bias`), passed to the server."""
+    store: bool = True
+    """Responses API `store`: the response can be retrieved by id later (in its session)."""
+    raw_prompt: str | None = None
+    """`/v1/completions`: the prompt text, tokenized as it is (no chat template)."""
     previous_id: str | None = None
     """Responses API `previous_response_id`: the conversation continues that response."""
     stream: bool = False
@@ -109,7 +120,7 @@ def parse_chat(body: Any) -> CanonicalRequest:
         tools=tools,
         stream=fields.flag(body, "stream"),
         include_usage=bool((options or {}).get("include_usage")),
-        n=_samples(body),
+        n=samples(body),
         logprobs=logprobs,
         top_logprobs=fields.top_logprobs(body, logprobs),
         tool_choice=parse_tool_choice(body.get("tool_choice"), tools, "chat"),
@@ -119,7 +130,10 @@ def parse_chat(body: Any) -> CanonicalRequest:
         top_p=fields.number(body, "top_p", float, 0),
         stop=fields.stop(body.get("stop"), "stop"),
         seed=fields.number(body, "seed", int),
-        model=str(body.get("model") or "jetrl"),
+        model=SERVED_MODEL,
+        frequency_penalty=fields.penalty(body, "frequency_penalty"),
+        presence_penalty=fields.penalty(body, "presence_penalty"),
+        logit_bias=fields.logit_bias(body),
     )
 
 
@@ -127,7 +141,7 @@ MAX_N = 128
 """The most samples one request may ask for (OpenAI's own limit)."""
 
 
-def _samples(body: dict[str, Any]) -> int:
+def samples(body: dict[str, Any]) -> int:
     n = fields.number(body, "n", int, 1) or 1
     if n > MAX_N:
         raise bad_request(f"n must be <= {MAX_N}, got {n}", "n")
@@ -203,8 +217,9 @@ def parse_responses(body: Any) -> CanonicalRequest:
         # not in the Responses API; accepted (e.g. through the SDK's extra_body) as in Chat Completions
         stop=fields.stop(body.get("stop"), "stop"),
         seed=fields.number(body, "seed", int),
-        model=str(body.get("model") or "jetrl"),
+        model=SERVED_MODEL,
         previous_id=str(prev) if prev else None,
+        store=body.get("store") is None or fields.flag(body, "store"),
     )
 
 
@@ -253,7 +268,7 @@ def parse_anthropic(body: Any) -> CanonicalRequest:
         top_k=fields.number(body, "top_k", int, 1),
         stop=fields.stop(body.get("stop_sequences"), "stop_sequences"),
         seed=fields.number(body, "seed", int),  # not in the Messages API: an extension (e.g. through extra_body)
-        model=str(body.get("model") or "jetrl"),
+        model=SERVED_MODEL,
     )
 
 

@@ -3,6 +3,9 @@
     POST /rl/start_session                      {"task_id"?}            -> {"session_id"}
     POST /{session}/v1/chat/completions         OpenAI Chat Completions -> ChatCompletion
     POST /{session}/v1/responses                OpenAI Responses        -> Response
+    GET  /{session}/v1/responses/{id}           a stored Response, again
+    POST /{session}/v1/completions              OpenAI Completions (legacy, text) -> text_completion
+    POST /{session}/v1/embeddings               501: a generation policy serves no embeddings
     POST /{session}/v1/messages                 Anthropic Messages      -> Message
     POST /{session}/v1/messages/count_tokens    Anthropic Messages      -> {"input_tokens"}
     GET  /{session}/v1/models                   the served model, for SDKs that list models
@@ -29,9 +32,10 @@ from aiohttp import web
 
 from services.common.logging import get_logger
 from services.rollout.agent import replies, streaming
+from services.rollout.agent.completions import completion, completion_events, parse_completions
 from services.rollout.agent.errors import ProxyError, bad_request
 from services.rollout.agent.proxy import AgentProxy
-from services.rollout.agent.requests import parse_anthropic, parse_chat, parse_responses
+from services.rollout.agent.requests import SERVED_MODEL, parse_anthropic, parse_chat, parse_responses
 from services.rollout.agent.streaming import Event
 
 log = get_logger("rollout.agent")
@@ -87,9 +91,19 @@ class ProxyServer:
         r.add_post("/export_trajectories", self.export)
         r.add_post("/{session}/v1/chat/completions", self.chat)
         r.add_post("/{session}/v1/responses", self.responses)
+        r.add_get("/{session}/v1/responses/{response_id}", self.retrieve_response)
+        r.add_post("/{session}/v1/completions", self.completions)
+        r.add_post("/{session}/v1/embeddings", self.embeddings)
         r.add_post("/{session}/v1/messages", self.messages)
         r.add_post("/{session}/v1/messages/count_tokens", self.count_tokens)
         r.add_get("/{session}/v1/models", self.models)
+        # the OpenAI routes at the session's root too: one base_url (`{url}/{session}`) then serves
+        # both SDKs, as AReaL's gateway does (OpenAI appends `/chat/completions`, Anthropic `/v1/messages`)
+        r.add_post("/{session}/chat/completions", self.chat)
+        r.add_post("/{session}/responses", self.responses)
+        r.add_get("/{session}/responses/{response_id}", self.retrieve_response)
+        r.add_post("/{session}/completions", self.completions)
+        r.add_get("/{session}/models", self.models)
         r.add_post("/{session}/rl/set_reward", self.set_reward)
         r.add_post("/{session}/rl/end_session", self.end_session)
         return app
@@ -110,6 +124,11 @@ class ProxyServer:
     def base_url(self, session_id: str) -> str:
         """What an OpenAI client's `base_url` is for this session."""
         return f"{self.url}/{session_id}/v1"
+
+    def session_url(self, session_id: str) -> str:
+        """The `base_url` an agent gets: the session's root, which serves the OpenAI routes and
+        Anthropic's `/v1/messages` alike (an Anthropic client given `/v1` would post `/v1/v1/messages`)."""
+        return f"{self.url}/{session_id}"
 
     async def aclose(self) -> None:
         if self._runner is not None:
@@ -148,10 +167,37 @@ class ProxyServer:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_responses(await _body(request))
         item = await self.proxy.complete(request.match_info["session"], parsed, "responses")
+        if parsed.store:
+            self.proxy.session(request.match_info["session"]).stored[item.id] = parsed
         chat = self.proxy.chat
         if parsed.stream:
             return await self._answer(request, None, streaming.responses_events(item, parsed, chat))
         return await self._answer(request, replies.response(item, parsed, chat), None)
+
+    async def retrieve_response(self, request: web.Request) -> web.Response:
+        """`responses.retrieve(id)`: a stored response of this session, answered again."""
+        session = self.proxy.session(request.match_info["session"])
+        rid = request.match_info["response_id"]
+        item, parsed = session.cache.get(rid), session.stored.get(rid)
+        if item is None or parsed is None:
+            raise ProxyError(404, f"no stored response {rid!r} in this session", code="response_not_found")
+        return web.json_response(replies.response(item, parsed, self.proxy.chat))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        parsed = parse_completions(await _body(request))
+        items = await self.proxy.complete_n(request.match_info["session"], parsed, "completions")
+        if not parsed.stream:
+            return web.json_response(completion(items))
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        for chunk in completion_events(items):
+            await out.write(chunk)
+        await out.write_eof()
+        return out
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        raise ProxyError(501, "embeddings are not served: the proxy fronts a generation policy (SGLang /generate), which "
+                              "returns no embeddings; use an embedding model of your own", code="not_implemented")
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_anthropic(await _body(request))
@@ -167,7 +213,7 @@ class ProxyServer:
 
     async def models(self, request: web.Request) -> web.Response:
         self.proxy.session(request.match_info["session"])
-        return web.json_response({"object": "list", "data": [{"id": "jetrl", "object": "model", "created": 0, "owned_by": "jetrl"}]})
+        return web.json_response({"object": "list", "data": [{"id": SERVED_MODEL, "object": "model", "created": 0, "owned_by": "jetrl"}]})
 
     async def set_reward(self, request: web.Request) -> web.Response:
         body = await _body(request)

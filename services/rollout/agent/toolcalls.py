@@ -6,7 +6,9 @@ many open models are trained to emit):
 Each `<tool_call>...</tool_call>` block holding a JSON object with a string `name` and an object (or
 JSON string) `arguments` becomes one tool call; the text outside the blocks is the message content. A
 block whose body is not such an object is not a tool call: it stays in the content as written, so
-nothing the model produced silently disappears.
+nothing the model produced silently disappears. A last `<tool_call>` left open (the model ended its
+turn right after the object, as it does under a `required` / named tool_choice, whose grammar allows
+only EOS once the call object is complete) is read the same way when its body is such an object.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN = "<tool_call>"
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,13 @@ def parse_tool_calls(text: str, id_prefix: str = "call") -> tuple[str, list[Tool
         pos = match.end()
         if call is not None:
             calls.append(call)
-    kept.append(text[pos:])
+    rest = text[pos:]
+    start = rest.find(_OPEN)
+    last = _as_call(rest[start + len(_OPEN):], f"{id_prefix}_{len(calls)}") if start >= 0 else None
+    if last is not None:
+        calls.append(last)
+        rest = rest[:start]
+    kept.append(rest)
     content = "".join(kept)
     return (content.strip() if calls else content), calls
 

@@ -5,8 +5,12 @@ rewards, and exports the session's completions as training samples (a dict of in
 the worker turns into a tensor dict). The proxy server starts with the first episode, inside the
 worker's event loop, and serves every episode of this worker.
 
-- `mode="inline"`: `await agent.run(data, base_url=<session>/v1, http_client=<httpx.AsyncClient>)` in
-  the worker's loop; the agent builds `AsyncOpenAI(base_url=base_url, http_client=http_client)`.
+- `mode="inline"`: `await agent.run(data, base_url=<session>, api_key=<session key>, http_client=<client>)`
+  in the worker's loop, as AReaL calls it (each only if `run` accepts it); the agent builds
+  `AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client)` or
+  `AsyncAnthropic(...)` alike: the session's root serves the OpenAI routes and Anthropic's
+  `/v1/messages`. `http_client` is an `httpx.AsyncClient`, or an `httpx2.AsyncClient` (anthropic's
+  own kind) for an agent whose module uses anthropic and not openai (`http_client_kind`).
 - `mode="subproc"` (AReaL's name; "subprocess" is accepted too): the agent runs in a process pool
   with `OPENAI_BASE_URL`/`OPENAI_API_KEY` (and `ANTHROPIC_BASE_URL`/`ANTHROPIC_API_KEY`) set to its
   session, so blocking code (`OpenAI()`) works; `run` may then be synchronous. The agent must be importable ("module:Class") or picklable.
@@ -25,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.common.logging import get_logger
+from services.rollout.agent.cache import DISCOUNT_RULES
 from services.rollout.agent.errors import ProxyError
 from services.rollout.agent.export import STYLES, AgentSample
 from services.rollout.agent.proxy import AgentProxy, SamplingDefaults, Session
@@ -49,6 +54,7 @@ class AgentWorkflow(RolloutWorkflow):
         mode: str = "inline",
         discount: float = 1.0,
         export_style: str = "individual",
+        discount_rule: str = "tree",
         agent_kwargs: Mapping[str, Any] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -58,7 +64,9 @@ class AgentWorkflow(RolloutWorkflow):
         """`agent`: an object, a class (built with `agent_kwargs`) or a "module:Name" reference;
         `tokenizer`: a tokenizer or model directory (default: the inference server's, from
         /model_info); `discount`: reward discount per turn back through the conversation tree;
-        `export_style`: "individual" or "concat"; `host`/`port`: where the proxy listens (0: a free
+        `export_style`: "individual" or "concat"; `discount_rule`: "tree" (jetrl's: back through the
+        conversation tree, continuations averaged) or "creation_order" (AReaL's: linear, back through
+        the completions in the order they were made); `host`/`port`: where the proxy listens (0: a free
         port); `max_workers`: subprocess-mode pool size; `timeout_s`: longest episode.
 
         Numbers may arrive as strings and `agent_kwargs` as JSON text: `jetrl up` hands
@@ -75,6 +83,9 @@ class AgentWorkflow(RolloutWorkflow):
             raise WorkflowError(f"agent mode must be one of {MODES}, got {mode!r}")
         if export_style not in STYLES:
             raise WorkflowError(f"export_style must be one of {STYLES}, got {export_style!r}")
+        if discount_rule not in DISCOUNT_RULES:
+            raise WorkflowError(f"discount_rule must be one of {DISCOUNT_RULES}, got {discount_rule!r}")
+        self.discount_rule = discount_rule
         if not 0.0 <= discount <= 1.0:
             raise WorkflowError(f"discount must be in [0, 1], got {discount}")
         if max_workers < 1 or timeout_s <= 0 or max_new_tokens < 1:
@@ -126,11 +137,15 @@ class AgentWorkflow(RolloutWorkflow):
             server = ProxyServer(self.proxy, self.host, self.port)
             await server.start()
             self.server = server
-            if self.mode == "inline":
-                import httpx
-
-                self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=10.0))
             return server
+
+    async def _client(self) -> Any:
+        """The http client agents get: httpx's, or httpx2's for an agent written against anthropic
+        (anthropic >= 2.14 refuses an httpx client); made once, closed with the workflow."""
+        if self._http is None:
+            module = __import__("httpx2" if http_client_kind(self.agent) == "httpx2" else "httpx")
+            self._http = module.AsyncClient(timeout=module.Timeout(self.timeout_s, connect=10.0))
+        return self._http
 
     async def aclose(self) -> None:
         if self.server is not None:
@@ -148,7 +163,7 @@ class AgentWorkflow(RolloutWorkflow):
         server = await self.start(engine)
         proxy = self.proxy
         assert proxy is not None
-        session = proxy.start_session(workflow_context.task_id)
+        session = proxy.start_session(workflow_context.prompt_id)
         try:
             result = await self._run(server, session, data)
             self._apply(proxy, session, result)
@@ -158,7 +173,7 @@ class AgentWorkflow(RolloutWorkflow):
             if not session.cache.has_rewards():
                 raise WorkflowError("the agent returned no reward and set none (return a float or a dict of completion id -> reward)")
             try:
-                return proxy.export(session.id, self.discount, self.export_style)
+                return proxy.export(session.id, self.discount, self.export_style, self.discount_rule)
             except ProxyError as exc:
                 raise WorkflowError(f"agent episode cannot be exported: {exc.message}") from exc
         finally:
@@ -167,7 +182,10 @@ class AgentWorkflow(RolloutWorkflow):
     async def _run(self, server: ProxyServer, session: Session, data: dict[str, Any]) -> Any:
         base_url = server.base_url(session.id)
         if self.mode == "inline":
-            return await asyncio.wait_for(self.agent.run(data, base_url=base_url, http_client=self._http), self.timeout_s)
+            extra = {"base_url": server.session_url(session.id), "api_key": f"jetrl-session-{session.id}",
+                     "http_client": await self._client()}
+            accepted = _accepted(self.agent.run, extra)
+            return await asyncio.wait_for(self.agent.run(data, **accepted), self.timeout_s)
         from services.rollout.agent.child import run_agent
 
         future = self._process_pool().schedule(
@@ -206,6 +224,25 @@ class AgentWorkflow(RolloutWorkflow):
         raise WorkflowError(
             f"the agent's run returned {type(result).__name__}; expected a float, a dict of completion id -> reward, or None"
         )
+
+
+def http_client_kind(agent: Any) -> str:
+    """"httpx2" for an agent whose module imports anthropic and not openai, else "httpx"."""
+    import sys
+
+    module = sys.modules.get(getattr(type(agent) if not isinstance(agent, type) else agent, "__module__", ""), None)
+    names = vars(module) if module is not None else {}
+    uses = {getattr(v, "__name__", "").split(".")[0] for v in names.values() if inspect.ismodule(v)}
+    uses |= {getattr(v, "__module__", "").split(".")[0] for v in names.values() if isinstance(v, type)}
+    return "httpx2" if "anthropic" in uses and "openai" not in uses else "httpx"
+
+
+def _accepted(run: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of `extra` that `run` accepts (all of them with a `**kwargs`)."""
+    params = inspect.signature(run).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return extra
+    return {k: v for k, v in extra.items() if k in params}
 
 
 async def _load_tokenizer(tokenizer: Any, engine: Any) -> Any:

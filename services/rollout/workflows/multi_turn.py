@@ -99,7 +99,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         `turn_tensors` would give, without torch. The prompt is chat-templated once for the group."""
         prompt = prompt_text(data, self.prompt_key)
         prompt_ids = self.prompts.ids(prompt)
-        task_id = workflow_context.task_id or "episode"
+        task_id = workflow_context.prompt_id or "episode"
         episodes = [f"{task_id}/{i}" for i in range(self.group_size)]
         try:
             results = await asyncio.gather(*(self.conversation(engine, data, e, prompt, prompt_ids) for e in episodes))

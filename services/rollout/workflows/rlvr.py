@@ -60,7 +60,7 @@ class RLVRWorkflow(RolloutWorkflow):
         self.prompt_key = prompt_key
 
     async def generate(self, engine: Any, prompt_ids: list[int]) -> list[ModelResponse]:
-        episode = workflow_context.task_id
+        episode = workflow_context.prompt_id
         base = {**self.request.__dict__, "input_ids": list(prompt_ids)}
         try:
             return list(await asyncio.gather(*(engine.agenerate(ModelRequest(**base), episode=episode) for _ in range(self.group_size))))

@@ -43,7 +43,7 @@ class SyntheticWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None:
         if self.marker_dir is not None:
             self.marker_dir.mkdir(parents=True, exist_ok=True)
-            (self.marker_dir / f"{workflow_context.task_id}.{os.getpid()}").touch()
+            (self.marker_dir / f"{workflow_context.prompt_id}.{os.getpid()}").touch()
         if self.delay_s > 0:
             await asyncio.sleep(self.delay_s)
         if self.fail == "always":

@@ -65,6 +65,20 @@ def _behaviour_weight(mask: torch.Tensor, old_logp: torch.Tensor, proximal_logp:
     return weight, capped
 
 
+def _clipped_parts(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, old_logp: torch.Tensor,
+                   proximal_logp: torch.Tensor | None, logp: torch.Tensor, eps: tuple[float, float],
+                   dual_clip: float | None, cap: float | None) -> LossParts:
+    """What PPO and GSPO share once each has its ratio: the clipped objective, the decoupled behaviour
+    weight (proximal / behaviour, capped), and zeros outside the mask."""
+    pg, clipped = clipped_objective(ratio, advantages, eps[0], eps[1], dual_clip)
+    clipped = clipped & mask
+    weight, capped = _behaviour_weight(mask, old_logp, proximal_logp, cap, logp)
+    if proximal_logp is not None:
+        pg = pg * weight
+    pg = torch.where(mask, pg, torch.zeros_like(pg))
+    return LossParts(pg=pg, mask=mask, clipped=clipped, imp_weight=weight.detach(), capped=capped, ratio=ratio.detach())
+
+
 def ppo_token_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -85,13 +99,8 @@ def ppo_token_loss(
     anchor = proximal_logp if proximal_logp is not None else old_logp
     ratio = torch.where(mask, torch.exp(logp - anchor), torch.zeros_like(logp))
     high = eps_clip if eps_clip_high is None else eps_clip_high
-    pg, clipped = clipped_objective(ratio, advantages, eps_clip, high, dual_clip)
-    clipped = clipped & mask
-    weight, capped = _behaviour_weight(mask, old_logp, proximal_logp, imp_weight_cap, logp)
-    if proximal_logp is not None:
-        pg = pg * weight
-    pg = torch.where(mask, pg, torch.zeros_like(pg))
-    return LossParts(pg=pg, mask=mask, clipped=clipped, imp_weight=weight.detach(), capped=capped, ratio=ratio.detach())
+    return _clipped_parts(ratio, advantages, mask, old_logp, proximal_logp, logp,
+                          (eps_clip, high), dual_clip, imp_weight_cap)
 
 
 def gspo_token_loss(
@@ -114,10 +123,5 @@ def gspo_token_loss(
     seq_log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     ratio = torch.where(mask, torch.exp(seq_log_ratio).expand_as(logp), torch.zeros_like(logp))
     high = eps_clip if eps_clip_high is None else eps_clip_high
-    pg, clipped = clipped_objective(ratio, advantages, eps_clip, high, dual_clip)
-    clipped = clipped & mask
-    weight, capped = _behaviour_weight(mask, old_logp, proximal_logp, imp_weight_cap, logp)
-    if proximal_logp is not None:
-        pg = pg * weight
-    pg = torch.where(mask, pg, torch.zeros_like(pg))
-    return LossParts(pg=pg, mask=mask, clipped=clipped, imp_weight=weight.detach(), capped=capped, ratio=ratio.detach())
+    return _clipped_parts(ratio, advantages, mask, old_logp, proximal_logp, logp,
+                          (eps_clip, high), dual_clip, imp_weight_cap)
