@@ -119,6 +119,8 @@ class StreamSpec:
     max_msgs_per_subject: int = -1
     max_age_s: float = 0.0
     max_bytes: int = -1
+    discard: str = "old"
+    """At `max_bytes` (or an age cap): "old" drops the oldest messages, "new" refuses new ones."""
     max_msg_size: int = 16 * 1024 * 1024
     duplicate_window_s: float = 120.0
 
@@ -127,6 +129,7 @@ def stream_specs(
     trajectories_max_bytes: int = -1,
     trajectories_max_age_s: float = 0.0,
     metrics_max_age_s: float = 7 * 24 * 3600.0,
+    trajectories_discard: str = "old",
 ) -> list[StreamSpec]:
     """The streams of docs/design.md "The bus". Trajectories are the recording: kept by default."""
     return [
@@ -137,6 +140,7 @@ def stream_specs(
             "limits",
             max_bytes=trajectories_max_bytes,
             max_age_s=trajectories_max_age_s,
+            discard=trajectories_discard,
             duplicate_window_s=600.0,
         ),
         StreamSpec(WEIGHT_SYNC_STREAM, ("jetrl.*.weights.>",), "limits", max_msgs_per_subject=1),

@@ -25,7 +25,8 @@ async def init_bus(settings: BusSettings) -> dict[str, str]:
     nc = await connect(settings.nats_url, "jetrl-bus-init", connect_timeout_s=settings.connect_timeout_s, auth=settings.nats_auth)
     try:
         js = nc.jetstream()
-        specs = stream_specs(settings.trajectories_max_bytes, settings.trajectories_max_age_s, settings.metrics_max_age_s)
+        specs = stream_specs(settings.trajectories_max_bytes, settings.trajectories_max_age_s, settings.metrics_max_age_s,
+                             settings.trajectories_discard)
         done = await declare_streams(js, specs, replicas=settings.nats_replicas)
         try:
             await js_api_call(f"bucket {WEIGHTS_BUCKET}: open", functools.partial(js.object_store, WEIGHTS_BUCKET))

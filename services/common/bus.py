@@ -160,6 +160,24 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0, auth:
             attempt.cancel()
 
 
+async def close_connection(nc: NATS, timeout_s: float = 5.0) -> None:
+    """End a connection at a stop: drained when the server is there (pending publishes flushed,
+    subscriptions ended), closed at once when it is not (a reconnecting client cannot drain, and a
+    stop never waits for a server that is gone); bounded by `timeout_s` either way."""
+    if nc.is_closed:
+        return
+    if nc.is_connected:
+        try:
+            await asyncio.wait_for(nc.drain(), timeout=timeout_s)
+            return
+        except Exception as exc:  # the bus went away meanwhile, or the drain overran: close
+            log.warning("nats drain failed; closing", error=repr(exc))
+    else:
+        log.warning("stopping with the bus unreachable: closing the connection without draining")
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.close(), timeout=timeout_s)
+
+
 async def publish_acked(js: JetStreamContext, subject: str, data: bytes, *, timeout_s: float,
                         headers: dict[str, str] | None = None, stream: str | None = None) -> PubAck:
     """Publish to a stream and wait for its acknowledgement, bounded by `timeout_s` (+1 s): nats-py may
@@ -202,12 +220,12 @@ def _config(spec: StreamSpec, replicas: int) -> StreamConfig:
         max_bytes=spec.max_bytes,
         max_msg_size=spec.max_msg_size,
         duplicate_window=spec.duplicate_window_s,
-        discard=DiscardPolicy.OLD,
+        discard=DiscardPolicy.NEW if spec.discard == "new" else DiscardPolicy.OLD,
     )
 
 
 _COMPARED = ("subjects", "retention", "max_msgs_per_subject", "max_age", "max_bytes", "max_msg_size", "duplicate_window",
-             "num_replicas")
+             "num_replicas", "discard")
 
 
 async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | None = None, *, replicas: int | None = None,

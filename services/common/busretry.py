@@ -12,6 +12,7 @@ caller's own that is a `TimeoutError` (an object chunk never acknowledged) is re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -58,7 +59,19 @@ def full_jitter(attempt: int, initial_s: float, max_s: float) -> float:
 
 
 class BusUnavailable(ConnectionError):
-    """NATS calls kept failing with retryable errors for longer than the retry budget."""
+    """NATS calls kept failing with retryable errors for longer than the retry budget (or the
+    process is stopping while they fail)."""
+
+
+_stopping: asyncio.Event | None = None
+
+
+def stop_retrying_when(event: asyncio.Event | None) -> None:
+    """Once `event` is set (the service is stopping: `runner.supervise` passes its own), a failing
+    NATS call is retried no more: `BusUnavailable` at once, so a stop with the bus gone ends within
+    its deadline instead of waiting out `bus_retry_timeout_s`."""
+    global _stopping
+    _stopping = event
 
 
 def retryable(exc: BaseException) -> bool:
@@ -88,6 +101,8 @@ class Backoff:
         if self._since is None:
             self._since = now
         waited = now - self._since
+        if _stopping is not None and _stopping.is_set():
+            raise BusUnavailable(f"{self.what}: stopping while NATS is unavailable ({self.attempt + 1} attempts): {exc!r}") from exc
         if waited >= self.give_up_after_s:
             raise BusUnavailable(f"{self.what}: NATS unavailable for {waited:.0f}s ({self.attempt + 1} attempts): {exc!r}") from exc
         delay = min(full_jitter(self.attempt, INITIAL_BACKOFF_S, MAX_BACKOFF_S), self.give_up_after_s - waited)
@@ -95,7 +110,11 @@ class Backoff:
         if self.on_retry is not None:
             self.on_retry(exc)
         log.warning("nats call failed; retrying", what=self.what, attempt=self.attempt, delay_s=round(delay, 2), error=repr(exc))
-        await asyncio.sleep(delay)  # the backoff itself
+        if _stopping is None:
+            await asyncio.sleep(delay)  # the backoff itself
+        else:  # ... cut short by a stop: the next failure then gives up
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_stopping.wait(), delay)
 
 
 async def with_retries(

@@ -201,6 +201,7 @@ def service_permissions(run: str = ANY_RUN) -> list[Permissions]:
         "`jetrl status`, `jetrl plot`, `jetrl up`'s monitor: reads streams and consumer state, changes nothing",
         publish=(
             *_stream_info(*ALL_STREAMS, OBJ_STREAM),
+            f"{API}.INFO",  # the store's use (`jetrl status`)
             *[f"{API}.CONSUMER.INFO.{st}.*" for st in ALL_STREAMS],
             *[f"{API}.STREAM.MSG.GET.{st}" for st in ALL_STREAMS],
             *[x for st in watched for x in (*_ordered(st), f"{API}.CONSUMER.CREATE.{st}.*.>",

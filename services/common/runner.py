@@ -2,9 +2,11 @@
 
 - Every background task is named and started through `Supervisor.spawn`; if one dies with an error,
   the service fails fast with that error.
-- SIGTERM/SIGINT set `supervisor.stopping`; tasks are expected to notice and finish their work; after
-  `shutdown_timeout_s` whatever is still running is cancelled.
-- Resources live in an `AsyncExitStack` (`supervisor.stack`) and are closed in reverse order.
+- SIGTERM/SIGINT set `supervisor.stopping`; tasks are expected to notice and finish their work; the
+  whole stop has `shutdown_timeout_s`: tasks get TASKS_SHARE of it (a task waiting on a bus that is
+  gone never finishes by itself), then whatever is still running is cancelled.
+- Resources live in an `AsyncExitStack` (`supervisor.stack`) and are closed in reverse order, in what
+  is left of the deadline but a second (for the process's own connection close).
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from services.common.busretry import stop_retrying_when
 from services.common.logging import get_logger
 
 log = get_logger("runner")
+TASKS_SHARE = 0.6
+"""Of `shutdown_timeout_s`, what the tasks get to finish after a stop; the rest is for cancelling
+them and closing resources."""
 
 
 class ServiceFailed(RuntimeError):
@@ -33,6 +39,7 @@ class Supervisor:
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._failure: BaseException | None = None
         self._failed_task: str | None = None
+        self._deadline: float | None = None
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         if name in self._tasks and not self._tasks[name].done():
@@ -61,17 +68,24 @@ class Supervisor:
             await asyncio.wait_for(self.stopping.wait(), timeout=seconds)
         return self.stopping.is_set()
 
+    def left(self) -> float:
+        """Seconds left of the stop's deadline (before a stop: half the timeout)."""
+        if self._deadline is None:
+            return self.shutdown_timeout_s / 2
+        return max(0.0, self._deadline - asyncio.get_running_loop().time())
+
     async def wait(self) -> None:
-        """Wait for a stop request or a task failure, then give tasks the deadline to finish."""
+        """Wait for a stop request or a task failure, then give tasks their share of the deadline."""
         await self.stopping.wait()
+        self._deadline = asyncio.get_running_loop().time() + self.shutdown_timeout_s
         pending = [t for t in self._tasks.values() if not t.done()]
         if pending:
-            _, still = await asyncio.wait(pending, timeout=self.shutdown_timeout_s)
+            _, still = await asyncio.wait(pending, timeout=self.shutdown_timeout_s * TASKS_SHARE)
             for t in still:
                 log.warning("task did not finish before the deadline; cancelling", task=t.get_name())
                 t.cancel()
             if still:
-                await asyncio.wait(still, timeout=2.0)
+                await asyncio.wait(still, timeout=min(2.0, self.left() / 2))
 
     def raise_if_failed(self) -> None:
         if self._failure is not None:
@@ -99,6 +113,7 @@ async def supervise(
     """Run `main(supervisor)` (which spawns tasks and may return at once), until a signal, a task
     failure, or every task finishing. Resources in `supervisor.stack` are closed within the deadline."""
     sup = Supervisor(name, shutdown_timeout_s)
+    stop_retrying_when(sup.stopping)  # a stop with the bus gone gives up the NATS retries at once
     if handle_signals:
         install_signal_handlers(sup)
     try:
@@ -107,10 +122,16 @@ async def supervise(
         await sup.wait()
         waiter.cancel()
     finally:
-        try:
-            await asyncio.wait_for(sup.stack.aclose(), timeout=max(1.0, shutdown_timeout_s / 2))
-        except TimeoutError:
+        # Not wait_for: it would wait for the cancelled close to end, and a close stuck on a peer that is
+        # gone (a publish attempt's own timeout) may not end soon; the process exits anyway.
+        closing = asyncio.ensure_future(sup.stack.aclose())
+        done, _ = await asyncio.wait({closing}, timeout=max(0.5, sup.left() - 1.0))
+        if not done:
             log.warning("closing resources took longer than the deadline; exiting anyway")
+            closing.cancel()
+        elif closing.exception() is not None:
+            raise closing.exception()  # type: ignore[misc]
+        stop_retrying_when(None)
     sup.raise_if_failed()
 
 

@@ -219,12 +219,12 @@ class RewardService:
 
 async def run(settings: RewardSettings) -> None:
     """`jetrl reward`: connect, warm the pool, serve until SIGTERM, drain, exit."""
-    from services.common.bus import connect, declare_streams
+    from services.common.bus import close_connection, connect, declare_streams
     from services.common.runner import Supervisor, supervise
 
     async def main(sup: Supervisor) -> None:
         nc = await connect(settings.nats_url, f"reward-{settings.instance_name}", connect_timeout_s=settings.connect_timeout_s)
-        sup.stack.push_async_callback(nc.drain)
+        sup.stack.push_async_callback(close_connection, nc)
         try:
             await declare_streams(nc.jetstream())  # so metrics land in METRICS even if we start first
         except Exception as exc:  # scoring needs only core NATS; metrics are then not recorded

@@ -24,7 +24,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from services.common.bus import connect
+from services.common.bus import close_connection, connect
 from services.common.health import http_check, nats_responder_check, register_check
 from services.common.logging import bind_context, get_logger
 from services.common.metrics import MetricsPublisher
@@ -115,7 +115,7 @@ async def run(settings: RolloutSettings) -> None:
         from services.rollout.engine import InferenceEngine
 
         nc = await connect(settings.nats_url, f"rollout-{settings.worker}")
-        sup.stack.push_async_callback(nc.drain)
+        sup.stack.push_async_callback(close_connection, nc)
         engine = InferenceEngine(settings.inference, settings.trust.inference_keys())
         sup.stack.push_async_callback(engine.aclose)
         # the side port's /readyz: an inference server and a reward service (its micro-service name) answer

@@ -11,6 +11,7 @@ import asyncio
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -18,6 +19,7 @@ from nats.js.errors import NotFoundError
 
 from schemas.messages import MessageError, MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects, stream_specs
+from services.common.permissions import OBJ_STREAM
 from services.common.streaminfo import led
 from services.status.answers import answered
 
@@ -44,7 +46,11 @@ class Worker:
 @dataclass
 class BusStatus:
     streams: dict[str, dict[str, int]] = field(default_factory=dict)
-    """{stream: messages, bytes, consumers, leaderless (1: a replica's own copy answered, no leader)}"""
+    """{stream: messages, bytes, max_bytes (-1: no cap), consumers, leaderless (1: a replica's own copy
+    answered, no leader)}; the WEIGHTS bucket's OBJ_WEIGHTS too, once it exists."""
+    store: dict[str, int] = field(default_factory=dict)
+    """JetStream's file store on this server (the account's): used and max bytes (-1: no limit of the
+    account's own); empty when the server does not say (a user not allowed `$JS.API.INFO`)."""
     consumers: list[ConsumerLag] = field(default_factory=list)
     workers: list[Worker] = field(default_factory=list)
     unanswered: dict[str, str] = field(default_factory=dict)
@@ -60,18 +66,20 @@ async def bus_status(nc: NATS, run: str, timeout_s: float, alive_within_s: float
     subjects = Subjects(run)
     status = BusStatus()
 
-    specs = stream_specs()
+    names = [spec.name for spec in stream_specs()] + [OBJ_STREAM]
     consumers = ((PROMPTS_STREAM, subjects.rollout_consumer), (TRAJECTORIES_STREAM, subjects.trainer_consumer))
     streams, lags, workers = await asyncio.gather(
-        asyncio.gather(*(answered(f"stream {spec.name}", js.stream_info(spec.name), status.unanswered) for spec in specs)),
+        asyncio.gather(*(answered(f"stream {name}", js.stream_info(name), status.unanswered) for name in names)),
         asyncio.gather(*(answered(f"consumer {stream}/{name}", js.consumer_info(stream, name), status.unanswered)
                          for stream, name in consumers)),
         answered("workers", _workers(nc, subjects, timeout_s, alive_within_s), status.unanswered),
     )
-    for spec, info in zip(specs, streams, strict=True):
+    for name, info in zip(names, streams, strict=True):
         if info is not None:
-            status.streams[spec.name] = {"messages": info.state.messages, "bytes": info.state.bytes,
-                                         "consumers": info.state.consumer_count, "leaderless": int(not led(info))}
+            status.streams[name] = {"messages": info.state.messages, "bytes": info.state.bytes,
+                                    "max_bytes": info.config.max_bytes if info.config.max_bytes is not None else -1,
+                                    "consumers": info.state.consumer_count, "leaderless": int(not led(info))}
+    status.store = await _store(js)
     for (stream, name), c in zip(consumers, lags, strict=True):
         if c is not None:
             status.consumers.append(ConsumerLag(stream, name, c.num_pending, c.num_ack_pending, c.num_redelivered))
@@ -115,11 +123,23 @@ async def _workers(nc: NATS, subjects: Subjects, timeout_s: float, alive_within_
     return [Worker(s, w, now - t, now - t <= alive_within_s) for (s, w), t in sorted(last.items())]
 
 
+async def _store(js: Any) -> dict[str, int]:
+    try:
+        info = await js.account_info()
+    except Exception:  # not allowed, or no answer: the streams above still say what each holds
+        return {}
+    return {"used": int(info.storage), "max": int(info.limits.max_storage) if info.limits.max_storage else -1}
+
+
 def render_bus(status: BusStatus) -> str:
     lines = ["streams"]
+    if status.store:
+        cap = f" of {status.store['max'] / 1e6:.1f} MB" if status.store["max"] > 0 else ""
+        lines[0] = f"streams (store: {status.store['used'] / 1e6:.1f} MB used{cap})"
     for name, s in status.streams.items():
         leaderless = "  NO LEADER: a replica's own copy, may be behind" if s.get("leaderless") else ""
-        lines.append(f"  {name:<13} {s['messages']:>9} msgs {s['bytes'] / 1e6:>10.1f} MB  {s['consumers']} consumers{leaderless}")
+        cap = f" of {s['max_bytes'] / 1e6:.1f} MB" if s.get("max_bytes", -1) > 0 else ""
+        lines.append(f"  {name:<13} {s['messages']:>9} msgs {s['bytes'] / 1e6:>10.1f} MB{cap}  {s['consumers']} consumers{leaderless}")
     lines.append("consumers (pending = lag, ack pending = in flight)")
     if not status.consumers and not any(k.startswith("consumer ") for k in status.unanswered):
         lines.append("  none for this run yet")

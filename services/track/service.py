@@ -15,7 +15,7 @@ from nats.js.api import DeliverPolicy
 
 from schemas.messages import MessageError, MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, Subjects
-from services.common.bus import connect, declare_streams, set_default_declare
+from services.common.bus import close_connection, connect, declare_streams, set_default_declare
 from services.common.logging import get_logger
 from services.common.runner import Supervisor, supervise
 from services.runs import run_bus
@@ -100,7 +100,7 @@ async def run(settings: TrackSettings) -> None:
         if auth is not None:  # the run's `track` user: `jetrl up` declared the streams, it only looks them up
             set_default_declare(False)
         nc = await connect(url, f"jetrl-track-{settings.run}", connect_timeout_s=settings.connect_timeout_s, auth=auth)
-        sup.stack.push_async_callback(nc.drain)
+        sup.stack.push_async_callback(close_connection, nc)
         await declare_streams(nc.jetstream())
         policy = DeliverPolicy.ALL if settings.from_start else DeliverPolicy.NEW
         sub = await nc.jetstream().subscribe(Subjects(settings.run).metrics_all, ordered_consumer=True,

@@ -9,6 +9,7 @@ its answers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import secrets
@@ -33,6 +34,8 @@ from services.trainer.settings import TrainerSettings
 log = get_logger("trainer")
 
 PUBLISH_TIMEOUT_S = 5.0
+STOP_GRACE_S = 2.0
+"""At a stop, how long a round of prompts being published may still take before it is cancelled."""
 """One attempt of a prompt publish waits this long for the stream's acknowledgement."""
 
 
@@ -152,8 +155,18 @@ class Feeder:
 
     async def feed_forever(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
+            round_ = asyncio.ensure_future(self.feed_once())
+            stop = asyncio.ensure_future(stopping.wait())
+            await asyncio.wait({round_, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if not round_.done():  # a stop: a round waiting on a bus that is gone would wait out its retries
+                await asyncio.wait({round_}, timeout=STOP_GRACE_S)
+                round_.cancel()
+                with contextlib.suppress(asyncio.CancelledError, BusUnavailable):
+                    await round_
+                return
             try:
-                await self.feed_once()
+                round_.result()
             except BusUnavailable as exc:  # the row is back in line; try again on the next round
                 log.error("feeder cannot publish; will try again", error=str(exc))
             self._wake.clear()

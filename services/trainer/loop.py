@@ -219,10 +219,13 @@ class Trainer:
                     if self.version % self.settings.checkpoint_every == 0:
                         saved_at = self.version
         except BusUnavailable as exc:
-            if self.version != saved_at:
-                log.error("NATS unavailable; checkpointing before exiting", version=self.version, error=str(exc))
-                await self.checkpoint()
-            raise
+            if not stopping.is_set():
+                if self.version != saved_at:
+                    log.error("NATS unavailable; checkpointing before exiting", version=self.version, error=str(exc))
+                    await self.checkpoint()
+                raise
+            # a stop while the bus is gone: no retry can succeed now; the checkpoint below still can
+            log.warning("stopping with NATS unavailable", version=self.version, error=str(exc))
         if self.version != saved_at or self.done:
             await self.checkpoint()
         log.info("training finished" if self.done else "stopped; checkpoint saved", version=self.version)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.common.bus import connect
+from services.common.bus import close_connection, connect
 from services.common.logging import bind_context, get_logger
 from services.common.model_path import require_model
 from services.common.runner import Supervisor, supervise
@@ -34,6 +34,9 @@ log = get_logger("trainer")
 
 async def run_service(settings: TrainerSettings) -> None:
     await run_ranks(settings, _run_rank0, early=ckpt.resolve_resume(settings.resume, settings.output_dir) is None)
+    # Checkpointed and closed: exit now, not after a worker thread still blocked in a call to a bus or a
+    # weight-update group that is gone (the interpreter would wait for it, past shutdown_timeout_s).
+    _exit(0)
 
 
 async def run_ranks(settings: TrainerSettings, rank0: Callable[[Any, Any], Awaitable[None]], *, early: bool = False) -> None:
@@ -127,10 +130,7 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Fu
 
         await supervise("trainer", main, settings.shutdown_timeout_s)
     finally:
-        try:
-            await asyncio.wait_for(nc.drain(), timeout=5.0)
-        except Exception as exc:  # the bus may be gone; exiting matters more
-            log.warning("nats drain failed", error=repr(exc))
+        await close_connection(nc)  # the bus may be gone: then closed at once, exiting matters more
 
 
 def _broadcast_publisher(settings: TrainerSettings, nc: Any, disk: Any) -> Any:

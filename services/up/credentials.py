@@ -89,12 +89,13 @@ def make_credentials(run_dir: Path, run: str, *, locked: bool = True) -> RunCred
     return RunCredentials(root, locked)
 
 
-async def declare_as_admin(url: str, admin: NatsAuth, replicas: int) -> None:
-    """`jetrl bus init` for the run: every stream and the WEIGHTS bucket, as the admin user."""
+async def declare_as_admin(url: str, admin: NatsAuth, replicas: int, **caps: Any) -> None:
+    """`jetrl bus init` for the run: every stream and the WEIGHTS bucket, as the admin user (`caps`:
+    `jetrl bus init`'s size settings, e.g. `trajectories_max_bytes`)."""
     from services.bus.init import init_bus
     from services.bus.settings import BusSettings
 
-    await init_bus(BusSettings(nats_url=url, nats_auth=admin, nats_replicas=replicas))
+    await init_bus(BusSettings(nats_url=url, nats_auth=admin, nats_replicas=replicas, **caps))
 
 
 __all__ = ["ADMIN", "INFERENCE_ADMIN_KEY", "RunCredentials", "declare_as_admin", "make_credentials"]

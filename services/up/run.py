@@ -128,7 +128,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         # `up`'s own connection (the monitor): its nats_auth; with bus_declare=false (a restricted user
         # on an external bus) it only checks that `jetrl bus init` declared the streams
         if creds.locked:  # the streams and the bucket declared once as the admin; then watched as the observer
-            await declare_as_admin(url, creds.auth(ADMIN), s.nats_replicas)
+            await declare_as_admin(url, creds.auth(ADMIN), s.nats_replicas, trajectories_max_bytes=s.recording_max_bytes,
+                                   trajectories_discard=s.recording_discard)
             set_default_auth(creds.auth("observer"))
             set_default_declare(False)
         else:

@@ -67,6 +67,13 @@ class UpSettings(ServiceSettings):
     bus: Literal["embedded", "external"] = "embedded"
     """embedded: a nats-server of its own in the run directory; external: the NATS at `nats_url` (a
     server or a cluster you run, e.g. `jetrl nats --cluster 3`; with `nats_replicas` for its streams)."""
+    recording_max_bytes: int = Field(-1, ge=-1)
+    """Size cap of the recording (the TRAJECTORIES stream) on the embedded bus, bytes (-1: none: a
+    long run fills the disk eventually). At the cap, `recording_discard` decides."""
+    recording_discard: Literal["old", "new"] = "old"
+    """At `recording_max_bytes`: old: the oldest recorded groups are dropped; new: new groups are
+    refused (the rollout workers log an error naming TRAJECTORIES) and training waits until space is
+    made (`jetrl bus init` with a higher `trajectories_max_bytes`, or a purge)."""
     open_bus: bool = False
     """With `bus: embedded`, let the nats-server admit anyone without credentials (logged as a
     warning): any process on this host can then read the prompts, publish groups that are trained and

@@ -37,7 +37,7 @@ from nats.aio.client import Client as NATS
 
 from schemas.messages import Message, WeightsLoaded, WeightsLoadFailed, WeightsPublished, encode
 from schemas.subjects import WEIGHTS_BUCKET, Subjects
-from services.common.bus import connect
+from services.common.bus import close_connection, connect
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.health import http_check, register_check
 from services.common.logging import bind_context, get_logger
@@ -314,7 +314,7 @@ async def run_agent(settings: WeightsSettings) -> None:
 async def _start(sup: Supervisor, settings: WeightsSettings) -> None:
     bind_context(server=settings.server_name)
     nc = await connect(settings.nats_url, f"jetrl-weights-{settings.server_name}")
-    sup.stack.push_async_callback(nc.drain)
+    sup.stack.push_async_callback(close_connection, nc)
     await ensure_weight_sync_stream(nc, settings.bus_retry_timeout_s)
     server = ServerClient(settings.server, settings.request_timeout_s, settings.pause_mode, settings.trust.inference_keys())
     sup.stack.push_async_callback(server.aclose)

@@ -2,7 +2,8 @@
 each allowed only its subjects) and its inference server's admin routes want the run's admin key. A
 client with no credentials, or with another service's, cannot read the prompts, publish a group or
 an announcement, or swap the served weights; the run's own tools (`jetrl status`, `prompts push`,
-`plot`) find their credentials in the run directory by themselves."""
+`plot`) find their credentials in the run directory by themselves. And a stop with the bus already
+dead (nats-server killed first, then SIGTERM) ends every service within its `shutdown_timeout_s`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -27,6 +29,10 @@ from tests.support.bus_users import refusal
 from tests.support.up import ROOT, finish, start_up, step_of
 
 RUN = "locked"
+SHUTDOWN_S = 8.0
+EXIT_SLACK_S = 3.0
+"""Beyond its deadline, what a process may take to leave (the interpreter's own exit, a loaded machine)."""
+SERVICES = ("trainer", "rollout", "reward", "weights", "inference")
 S = Subjects(RUN)
 PROMPTS_PULL = f"$JS.API.CONSUMER.MSG.NEXT.PROMPTS.{S.rollout_consumer}"
 # (user, action, subject) the server must refuse: a service holding another's job
@@ -75,8 +81,12 @@ async def probe(url: str, secrets: Path, server: str) -> list[str]:
 
 
 @pytest.mark.timeout(900)
-def test_a_default_up_admits_only_its_own_services(tmp_path: Path) -> None:
-    proc = start_up(tmp_path, RUN, 400, {"trainer": {"checkpoint_every": 0}})
+def test_a_default_up_admits_only_its_own_services_and_stops_within_its_deadlines_without_a_bus(tmp_path: Path) -> None:
+    config = {name: {"shutdown_timeout_s": SHUTDOWN_S} for name in SERVICES}
+    config["trainer"]["checkpoint_every"] = 0
+    # up kills what overran only long after the deadlines checked here
+    config["up"] = {"stop_timeout_s": 60, "recording_max_bytes": 500_000_000}
+    proc = start_up(tmp_path, RUN, 400, config)
     run_dir = tmp_path / RUN
     secrets = run_dir / SECRETS_DIR
     lines: list[str] = []
@@ -108,16 +118,43 @@ def test_a_default_up_admits_only_its_own_services(tmp_path: Path) -> None:
         # the run's own tools find their credentials by themselves
         status = jetrl("status", f"run={RUN}", f"run_dir={tmp_path}", "format=json", "log_format=json")
         assert status.returncode == 0, status.stderr[-3000:]
-        assert json.loads(status.stdout)["weights"]["published_version"] >= 1
+        shown = json.loads(status.stdout)
+        assert shown["weights"]["published_version"] >= 1
+        # disk: each stream's use (the recording's cap set above) and the store's
+        assert shown["bus"]["streams"]["TRAJECTORIES"]["max_bytes"] == 500_000_000
+        assert "OBJ_WEIGHTS" in shown["bus"]["streams"] and shown["bus"]["store"]["used"] > 0, shown["bus"]
         data = tmp_path / "more.jsonl"
         data.write_text("".join(json.dumps({"prompt": "abc", "answer": "abc"}) + "\n" for _ in range(2)))
         pushed = jetrl("prompts", "push", str(data), "--run", RUN, "--run-dir", str(tmp_path))
         assert pushed.returncode == 0, pushed.stderr[-3000:]
         assert "no issuer key" not in pushed.stderr, "pushed with the run's own prompt issuer key"
-    finally:
+        # the bus dies first; then a stop: every service ends within its shutdown_timeout_s
+        procs = {name: psutil.Process(pid) for name, pid in json.loads((run_dir / "procs.json").read_text()).items()}
+        conf = str(run_dir / "nats" / "nats-server.conf")
+        nats = [p for p in psutil.process_iter(["cmdline"]) if conf in (p.info["cmdline"] or [])]
+        assert len(nats) == 1
+        nats[0].kill()
+        psutil.wait_procs(nats, timeout=10)
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        ended: dict[str, float] = {}
+        while len(ended) < len(procs) and time.monotonic() - t0 < 60:
+            for name, p in procs.items():
+                if name not in ended and (not p.is_running() or p.status() == psutil.STATUS_ZOMBIE):
+                    ended[name] = time.monotonic() - t0
+            time.sleep(0.1)  # polling the processes' state, not waiting blindly
+        late = {name: round(ended.get(name, 99.0), 1) for name in procs if ended.get(name, 99.0) > SHUTDOWN_S + EXIT_SLACK_S}
+        assert late == {}, f"past shutdown_timeout_s {SHUTDOWN_S}: {late}"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         out = "".join(lines) + finish(proc, timeout=120)
     assert proc.returncode == 130, out[-3000:]
+    logs = {p.stem: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    assert not [name for name, text in logs.items() if '"service failed"' in text], "a stop without a bus is no failure"
+    # (the trainer checkpoints at the stop unless its step was still waiting on a peer at the deadline,
+    # e.g. a broadcast to a server that is stopping too: then that step is cancelled with the rest)
+    assert "did not stop in time" not in out
     # the services themselves were refused nothing: every violation the server logged is a probe's
     logged = [x for x in (run_dir / "nats-server.log").read_text().splitlines() if "Violation" in x]
     assert {x.split('Subject "', 1)[1].split('"', 1)[0] for x in logged} == {subject for _, _, subject in REFUSED}, logged

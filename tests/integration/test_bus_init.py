@@ -51,17 +51,19 @@ def test_bus_init_declares_once_and_updates_a_changed_cap(secured: tuple[NatsSer
     assert first.stdout.splitlines() == [*(f"{s.name}: created" for s in stream_specs()), f"bucket {WEIGHTS_BUCKET}: created"]
     again = jetrl("bus", "init", f"nats_url={server.url}", *as_user(files, "admin"))
     assert again.stdout.splitlines() == [*(f"{s.name}: unchanged" for s in stream_specs()), f"bucket {WEIGHTS_BUCKET}: unchanged"]
-    capped = jetrl("bus", "init", f"nats_url={server.url}", "trajectories_max_bytes=100000000", *as_user(files, "admin"))
+    capped = jetrl("bus", "init", f"nats_url={server.url}", "trajectories_max_bytes=100000000", "trajectories_discard=new",
+                   *as_user(files, "admin"))
     assert f"{TRAJECTORIES_STREAM}: updated" in capped.stdout, capped.stdout + capped.stderr[-2000:]
 
-    async def cap() -> int:
+    async def cap() -> tuple[int, str]:
         nc = await connect(server.url, "check", auth=NatsAuth(user="observer", password_file=files["observer"]))
         try:
-            return (await nc.jetstream().stream_info(TRAJECTORIES_STREAM)).config.max_bytes or 0
+            config = (await nc.jetstream().stream_info(TRAJECTORIES_STREAM)).config
+            return config.max_bytes or 0, str(getattr(config.discard, "value", config.discard))
         finally:
             await nc.close()
 
-    assert asyncio.run(cap()) == 100_000_000
+    assert asyncio.run(cap()) == (100_000_000, "new")  # at the cap the recording refuses, losing nothing
 
 
 def test_a_restricted_user_cannot_run_bus_init(secured: tuple[NatsServer, dict[str, str]]) -> None:

@@ -21,7 +21,7 @@ from services.status.groups import render_groups, trainer_groups
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from tests.support.trainer import make_group, write_dataset
+from tests.support.trainer import make_group, until, write_dataset
 
 RUN = "trust"
 
@@ -89,6 +89,11 @@ async def test_forged_groups_and_prompts_are_refused_and_counted(nats_url: str, 
     assert feeder.ledger.in_flight[real.prompt_id][2] == 0
     assert {"0-999", "1-998"}.isdisjoint(trainer.intake.trained)
 
+    # the step's report reaches the METRICS stream on its own time (slow on a loaded machine): wait for it
+    async def counted() -> bool:
+        return (await trainer_groups(nc, RUN, timeout_s=5.0)).step is not None
+
+    await until("the trainer's step report in jetrl status", counted, timeout_s=60)
     status = await trainer_groups(nc, RUN, timeout_s=5.0)
     assert status.terminated.get("unissued_prompt") == 3, render_groups(status)
 

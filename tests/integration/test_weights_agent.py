@@ -20,7 +20,7 @@ from services.rollout.engine import InferenceEngine, ModelRequest
 from services.status.weights import weights_status
 from services.weights import objstore
 from services.weights.files import object_uri
-from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
+from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream, latest_published
 from tests.support.weights import TIMEOUT_S, Stack, make_version, process, server_version, wait_healthy
 
 
@@ -132,7 +132,9 @@ async def publish_corrupted(nc: nats.aio.client.Client, run: str, version: int, 
     bad[-10] ^= 0xFF
     (ckpt / "bad.bin").write_bytes(bytes(bad))
     await objstore.put_file(js, WEIGHTS_BUCKET, f"{prefix}/model.safetensors", ckpt / "bad.bin")
-    msg = WeightsPublished(run=run, version=version, uri=object_uri(WEIGHTS_BUCKET, prefix), files=files, step=version)
+    last = await latest_published(nc, run)  # announced as the trainer would: under its epoch
+    msg = WeightsPublished(run=run, version=version, uri=object_uri(WEIGHTS_BUCKET, prefix), files=files, step=version,
+                           epoch=last.epoch if last else 0)
     await js.publish(Subjects(run).weights_published, encode(msg))
 
 
