@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import os
 import sys
 import textwrap
 from collections.abc import Awaitable, Callable
@@ -99,12 +100,43 @@ def service_main(
     set_default_auth(settings.nats_auth)  # every NATS connection of this process authenticates this way
     set_default_replicas(settings.nats_replicas)
     set_default_declare(settings.bus_declare)
-    try:
+    async def body() -> None:
         # The side port (/healthz, /readyz, /metrics) lives as long as the service, when health_port is set.
-        asyncio.run(run_with_health(settings.health_port, func(settings), settings.health_host))
+        try:
+            await run_with_health(settings.health_port, func(settings), settings.health_host)
+        except BaseException as exc:
+            _exit_unless_ended(130 if isinstance(exc, KeyboardInterrupt) else 1)
+            raise
+        _exit_unless_ended(0)
+
+    try:
+        asyncio.run(body())
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
         get_logger(cls.service).error("service failed", error=repr(exc), exc_info=exc)
         return 1
     return 0
+
+
+EXIT_GRACE_S = 2.0
+"""After the service's own stop (bounded by `shutdown_timeout_s`), how long asyncio's teardown may
+take before the process ends anyway."""
+
+
+def _exit_unless_ended(code: int) -> None:
+    """End the process with `code` if it is still alive EXIT_GRACE_S from now. asyncio.run's teardown
+    waits without a bound for tasks to take their cancellation and for executor threads to return; a
+    client whose peer is gone (nats-py draining subscriptions on a loaded machine, a thread blocked on a
+    socket) can hold it there long after the service has stopped. A daemon timer: a normal exit
+    ends it unused."""
+    import threading
+
+    def end() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(EXIT_GRACE_S, end)
+    timer.daemon = True
+    timer.start()
