@@ -21,7 +21,7 @@ from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy, StorageType, Str
 from nats.js.errors import NotFoundError
 
 from schemas.subjects import StreamSpec, stream_specs
-from services.common.busretry import with_retries
+from services.common.busretry import full_jitter, with_retries
 from services.common.health import register_check, unregister_check
 from services.common.logging import get_logger
 from services.common.nats_auth import NatsAuth
@@ -253,7 +253,8 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
             if not _default_declare:
                 raise not_initialized(f"stream {spec.name}") from None
             try:
-                await js_api_call(f"stream {spec.name}: create", functools.partial(js.add_stream, want), budget_s, on_retry)
+                await _placed(functools.partial(js_api_call, f"stream {spec.name}: create", functools.partial(js.add_stream, want),
+                                                budget_s, on_retry))
             except nats.js.errors.APIError as exc:
                 raise RuntimeError(f"stream {spec.name}: cannot create it with {replicas} replica(s): {exc}") from exc
             result[spec.name] = "created"
@@ -276,6 +277,30 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
             raise RuntimeError(f"stream {spec.name}: cannot update it (replicas {have.num_replicas or 1} -> {replicas}): {exc}") from exc
         result[spec.name] = "updated"
     return result
+
+
+NO_PLACEMENT = 10005
+"""JetStream's err_code for 'no suitable peers for placement': a cluster too small for the replicas,
+or one just started whose meta leader does not know every peer yet."""
+PLACEMENT_WAIT_S = 15.0
+"""How long a create refused for placement is tried again (a cluster still forming), before the
+refusal is the answer (a cluster too small)."""
+
+
+async def _placed(call: Callable[[], Awaitable[T]]) -> T:
+    """`call()`, again while JetStream answers 'no suitable peers for placement', for up to
+    PLACEMENT_WAIT_S (seen under load on a 3-node cluster right after it formed)."""
+    since = time.monotonic()
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != NO_PLACEMENT or time.monotonic() - since >= PLACEMENT_WAIT_S:
+                raise
+            log.warning("no suitable peers for placement yet; trying again (a cluster still forming?)", error=str(exc))
+        await asyncio.sleep(full_jitter(attempt, 0.2, 2.0))
+        attempt += 1
 
 
 async def js_api_call(what: str, call: Callable[[], Awaitable[T]], budget_s: float = DECLARE_BUDGET_S,
