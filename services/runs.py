@@ -6,12 +6,14 @@ same users, to read the recording."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from services.bus.secrets import PASSWORDS_CONF
 from services.common.nats_auth import NatsAuth
 from services.common.nats_server import NatsServer
-from services.common.permissions import authorization_block, password_env, users
+from services.common.permissions import authorization_block, passwords_conf, users
 
 URL_FILE = "nats.url"
 SECRETS_DIR = "secrets"
@@ -46,10 +48,21 @@ def live_url(run_path: Path) -> str | None:
 
 def locked_server(store: Path, log_file: Path, secrets: Path) -> NatsServer:
     """A nats-server on `store` admitting the run's users only (`jetrl up`'s, and the private one
-    that reads an ended run's recording): its users block, the passwords in the server's environment."""
+    that reads an ended run's recording): its users block, which includes the passwords from
+    `secrets/nats-passwords.conf` (0600). Not from the server's environment: a nats-server restarted
+    with the same command line (`nats-server -c <store>/nats-server.conf`, after a crash or a kill)
+    must admit the run's services again, and without the variables it would not even start."""
     run = (secrets / RUN_FILE).read_text().strip()
-    env = {password_env(u): (secrets / u).read_text().strip() for u in users()}
-    return NatsServer(store, log_file=log_file, extra_conf=authorization_block(run), env=env)
+    passwords = Path(secrets) / PASSWORDS_CONF
+    fd = os.open(passwords, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(passwords_conf({u: (secrets / u).read_text().strip() for u in users()}))
+    os.chmod(passwords, 0o600)
+    server = NatsServer(store, log_file=log_file)
+    # nats-server reads an include relative to the config's folder (the store), never as an absolute path
+    include = os.path.relpath(passwords.resolve(), server.store_dir)
+    server.extra_conf = authorization_block(run, passwords_include=include)
+    return server
 
 
 def run_directory(run: str, run_dir: str = "runs") -> Path:
