@@ -45,14 +45,8 @@ def parse_completions(body: Any) -> CanonicalRequest:
         stream=fields.flag(body, "stream"),
         n=n,
         max_new_tokens=fields.number(body, "max_tokens", int, 1) or 16,  # OpenAI's default for this endpoint
-        temperature=fields.number(body, "temperature", float, 0),
-        top_p=fields.number(body, "top_p", float, 0),
-        stop=fields.stop(body.get("stop"), "stop"),
-        seed=fields.number(body, "seed", int),
         model=SERVED_MODEL,
-        frequency_penalty=fields.penalty(body, "frequency_penalty"),
-        presence_penalty=fields.penalty(body, "presence_penalty"),
-        logit_bias=fields.logit_bias(body),
+        **fields.sampling(body),
     )
 
 

@@ -99,3 +99,17 @@ def body_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling options chat and text completions read alike (temperature, top_p, stop, seed,
+    the penalties, logit_bias), checked, as `ParsedRequest` keywords."""
+    return {
+        "temperature": number(body, "temperature", float, 0),
+        "top_p": number(body, "top_p", float, 0),
+        "stop": stop(body.get("stop"), "stop"),
+        "seed": number(body, "seed", int),
+        "frequency_penalty": penalty(body, "frequency_penalty"),
+        "presence_penalty": penalty(body, "presence_penalty"),
+        "logit_bias": logit_bias(body),
+    }

@@ -126,14 +126,8 @@ def parse_chat(body: Any) -> CanonicalRequest:
         tool_choice=parse_tool_choice(body.get("tool_choice"), tools, "chat"),
         response_format=parse_response_format(body.get("response_format"), "response_format"),
         max_new_tokens=max_tokens,
-        temperature=fields.number(body, "temperature", float, 0),
-        top_p=fields.number(body, "top_p", float, 0),
-        stop=fields.stop(body.get("stop"), "stop"),
-        seed=fields.number(body, "seed", int),
         model=SERVED_MODEL,
-        frequency_penalty=fields.penalty(body, "frequency_penalty"),
-        presence_penalty=fields.penalty(body, "presence_penalty"),
-        logit_bias=fields.logit_bias(body),
+        **fields.sampling(body),
     )
 
 
