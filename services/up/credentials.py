@@ -3,11 +3,13 @@ per run, as it signs announcements with a key of the run's own (trust.py).
 
 In `<run_dir>/secrets/` (0700, each file 0600, kept on a resumed run): a random password per NATS
 user (`admin` and one per service, services/common/permissions.py), the run name the users block is
-for, the inference servers' admin key and the trainer's prompt issuer key. nats-server gets the users block of this run (only its
-subjects), which includes the passwords from `secrets/nats-passwords.conf` (services/runs.py); each service gets only its own user's password file
-(and `bus_declare=false`: `up` declares the streams and the bucket as the admin first), the trainer
-and the weights agents the admin key. `jetrl status`, `plot`, `track` and `prompts push` find their
-user's file here by themselves (and `prompts push` the trainer's prompt issuer key) (services/runs.py). docs/security.md, "jetrl up".
+for, the inference servers' admin key and the trainer's prompt issuer key. nats-server gets the
+users block of this run (only its subjects), which includes the passwords from
+`secrets/nats-passwords.conf` (services/runs.py); each service gets only its own user's password
+file (and `bus_declare=false`: `up` declares the streams and the bucket as the admin first), the
+trainer and the weights agents the admin key. `jetrl status`, `plot`, `track` and `prompts push`
+find their user's file here by themselves (and `prompts push` the trainer's prompt issuer key)
+(services/runs.py). docs/security.md, "jetrl up".
 """
 
 from __future__ import annotations
