@@ -10,7 +10,8 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import nats
 import nats.errors
@@ -26,6 +27,9 @@ from services.common.health import register_check, unregister_check
 from services.common.logging import get_logger
 from services.common.nats_auth import NatsAuth
 
+if TYPE_CHECKING:
+    from services.common.settings import ServiceSettings
+
 log = get_logger("bus")
 
 T = TypeVar("T")
@@ -33,10 +37,6 @@ T = TypeVar("T")
 # Replies to requests larger than this go over several messages; keep a margin below max_payload.
 DEFAULT_PENDING_BYTES = 256 * 1024 * 1024
 
-
-_default_auth: NatsAuth | None = None
-_default_replicas = 1
-_default_declare = True
 
 _denials: deque[tuple[float, str]] = deque(maxlen=16)
 """Permissions violations the server reported to this process's clients (monotonic time, text): a
@@ -47,20 +47,71 @@ DECLARE_BUDGET_S = 60.0
 JetStream meta leader, a server restarting, first answers slow on a loaded machine)."""
 
 
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+@dataclass(frozen=True)
+class Bus:
+    """How one process talks to NATS: where, as whom, and the policy of every stream and bucket it
+    declares. A service's entry point makes it once from its settings (`Bus.of`) and hands it to the
+    service; nothing about the bus is process-wide. `Bus()` is a lone local server, declaring."""
+
+    url: str = DEFAULT_URL
+    """NATS server URL(s), comma-separated."""
+    auth: NatsAuth | None = None
+    """The credentials of every connection (None: none)."""
+    replicas: int = 1
+    """Replicas of every stream and of the WEIGHTS bucket this process declares (`nats_replicas`)."""
+    declare: bool = True
+    """Create or update streams and buckets (`bus_declare`); False: only look them up."""
+    retry_budget_s: float = DECLARE_BUDGET_S
+    """How long a call retried through `retries` rides out a bus that does not answer (the service's
+    `bus_retry_timeout_s` where it has one, else DECLARE_BUDGET_S)."""
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"nats_replicas must be at least 1, got {self.replicas}")
+
+    @classmethod
+    def of(cls, settings: ServiceSettings) -> Bus:
+        """The bus a service's settings describe (`nats_url`, `nats_auth`, `nats_replicas`, `bus_declare`,
+        and `bus_retry_timeout_s` where the service has it)."""
+        return cls(settings.nats_url, settings.nats_auth, settings.nats_replicas, settings.bus_declare,
+                   float(getattr(settings, "bus_retry_timeout_s", DECLARE_BUDGET_S)))
+
+    def as_user(self, auth: NatsAuth | None, *, declare: bool | None = None) -> Bus:
+        """This bus with other credentials (None: keep these), and a declare policy if given (a run's
+        restricted user only looks the streams up)."""
+        return replace(self, auth=self.auth if auth is None else auth, declare=self.declare if declare is None else declare)
+
+    async def connect(self, name: str, *, connect_timeout_s: float = 30.0, url: str | None = None) -> NATS:
+        """`connect` to this bus (or to `url`, a run's own server found at start) with its credentials."""
+        return await connect(url or self.url, name, connect_timeout_s=connect_timeout_s, auth=self.auth)
+
+    async def declare_streams(self, js: JetStreamContext, specs: Iterable[StreamSpec] | None = None, *,
+                              budget_s: float = DECLARE_BUDGET_S, on_retry: Callable[[BaseException], None] | None = None
+                              ) -> dict[str, str]:
+        """`declare_streams` with this bus's replicas and declare policy."""
+        return await declare_streams(js, specs, replicas=self.replicas, declare=self.declare, budget_s=budget_s, on_retry=on_retry)
+
+    async def publish_acked(self, js: JetStreamContext, subject: str, data: bytes, *, timeout_s: float,
+                            headers: dict[str, str] | None = None, stream: str | None = None) -> PubAck:
+        """`publish_acked`: one acknowledged publish, bounded by `timeout_s`."""
+        return await publish_acked(js, subject, data, timeout_s=timeout_s, headers=headers, stream=stream)
+
+    async def retries(self, what: str, call: Callable[[], Awaitable[T]],
+                      on_retry: Callable[[BaseException], None] | None = None) -> T:
+        """`with_retries` within this bus's retry budget."""
+        return await with_retries(what, call, self.retry_budget_s, on_retry)
+
+
+LOCAL_BUS = Bus()
+"""A lone local server, no credentials, one replica, declaring: the default of the objects a test or a
+tool builds by hand (a service passes its own)."""
+
+
 class BusNotInitialized(RuntimeError):
     """A stream or bucket this service needs does not exist, and it is not allowed to create it."""
-
-
-def set_default_declare(declare: bool) -> None:
-    """Whether this process creates and updates streams and buckets (a service's `bus_declare`
-    setting, set once by its entry point). False: it only looks them up, as a restricted NATS user
-    must; `jetrl bus init` (the admin user) declares them."""
-    global _default_declare
-    _default_declare = declare
-
-
-def declares() -> bool:
-    return _default_declare
 
 
 def not_initialized(what: str) -> BusNotInitialized:
@@ -70,31 +121,11 @@ def not_initialized(what: str) -> BusNotInitialized:
     )
 
 
-def set_default_auth(auth: NatsAuth | None) -> None:
-    """The credentials `connect` uses when none are passed: a service's `nats_auth` settings, set once
-    by its entry point (so every connection of the process authenticates the same way)."""
-    global _default_auth
-    _default_auth = auth
-
-
-def set_default_replicas(replicas: int) -> None:
-    """The replica count `declare_streams` (and the WEIGHTS bucket) use when none is passed: a
-    service's `nats_replicas` setting, set once by its entry point."""
-    global _default_replicas
-    if replicas < 1:
-        raise ValueError(f"nats_replicas must be at least 1, got {replicas}")
-    _default_replicas = replicas
-
-
-def default_replicas() -> int:
-    return _default_replicas
-
-
 async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0, auth: NatsAuth | None = None) -> NATS:
     """Connect with unlimited reconnects; retry the first connect until `connect_timeout_s` (services
-    do not depend on start order). A server that refuses the credentials, or a TLS handshake that
+    do not depend on start order). `auth` None: no credentials (a service connects through its
+    `Bus`, which passes its own). A server that refuses the credentials, or a TLS handshake that
     fails, ends the attempt at once with the server's own error: retrying cannot fix either."""
-    auth = auth if auth is not None else _default_auth
     loop = asyncio.get_running_loop()
     refused: asyncio.Future[BaseException] = loop.create_future()
 
@@ -228,29 +259,30 @@ _COMPARED = ("subjects", "retention", "max_msgs_per_subject", "max_age", "max_by
              "num_replicas", "discard")
 
 
-async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | None = None, *, replicas: int | None = None,
-                          budget_s: float = DECLARE_BUDGET_S, on_retry: Callable[[BaseException], None] | None = None
-                          ) -> dict[str, str]:
+async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | None = None, *, replicas: int = 1,
+                          declare: bool = True, budget_s: float = DECLARE_BUDGET_S,
+                          on_retry: Callable[[BaseException], None] | None = None) -> dict[str, str]:
     """Create each stream, or update it if its config differs; a stream that matches is left alone.
-    `replicas` (default: the process's `nats_replicas`) is part of the config: a stream found with
+    `replicas` (a service's `nats_replicas`, through its `Bus`) is part of the config: a stream found with
     another replica count is scaled to it (NATS moves the data); a cluster too small for it is an
     error naming the stream and both counts. Returns {name: "created" | "updated" | "unchanged"}.
 
-    In a process that does not declare (`bus_declare=false`, a restricted NATS user) each stream is
+    `declare` False (`bus_declare=false`, a restricted NATS user): each stream is
     only looked up and used as it is configured (that is the admin's): a missing one is
     `BusNotInitialized` naming `jetrl bus init`; returns "found".
 
     Each JetStream call goes through `js_api_call`: a bus that does not answer yet (timeouts, no
     responders, 503) is waited out for `budget_s` (a service passes its own `bus_retry_timeout_s`);
     a permissions violation is `PermissionError` at once."""
-    replicas = replicas or _default_replicas
+    if replicas < 1:
+        raise ValueError(f"nats_replicas must be at least 1, got {replicas}")
     result: dict[str, str] = {}
     for spec in specs if specs is not None else stream_specs():
         want = _config(spec, replicas)
         try:
             info = await js_api_call(f"stream {spec.name}: info", functools.partial(js.stream_info, spec.name), budget_s, on_retry)
         except NotFoundError:
-            if not _default_declare:
+            if not declare:
                 raise not_initialized(f"stream {spec.name}") from None
             try:
                 await _placed(functools.partial(js_api_call, f"stream {spec.name}: create", functools.partial(js.add_stream, want),
@@ -259,7 +291,7 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
                 raise RuntimeError(f"stream {spec.name}: cannot create it with {replicas} replica(s): {exc}") from exc
             result[spec.name] = "created"
             continue
-        if not _default_declare:  # its configuration (sizes, ages, replicas) is the admin's
+        if not declare:  # its configuration (sizes, ages, replicas) is the admin's
             result[spec.name] = "found"
             continue
         have = info.config

@@ -85,25 +85,29 @@ def service_main(
     target: str,
     argv: list[str] | None = None,
     description: str = "",
+    *,
+    uses_bus: bool = True,
     **log_context: Any,
 ) -> int:
     """Parse settings for `cls`, configure logging, import `target` ("module:function", an async
-    function taking the settings) and run it."""
+    function taking the settings and the service's `Bus`, made here from them; only the settings
+    when `uses_bus` is False) and run it."""
     prog = f"jetrl {cls.service}"
     settings = parse_settings(cls, argv, prog, description)
     configure_logging(settings.log_level, settings.log_format, run=settings.run, service=cls.service, **log_context)
     module_name, _, func_name = target.partition(":")
-    func: Callable[[Any], Awaitable[None]] = getattr(importlib.import_module(module_name), func_name)
-    from services.common.bus import set_default_auth, set_default_declare, set_default_replicas
+    func: Callable[..., Awaitable[None]] = getattr(importlib.import_module(module_name), func_name)
+    from services.common.bus import Bus
     from services.common.health import run_with_health  # after settings: keeps --help instant
 
-    set_default_auth(settings.nats_auth)  # every NATS connection of this process authenticates this way
-    set_default_replicas(settings.nats_replicas)
-    set_default_declare(settings.bus_declare)
+    # how every NATS connection of this service authenticates, and what it declares: one object, handed over
+    bus = Bus.of(settings) if uses_bus else None
+
     async def body() -> None:
         # The side port (/healthz, /readyz, /metrics) lives as long as the service, when health_port is set.
         try:
-            await run_with_health(settings.health_port, func(settings), settings.health_host)
+            service = func(settings) if bus is None else func(settings, bus)
+            await run_with_health(settings.health_port, service, settings.health_host)
         except BaseException as exc:
             _exit_unless_ended(130 if isinstance(exc, KeyboardInterrupt) else 1)
             raise

@@ -13,4 +13,5 @@ def main(argv: list[str] | None = None) -> int:
         argv,
         "SGLang-protocol inference server on CPU: /generate with iteration-level batching, "
         "pause/continue, update_weights_from_disk. Ready when GET /health is 200.",
+        uses_bus=False,  # the server speaks HTTP only
     )

@@ -12,8 +12,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.replay.settings import ExportSettings
+
+if TYPE_CHECKING:
+    from services.common.bus import Bus
 
 
 @dataclass
@@ -75,13 +79,12 @@ async def export_range(js: object, settings: ExportSettings, stopping: asyncio.E
     return result
 
 
-async def run_export(settings: ExportSettings) -> None:
-    from services.common.bus import connect
+async def run_export(settings: ExportSettings, bus: Bus) -> None:
     from services.common.logging import get_logger
     from services.common.runner import Supervisor, supervise
 
     log = get_logger("export")
-    nc = await connect(settings.nats_url, f"jetrl-export-{settings.run}", connect_timeout_s=settings.connect_timeout_s)
+    nc = await bus.connect(f"jetrl-export-{settings.run}", connect_timeout_s=settings.connect_timeout_s)
     try:
         async def main(sup: Supervisor) -> None:
             async def run() -> None:

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.replay.settings import ImportSettings
+
+if TYPE_CHECKING:
+    from services.common.bus import Bus
 
 
 @dataclass
@@ -48,15 +52,14 @@ async def import_files(js: object, settings: ImportSettings, stopping: asyncio.E
     return result
 
 
-async def run_import(settings: ImportSettings) -> None:
-    from services.common.bus import connect, declare_streams
+async def run_import(settings: ImportSettings, bus: Bus) -> None:
     from services.common.logging import get_logger
     from services.common.runner import Supervisor, supervise
 
     log = get_logger("import")
-    nc = await connect(settings.nats_url, f"jetrl-import-{settings.run}", connect_timeout_s=settings.connect_timeout_s)
+    nc = await bus.connect(f"jetrl-import-{settings.run}", connect_timeout_s=settings.connect_timeout_s)
     try:
-        await declare_streams(nc.jetstream())
+        await bus.declare_streams(nc.jetstream())
 
         async def main(sup: Supervisor) -> None:
             async def run() -> None:

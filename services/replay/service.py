@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 
-from services.common.bus import connect
+from services.common.bus import Bus
 from services.common.logging import get_logger
 from services.common.runner import Supervisor, supervise
 from services.replay.settings import ReplaySettings
@@ -57,15 +57,15 @@ async def replay(trainer: Trainer, stopping: asyncio.Event) -> None:
              last_seq=trainer.last_seq, read=src.read, malformed=src.malformed, skipped=src.skipped)
 
 
-async def run_service(settings: ReplaySettings) -> None:
-    await run_ranks(settings, _run_rank0)
+async def run_service(settings: ReplaySettings, bus: Bus) -> None:
+    await run_ranks(settings, functools.partial(_run_rank0, bus=bus))
 
 
-async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
+async def _run_rank0(settings: ReplaySettings, engine: TrainEngine, *, bus: Bus) -> None:
     from services.weights.publisher import WeightPublisher
 
     try:
-        nc = await connect(settings.nats_url, f"jetrl-replay-{settings.run}", connect_timeout_s=settings.connect_timeout_s)
+        nc = await bus.connect(f"jetrl-replay-{settings.run}", connect_timeout_s=settings.connect_timeout_s)
     except ConnectionError as exc:
         if not settings.parquet:
             raise
@@ -79,7 +79,8 @@ async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
         publish = None
         if settings.publish_weights:
             publisher = WeightPublisher(nc, settings.run, shared_dir=settings.weights_shared_dir,
-                                        keep_last=settings.weights_keep_last, bus_retry_timeout_s=settings.bus_retry_timeout_s)
+                                        keep_last=settings.weights_keep_last, bus_retry_timeout_s=settings.bus_retry_timeout_s,
+                                        bus=bus)
             publish = functools.partial(publisher.publish_dir, consume=True)  # the trainer hands each dir over
 
         async def main(sup: Supervisor) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NATS
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Request
@@ -25,6 +25,9 @@ from services.reward.allowlist import NotAllowedError
 from services.reward.pool import ScoringPool
 from services.reward.settings import RewardSettings
 from services.reward.stats import RewardStats
+
+if TYPE_CHECKING:
+    from services.common.bus import Bus
 
 log = get_logger("reward")
 
@@ -217,16 +220,16 @@ class RewardService:
             log.warning("could not send the reward reply", error=repr(exc))
 
 
-async def run(settings: RewardSettings) -> None:
+async def run(settings: RewardSettings, bus: Bus) -> None:
     """`jetrl reward`: connect, warm the pool, serve until SIGTERM, drain, exit."""
-    from services.common.bus import close_connection, connect, declare_streams
+    from services.common.bus import close_connection
     from services.common.runner import Supervisor, supervise
 
     async def main(sup: Supervisor) -> None:
-        nc = await connect(settings.nats_url, f"reward-{settings.instance_name}", connect_timeout_s=settings.connect_timeout_s)
+        nc = await bus.connect(f"reward-{settings.instance_name}", connect_timeout_s=settings.connect_timeout_s)
         sup.stack.push_async_callback(close_connection, nc)
         try:
-            await declare_streams(nc.jetstream())  # so metrics land in METRICS even if we start first
+            await bus.declare_streams(nc.jetstream())  # so metrics land in METRICS even if we start first
         except Exception as exc:  # scoring needs only core NATS; metrics are then not recorded
             log.warning("could not declare the streams; metrics will not be recorded", error=repr(exc))
         service = RewardService(settings, nc)

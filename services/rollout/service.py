@@ -24,7 +24,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from services.common.bus import close_connection, connect
+from services.common.bus import Bus, close_connection
 from services.common.health import http_check, nats_responder_check, register_check
 from services.common.logging import bind_context, get_logger
 from services.common.metrics import MetricsPublisher
@@ -107,14 +107,14 @@ def _build_one(settings: RolloutSettings, standard: dict[str, Callable[[], Any]]
     return workflow
 
 
-async def run(settings: RolloutSettings) -> None:
+async def run(settings: RolloutSettings, bus: Bus) -> None:
     bind_context(worker=settings.worker)
 
     async def main(sup: Supervisor) -> None:
         from services.reward.client import RewardClient
         from services.rollout.engine import InferenceEngine
 
-        nc = await connect(settings.nats_url, f"rollout-{settings.worker}")
+        nc = await bus.connect(f"rollout-{settings.worker}")
         sup.stack.push_async_callback(close_connection, nc)
         engine = InferenceEngine(settings.inference, settings.trust.inference_keys())
         sup.stack.push_async_callback(engine.aclose)
@@ -145,7 +145,8 @@ async def run(settings: RolloutSettings) -> None:
                 decode = lambda ids: tok.decode(ids, skip_special_tokens=False)  # noqa: E731
             dumper = TrajectoryDumper(settings.dump_root, settings.experiment_name, settings.trial, decode)
         metrics = MetricsPublisher(nc, settings.run, "rollout", settings.worker)
-        worker = RolloutWorker(nc, settings.run, workflow, engine, worker_config(settings), metrics=metrics, dumper=dumper)
+        worker = RolloutWorker(nc, settings.run, workflow, engine, worker_config(settings), metrics=metrics, dumper=dumper,
+                               bus=bus)
         log.info("rollout worker starting", workflow=type(workflow).__name__, max_concurrent=settings.max_concurrent)
         # Everything made so far (modules, the tokenizer: ~400k objects) lives as long as the process.
         # Frozen, the collector stops walking it: each full collection an episode's allocations set off

@@ -34,7 +34,7 @@ from schemas.headers import prompt_id_of, prompt_tag_of, rejection_headers, traj
 from schemas.messages import MessageError, PromptTask, RejectionMarker, decode, encode
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import TrajectoryError, encode_group_with_meta
-from services.common.bus import declare_streams, publish_acked
+from services.common.bus import LOCAL_BUS, Bus, publish_acked
 from services.common.busretry import INITIAL_BACKOFF_S, MAX_BACKOFF_S, full_jitter
 from services.common.consumers import add_consumer
 from services.common.logging import get_logger
@@ -92,8 +92,11 @@ class RolloutWorker:
         *,
         metrics: MetricsPublisher | None = None,
         dumper: TrajectoryDumper | None = None,
+        bus: Bus = LOCAL_BUS,
     ) -> None:
         self.nc = nc
+        self.bus = bus
+        """The replicas and declare policy of the streams `declare` declares (the service's)."""
         self.js = nc.jetstream()
         self.subjects = Subjects(run)
         self.run_name = run
@@ -129,7 +132,7 @@ class RolloutWorker:
         """Declare the streams and the shared consumer (idempotent: every worker does it). The
         consumer's own `max_deliver` is what counts, whichever worker declared it. A bus that does not
         answer yet (a cluster still electing) is waited out, for the consumer as for the streams."""
-        await declare_streams(self.js)
+        await self.bus.declare_streams(self.js)
         info = await add_consumer(self.js, PROMPTS_STREAM, self.consumer_config())
         self.max_deliver = info.config.max_deliver or self.config.max_deliver
 

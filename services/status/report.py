@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from services.common.bus import connect
+from services.common.bus import Bus
 from services.common.nats_auth import NatsAuth
 from services.runs import URL_FILE, run_auth
 from services.status.answers import answered
@@ -42,12 +42,14 @@ def nats_auth_for(settings: StatusSettings) -> NatsAuth | None:
     return run_auth(Path(settings.run_dir) / settings.run, "observer")
 
 
-async def run_status(settings: StatusSettings) -> None:
-    nc = await connect(nats_url_for(settings), "jetrl-status", connect_timeout_s=settings.timeout_s, auth=nats_auth_for(settings))
+async def run_status(settings: StatusSettings, bus: Bus) -> None:
+    """`bus`: the settings' own; a live run's server and its observer user are found by themselves."""
+    nc = await bus.as_user(nats_auth_for(settings)).connect("jetrl-status", connect_timeout_s=settings.timeout_s,
+                                                          url=nats_url_for(settings))
     unanswered: dict[str, str] = {}
     t = settings.timeout_s
     try:  # asked together: during an outage each waits its timeout for nothing
-        weights, bus, feeder, groups = await asyncio.gather(
+        weights, streams, feeder, groups = await asyncio.gather(
             answered("weights", weights_status(nc, settings.run, t), unanswered),
             answered("bus", bus_status(nc, settings.run, t, settings.alive_within_s), unanswered),
             answered("feeder", feeder_status(nc, settings.run, t), unanswered),
@@ -55,9 +57,9 @@ async def run_status(settings: StatusSettings) -> None:
         )
     finally:
         await nc.close()
-    if bus is not None:
-        unanswered.update(bus.unanswered)
-    parts = {"weights": weights, "bus": bus, "feeder": feeder, "groups": groups}
+    if streams is not None:
+        unanswered.update(streams.unanswered)
+    parts = {"weights": weights, "bus": streams, "feeder": feeder, "groups": groups}
     if settings.format == "json":
         out = {name: None if part is None else part.as_dict() for name, part in parts.items()}
         print(json.dumps({**out, "unanswered": unanswered}, indent=2))
@@ -66,7 +68,7 @@ async def run_status(settings: StatusSettings) -> None:
             return render(part) if part is not None else f"{name}: NO ANSWER from the bus: {unanswered[name]}"
 
         print(shown("weights", weights, render_weights))
-        print(shown("bus", bus, render_bus))
+        print(shown("bus", streams, render_bus))
         print(shown("feeder", feeder, render_feeder))
         print(shown("groups", groups, render_groups))
     if unanswered:

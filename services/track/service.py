@@ -15,7 +15,7 @@ from nats.js.api import DeliverPolicy
 
 from schemas.messages import MessageError, MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, Subjects
-from services.common.bus import close_connection, connect, declare_streams, set_default_declare
+from services.common.bus import Bus, close_connection
 from services.common.logging import get_logger
 from services.common.runner import Supervisor, supervise
 from services.runs import run_bus
@@ -89,7 +89,7 @@ class Tracker:
                 "sinks": {g.name: {"rows": g.rows, "failures": g.failures, "off": g.off} for g in self.sinks}}
 
 
-async def run(settings: TrackSettings) -> None:
+async def run(settings: TrackSettings, bus: Bus) -> None:
     async def main(sup: Supervisor) -> None:
         config = load_config(settings.config_path)
         sinks = await asyncio.to_thread(open_sinks, settings)
@@ -97,11 +97,11 @@ async def run(settings: TrackSettings) -> None:
         for sink in sinks:
             sink.call("log_config", {"run": settings.run, **config})
         url, auth = run_bus(Path(settings.run_dir) / settings.run, "track", settings.nats_url, settings.model_fields_set)
-        if auth is not None:  # the run's `track` user: `jetrl up` declared the streams, it only looks them up
-            set_default_declare(False)
-        nc = await connect(url, f"jetrl-track-{settings.run}", connect_timeout_s=settings.connect_timeout_s, auth=auth)
+        # the run's `track` user, if found: `jetrl up` declared the streams, it only looks them up
+        on = bus.as_user(auth, declare=False) if auth is not None else bus
+        nc = await on.connect(f"jetrl-track-{settings.run}", connect_timeout_s=settings.connect_timeout_s, url=url)
         sup.stack.push_async_callback(close_connection, nc)
-        await declare_streams(nc.jetstream())
+        await on.declare_streams(nc.jetstream())
         policy = DeliverPolicy.ALL if settings.from_start else DeliverPolicy.NEW
         sub = await nc.jetstream().subscribe(Subjects(settings.run).metrics_all, ordered_consumer=True,
                                              deliver_policy=policy, stream=METRICS_STREAM)

@@ -27,7 +27,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from schemas.subjects import Subjects
-from services.common.bus import declare_streams
+from services.common.bus import Bus
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
@@ -112,7 +112,7 @@ class Trainer:
         self.nc = nc
         self.metrics = MetricsPublisher(nc, self.settings.run, "trainer")
         js = nc.jetstream()
-        await declare_streams(js)
+        await Bus.of(self.settings).declare_streams(js)  # the service's replicas and declare policy
         self.out.mkdir(parents=True, exist_ok=True)
         found = ckpt.resolve_resume(self.settings.resume, self.settings.output_dir)
         if found is not None:  # (the engine is needed: `jetrl trainer` builds it first when resuming)

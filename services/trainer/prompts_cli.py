@@ -43,21 +43,21 @@ async def push(nats_url: str, run: str, path: str, *, is_eval: bool = False, lim
                issuer_key: bytes = b"", auth: NatsAuth | None = None, declare: bool = True) -> int:
     """`issuer_key`: tags each prompt (empty: untagged, and a trainer will not train its answers);
     `auth`: the NATS credentials; `declare`: False only looks the streams up (a restricted user)."""
-    from services.common.bus import connect, declare_streams, publish_acked, set_default_declare
+    from services.common.bus import Bus
     from services.trainer.dataset import load_rows
 
     rows = load_rows(path)[: limit or None]
     subjects = Subjects(run)
-    set_default_declare(declare)
-    nc = await connect(nats_url, "jetrl-prompts", connect_timeout_s=10.0, auth=auth)
+    bus = Bus(nats_url, auth, declare=declare)
+    nc = await bus.connect("jetrl-prompts", connect_timeout_s=10.0)
     try:
         js = nc.jetstream()
-        await declare_streams(js)
+        await bus.declare_streams(js)
         subject = subjects.prompts_eval if is_eval else subjects.prompts_train
         for i, row in enumerate(rows):
             task = PromptTask(run=run, prompt_id=f"{prefix}-{i}", data=row, is_eval=is_eval)
             tag = prompt_tag(issuer_key, run, task.prompt_id) if issuer_key else ""
-            await publish_acked(js, subject, encode(task), timeout_s=10.0, headers=prompt_headers(run, task.prompt_id, tag),
+            await bus.publish_acked(js, subject, encode(task), timeout_s=10.0, headers=prompt_headers(run, task.prompt_id, tag),
                                 stream=PROMPTS_STREAM)
     finally:
         await nc.drain()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.common.bus import close_connection, connect
+from services.common.bus import Bus, close_connection
 from services.common.logging import bind_context, get_logger
 from services.common.model_path import require_model
 from services.common.runner import Supervisor, supervise
@@ -32,8 +32,9 @@ from services.trainer.settings import TrainerSettings
 log = get_logger("trainer")
 
 
-async def run_service(settings: TrainerSettings) -> None:
-    await run_ranks(settings, _run_rank0, early=ckpt.resolve_resume(settings.resume, settings.output_dir) is None)
+async def run_service(settings: TrainerSettings, bus: Bus) -> None:
+    fresh = ckpt.resolve_resume(settings.resume, settings.output_dir) is None
+    await run_ranks(settings, functools.partial(_run_rank0, bus=bus), early=fresh)
     # Checkpointed and closed: exit now, not after a worker thread still blocked in a call to a bus or a
     # weight-update group that is gone (the interpreter would wait for it, past shutdown_timeout_s).
     _exit(0)
@@ -102,16 +103,16 @@ async def _rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Future
             _exit(1 if failed else 0)
 
 
-async def _run_rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Future[TrainEngine]) -> None:
+async def _run_rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Future[TrainEngine], *, bus: Bus) -> None:
     """`engine` still being built (a fresh start): the trainer starts (leftovers cleared, consumer and
     feeder open, the first prompts issued) while DeepSpeed initialises, so the rollout workers generate
     the first batch meanwhile; training starts once the engine is there."""
     from services.weights.publisher import WeightPublisher
 
-    nc = await connect(settings.nats_url, f"jetrl-trainer-{settings.run}")
+    nc = await bus.connect(f"jetrl-trainer-{settings.run}")
     try:
         publisher = WeightPublisher(nc, settings.run, shared_dir=settings.weights_shared_dir, keep_last=settings.weights_keep_last,
-                                    bus_retry_timeout_s=settings.bus_retry_timeout_s, announce_key=settings.trust.announce())
+                                    bus_retry_timeout_s=settings.bus_retry_timeout_s, announce_key=settings.trust.announce(), bus=bus)
         publish = functools.partial(publisher.publish_dir, consume=True)  # the trainer hands each dir over
         broadcast = _broadcast_publisher(settings, nc, publisher)
         ready = engine if isinstance(engine, TrainEngine) else None
@@ -152,7 +153,7 @@ def _broadcast_publisher(settings: TrainerSettings, nc: Any, disk: Any) -> Any:
                                    timeout_s=b.timeout_s, group_name=b.group_name, checksum=b.checksum,
                                    keys=settings.trust.inference_keys())
     return BroadcastPublisher(nc, settings.run, sender, disk, b.disk_every, retry_s=settings.bus_retry_timeout_s,
-                              background=b.background)
+                              background=b.background, bus=disk.bus)
 
 
 async def _train(trainer: Trainer, sup: Supervisor, building: asyncio.Future[TrainEngine] | None = None) -> None:

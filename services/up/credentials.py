@@ -96,8 +96,10 @@ async def declare_as_admin(url: str, admin: NatsAuth, replicas: int, **caps: Any
     `jetrl bus init`'s size settings, e.g. `trajectories_max_bytes`)."""
     from services.bus.init import init_bus
     from services.bus.settings import BusSettings
+    from services.common.bus import Bus
 
-    await init_bus(BusSettings(nats_url=url, nats_auth=admin, nats_replicas=replicas, **caps))
+    settings = BusSettings(nats_url=url, nats_auth=admin, nats_replicas=replicas, **caps)
+    await init_bus(settings, Bus.of(settings))
 
 
 __all__ = ["ADMIN", "INFERENCE_ADMIN_KEY", "RunCredentials", "declare_as_admin", "make_credentials"]

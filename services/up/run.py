@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from services.common.bus import connect, declare_streams, set_default_auth, set_default_declare
+from services.common.bus import Bus
 from services.common.logging import configure_logging, get_logger
 from services.common.model_dirs import NotOurs, check_model_dir
 from services.common.model_path import ModelNotFound, require_model
@@ -130,13 +130,11 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         if creds.locked:  # the streams and the bucket declared once as the admin; then watched as the observer
             await declare_as_admin(url, creds.auth(ADMIN), s.nats_replicas, trajectories_max_bytes=s.recording_max_bytes,
                                    trajectories_discard=s.recording_discard)
-            set_default_auth(creds.auth("observer"))
-            set_default_declare(False)
+            bus = Bus(url, creds.auth("observer"), s.nats_replicas, declare=False)
         else:
-            set_default_auth(s.nats_auth)
-            set_default_declare(s.bus_declare)
-        nc = await connect(url, "jetrl-up")
-        await declare_streams(nc.jetstream(), replicas=s.nats_replicas)
+            bus = Bus(url, s.nats_auth, s.nats_replicas, s.bus_declare)
+        nc = await bus.connect("jetrl-up")
+        await bus.declare_streams(nc.jetstream())
         await watch(nc, s.run, view)
 
         shape = layout(s)

@@ -37,7 +37,7 @@ from nats.aio.client import Client as NATS
 
 from schemas.messages import Message, WeightsLoaded, WeightsLoadFailed, WeightsPublished, encode
 from schemas.subjects import WEIGHTS_BUCKET, Subjects
-from services.common.bus import close_connection, connect
+from services.common.bus import Bus, close_connection
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.health import http_check, register_check
 from services.common.logging import bind_context, get_logger
@@ -307,15 +307,15 @@ def _current_task_cancelling() -> bool:
     return bool(task is not None and task.cancelling())
 
 
-async def run_agent(settings: WeightsSettings) -> None:
-    await supervise("weights", lambda sup: _start(sup, settings), settings.shutdown_timeout_s)
+async def run_agent(settings: WeightsSettings, bus: Bus) -> None:
+    await supervise("weights", lambda sup: _start(sup, settings, bus), settings.shutdown_timeout_s)
 
 
-async def _start(sup: Supervisor, settings: WeightsSettings) -> None:
+async def _start(sup: Supervisor, settings: WeightsSettings, bus: Bus) -> None:
     bind_context(server=settings.server_name)
-    nc = await connect(settings.nats_url, f"jetrl-weights-{settings.server_name}")
+    nc = await bus.connect(f"jetrl-weights-{settings.server_name}")
     sup.stack.push_async_callback(close_connection, nc)
-    await ensure_weight_sync_stream(nc, settings.bus_retry_timeout_s)
+    await ensure_weight_sync_stream(nc, settings.bus_retry_timeout_s, bus=bus)
     server = ServerClient(settings.server, settings.request_timeout_s, settings.pause_mode, settings.trust.inference_keys())
     sup.stack.push_async_callback(server.aclose)
     register_check("inference reachable", http_check(*readiness_urls(settings.server), timeout_s=READY_POLL_TIMEOUT_S))

@@ -31,6 +31,7 @@ from nats.aio.client import Client as NATS
 
 from schemas.messages import Message, WeightsLoaded, WeightsLoadFailed, WeightsPublished, encode
 from schemas.subjects import Subjects
+from services.common.bus import LOCAL_BUS, Bus
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
@@ -48,8 +49,10 @@ log = get_logger("weights.broadcast")
 
 class BroadcastPublisher:
     def __init__(self, nc: NATS, run: str, broadcaster: VersionSender, disk: WeightPublisher | None, disk_every: int,
-                 retry_s: float = 300.0, background: bool = True) -> None:
+                 retry_s: float = 300.0, background: bool = True, bus: Bus = LOCAL_BUS) -> None:
         self.js = nc.jetstream()
+        self.bus = bus
+        """Replicas and declare policy of the WEIGHT_SYNC stream it declares (the trainer's `Bus`)."""
         self.nc = nc
         self.run = run
         self.subjects = Subjects(run)
@@ -170,7 +173,7 @@ class BroadcastPublisher:
     # ---- one version ---------------------------------------------------------------------------
     async def _prepare(self) -> None:
         if not self._ready:
-            await ensure_weight_sync_stream(self.nc, self.retry_s)
+            await ensure_weight_sync_stream(self.nc, self.retry_s, bus=self.bus)
             if self.last_disk is None and self.disk is not None:
                 self.last_disk = await self._latest_disk()
             # one epoch for the broadcast and the disk announcements: the disk publisher's, if any

@@ -36,7 +36,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, BucketNotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
-from services.common.bus import DECLARE_BUDGET_S, declares, default_replicas, js_api_call, not_initialized
+from services.common.bus import DECLARE_BUDGET_S, js_api_call, not_initialized
 from services.common.busretry import Backoff, retryable
 from services.common.logging import get_logger
 
@@ -80,10 +80,10 @@ def digest_hex(info: ObjectInfo) -> str:
     return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
 
 
-async def open_bucket(js: JetStreamContext, bucket: str, replicas: int | None = None, budget_s: float = DECLARE_BUDGET_S,
-                      on_retry: Callable[[BaseException], None] | None = None) -> ObjectStore:
-    """Open the bucket, creating it (file storage, `replicas` or the process's `nats_replicas`) if it
-    does not exist; safe when several race. A process that does not declare (`bus_declare=false`)
+async def open_bucket(js: JetStreamContext, bucket: str, *, replicas: int = 1, declare: bool = True,
+                      budget_s: float = DECLARE_BUDGET_S, on_retry: Callable[[BaseException], None] | None = None) -> ObjectStore:
+    """Open the bucket, creating it (file storage, `replicas`: the service's `nats_replicas`, from its
+    `Bus`) if it does not exist; safe when several race. `declare` False (`bus_declare=false`)
     only opens it: a missing bucket is `BusNotInitialized` naming `jetrl bus init`. A bus that does not
     answer yet (a cluster still electing) is waited out for `budget_s`, as `declare_streams` waits it out."""
 
@@ -93,9 +93,9 @@ async def open_bucket(js: JetStreamContext, bucket: str, replicas: int | None = 
     try:
         return await call("open", functools.partial(js.object_store, bucket))
     except BucketNotFoundError:
-        if not declares():
+        if not declare:
             raise not_initialized(f"object store bucket {bucket}") from None
-    config = ObjectStoreConfig(storage=StorageType.FILE, replicas=replicas or default_replicas())
+    config = ObjectStoreConfig(storage=StorageType.FILE, replicas=replicas)
     try:
         return await call("create", functools.partial(js.create_object_store, bucket, config=config))
     except BadRequestError:  # someone else created it between our two calls

@@ -19,7 +19,7 @@ from nats.js.errors import NotFoundError
 
 from schemas.messages import MessageError, WeightFile, WeightsPublished, decode, encode
 from schemas.subjects import WEIGHT_SYNC_STREAM, WEIGHTS_BUCKET, Subjects, stream_specs
-from services.common.bus import DECLARE_BUDGET_S, declare_streams
+from services.common.bus import DECLARE_BUDGET_S, LOCAL_BUS, Bus
 from services.common.busretry import with_retries
 from services.common.logging import get_logger
 from services.weights import objstore
@@ -41,11 +41,12 @@ log = get_logger("weights.publisher")
 
 
 async def ensure_weight_sync_stream(nc: NATS, budget_s: float = DECLARE_BUDGET_S,
-                                    on_retry: Callable[[BaseException], None] | None = None) -> None:
-    """Declare the WEIGHT_SYNC stream (idempotent), so publisher and agents can start in any order; a
-    bus that does not answer is waited out for `budget_s` (the caller's `bus_retry_timeout_s`)."""
+                                    on_retry: Callable[[BaseException], None] | None = None, *, bus: Bus = LOCAL_BUS) -> None:
+    """Declare the WEIGHT_SYNC stream (idempotent) with `bus`'s replicas and declare policy, so publisher
+    and agents can start in any order; a bus that does not answer is waited out for `budget_s` (the
+    caller's `bus_retry_timeout_s`)."""
     specs = [s for s in stream_specs() if s.name == WEIGHT_SYNC_STREAM]
-    await declare_streams(nc.jetstream(), specs, budget_s=budget_s, on_retry=on_retry)
+    await bus.declare_streams(nc.jetstream(), specs, budget_s=budget_s, on_retry=on_retry)
 
 
 async def latest_published(nc: NATS, run: str) -> WeightsPublished | None:
@@ -81,8 +82,10 @@ class WeightPublisher:
         chunk_timeout_s: float = objstore.ACK_TIMEOUT_S,
         on_retry: Callable[[BaseException], None] | None = None,
         announce_key: bytes = b"",
+        bus: Bus = LOCAL_BUS,
     ) -> None:
-        """bus_retry_timeout_s: how long a NATS call that fails the way a server restart looks is
+        """bus: the replicas and declare policy of the stream and bucket it declares (the service's);
+        bus_retry_timeout_s: how long a NATS call that fails the way a server restart looks is
         retried; chunk_timeout_s: longest wait for one object chunk's ack, per attempt; on_retry:
         called with the error before each retry (e.g. to count them in metrics); announce_key: signs
         every announcement (`trust.announce_key`; empty: unsigned)."""
@@ -100,6 +103,7 @@ class WeightPublisher:
         self.chunk_timeout_s = chunk_timeout_s
         self.on_retry = on_retry
         self.announce_key = announce_key
+        self.bus = bus
         self._ready = False
         self.epoch: int | None = None
         """This trainer's epoch (`next_epoch`), read once at the first publish; every announcement carries it."""
@@ -110,9 +114,10 @@ class WeightPublisher:
 
     async def _setup(self) -> None:
         if not self._ready:
-            await ensure_weight_sync_stream(self.nc, self.bus_retry_timeout_s, self.on_retry)
+            await ensure_weight_sync_stream(self.nc, self.bus_retry_timeout_s, self.on_retry, bus=self.bus)
             if self.shared_dir is None:
-                await objstore.open_bucket(self.js, self.bucket, budget_s=self.bus_retry_timeout_s, on_retry=self.on_retry)
+                await objstore.open_bucket(self.js, self.bucket, replicas=self.bus.replicas, declare=self.bus.declare,
+                                           budget_s=self.bus_retry_timeout_s, on_retry=self.on_retry)
             if self.epoch is None:
                 self.epoch = await with_retries("read the last announcement", lambda: next_epoch(self.nc, self.run),
                                                 self.bus_retry_timeout_s, self.on_retry)

@@ -14,7 +14,6 @@ import pytest
 
 from schemas.subjects import TRAJECTORIES_STREAM, WEIGHTS_BUCKET, stream_specs
 from services.bus.secrets import new_password
-from services.common import bus
 from services.common.bus import BusNotInitialized, connect, declare_streams
 from services.common.nats_auth import NatsAuth
 from services.common.nats_server import NatsServer, find_binary
@@ -81,7 +80,9 @@ def test_without_bus_init_a_non_declaring_service_fails_naming_it(secured: tuple
         errors = []
         nc = await connect(server.url, "check", auth=NatsAuth(user=user, password_file=files[user]))
         try:
-            for call in (lambda: declare_streams(nc.jetstream()), lambda: open_bucket(nc.jetstream(), WEIGHTS_BUCKET)):
+            # as a service with `bus_declare=false` declares: its Bus says so
+            for call in (lambda: declare_streams(nc.jetstream(), declare=False),
+                         lambda: open_bucket(nc.jetstream(), WEIGHTS_BUCKET, declare=False)):
                 with pytest.raises(BusNotInitialized) as caught:
                     await call()
                 errors.append(str(caught.value))
@@ -89,11 +90,7 @@ def test_without_bus_init_a_non_declaring_service_fails_naming_it(secured: tuple
             await nc.close()
         return errors
 
-    bus.set_default_declare(False)
-    try:
-        errors = asyncio.run(attempt("trainer"))
-    finally:
-        bus.set_default_declare(True)
+    errors = asyncio.run(attempt("trainer"))
     assert errors[0].startswith("stream PROMPTS does not exist") and "`jetrl bus init`" in errors[0]
     assert errors[1].startswith(f"object store bucket {WEIGHTS_BUCKET} does not exist") and "`jetrl bus init`" in errors[1]
     # and a whole service, as a user would start it: `jetrl track` exits at once, saying what to run

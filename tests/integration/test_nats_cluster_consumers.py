@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
-from services.common.bus import connect, declare_streams, default_replicas, set_default_replicas
+from services.common.bus import Bus, connect, declare_streams
 from services.common.busretry import with_retries
 from services.common.consumers import ConsumerRefused, add_consumer
 from services.common.nats_cluster import NatsCluster
@@ -81,25 +81,15 @@ async def _started_while_the_majority_is_down(cluster: NatsCluster, start: Calla
         await service.close()
 
 
-@pytest.fixture
-def three_replicas() -> Iterator[None]:
-    """The service's `nats_replicas=3`, as its entry point sets it beside a 3-node cluster."""
-    before = default_replicas()
-    set_default_replicas(3)
-    try:
-        yield
-    finally:
-        set_default_replicas(before)
-
-
 @pytest.mark.timeout(240)
-async def test_a_rollout_worker_declares_its_consumer_through_the_outage(cluster: NatsCluster, three_replicas: None) -> None:
+async def test_a_rollout_worker_declares_its_consumer_through_the_outage(cluster: NatsCluster) -> None:
     await _prepare(cluster)
     config = WorkerConfig(worker="w", max_deliver=4)
     engine = InferenceEngine(InferenceClientSettings(servers=["http://127.0.0.1:9"]))  # never asked: no episode runs
 
     async def start(nc: NATS) -> Any:
-        worker = RolloutWorker(nc, RUN, OneSample(), engine, config)
+        # the service's `nats_replicas=3`, as its entry point's Bus carries it beside a 3-node cluster
+        worker = RolloutWorker(nc, RUN, OneSample(), engine, config, bus=Bus(cluster.url, replicas=3))
         await worker.declare()
         return worker.max_deliver, await nc.jetstream().consumer_info(PROMPTS_STREAM, S.rollout_consumer)
 
