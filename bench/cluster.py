@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import encode_group
+from services.bus.nats_cluster import NatsCluster
 from services.common.bus import connect, declare_streams
 from services.common.logging import configure_logging
-from services.common.nats_cluster import NatsCluster
 
 
 def group(seed: int) -> bytes:

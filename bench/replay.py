@@ -29,8 +29,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from schemas.headers import trajectory_headers
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import encode_group, group_to_table
+from services.bus.nats_server import NatsServer
 from services.common.bus import connect, declare_streams
-from services.common.nats_server import NatsServer
 from services.replay.reader import StreamReader
 from services.replay.settings import RangeSettings, ReplaySettings
 from services.replay.source import RecordingSource, open_records

@@ -92,8 +92,8 @@ async def wait_ready(nats_url: str, proc: subprocess.Popen[bytes]) -> None:
 
 
 def main() -> None:
+    from services.bus.nats_server import NatsServer
     from services.common.logging import configure_logging
-    from services.common.nats_server import NatsServer
 
     configure_logging("error", "console")  # keep the table readable
 

@@ -143,8 +143,8 @@ def in_process_cpu(samples: int) -> float:
 
 
 def main() -> None:
+    from services.bus.nats_server import NatsServer
     from services.common.logging import configure_logging
-    from services.common.nats_server import NatsServer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trees", nargs="+", default=[str(ROOT)], help="checkouts to compare, run alternately")

@@ -35,9 +35,9 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from schemas.messages import MetricsEvent, PromptTask, decode, encode
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
+from services.bus.nats_server import NatsServer, free_port
 from services.common.bus import declare_streams
 from services.common.logging import configure_logging
-from services.common.nats_server import NatsServer, free_port
 from services.inference.make_model import build_model
 from services.reward.service import RewardService
 from services.reward.settings import RewardSettings

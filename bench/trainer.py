@@ -104,7 +104,7 @@ def plain_loop(model_path: str, steps: int, groups: int, group_size: int) -> dic
 
 
 def launch(stage: int, nproc: int, model_path: str, args: argparse.Namespace, tmp: Path) -> dict:
-    from services.common.nats_server import free_port
+    from services.common.ports import free_port
 
     result = tmp / f"z{stage}-w{nproc}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}

@@ -55,7 +55,7 @@ import nats  # noqa: E402
 from nats.aio.msg import Msg  # noqa: E402
 
 from schemas.messages import WeightsLoaded, WeightsLoadFailed, decode  # noqa: E402
-from services.common.nats_server import NatsServer, free_port  # noqa: E402
+from services.bus.nats_server import NatsServer, free_port  # noqa: E402
 from services.weights.broadcast import WeightBroadcaster  # noqa: E402
 from services.weights.colocated import ColocatedSender  # noqa: E402
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream  # noqa: E402

@@ -100,7 +100,7 @@ def worker(model: str, url: str, rounds: int, bucket_mb: float, out: Path) -> No
 
 def main() -> None:
     from bench.weights import build_model
-    from services.common.nats_server import free_port
+    from services.common.ports import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=100, choices=(100, 1000))

@@ -12,7 +12,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("services.up", "run the whole pipeline on this machine (nats, inference, weights, reward, rollout, trainer)"),
     "bus": ("services.bus", "`bus init`: declare streams and buckets as the admin; `bus permissions`: per-service NATS users"),
-    "nats": ("services.common.nats_cli", "run an embedded nats-server with JetStream (--cluster N: a cluster on loopback)"),
+    "nats": ("services.bus.nats_cli", "run an embedded nats-server with JetStream (--cluster N: a cluster on loopback)"),
     "inference": ("services.inference", "SGLang-protocol inference server on CPU (transformers)"),
     "rollout": ("services.rollout", "rollout worker: prompts in, trajectories out"),
     "reward": ("services.reward", "reward service: a process pool behind a NATS endpoint"),

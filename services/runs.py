@@ -10,10 +10,10 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from services.bus.nats_server import NatsServer
+from services.bus.permissions import authorization_block, passwords_conf, users
 from services.bus.secrets import PASSWORDS_CONF
 from services.common.nats_auth import NatsAuth
-from services.common.nats_server import NatsServer
-from services.common.permissions import authorization_block, passwords_conf, users
 
 URL_FILE = "nats.url"
 SECRETS_DIR = "secrets"

@@ -18,8 +18,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # with it, as `jetrl prompts push --issuer-key-file` would tag pushed prompts (docs/security.md).
 os.environ.setdefault("JETRL_TRAINER__TRUST__PROMPT_ISSUER_KEY", "jetrl-tests-prompt-issuer")
 
-from services.common.nats_cluster import NatsCluster
-from services.common.nats_server import NatsServer
+from services.bus.nats_cluster import NatsCluster
+from services.bus.nats_server import NatsServer
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _permissions(argv: list[str]) -> int:
-    from services.common.permissions import ANY_RUN, authorization_block, password_env, users
+    from services.bus.permissions import ANY_RUN, authorization_block, password_env, users
 
     parser = argparse.ArgumentParser(
         prog="jetrl bus permissions",

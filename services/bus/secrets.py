@@ -9,7 +9,7 @@ import secrets
 import string
 from pathlib import Path
 
-from services.common.permissions import passwords_conf, users
+from services.bus.permissions import passwords_conf, users
 
 PASSWORDS_CONF = "nats-passwords.conf"
 TRUST_KEYS = ("announce-key", "inference-admin-key")

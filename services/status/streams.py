@@ -19,7 +19,7 @@ from nats.js.errors import NotFoundError
 
 from schemas.messages import MessageError, MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects, stream_specs
-from services.common.permissions import OBJ_STREAM
+from services.bus.permissions import OBJ_STREAM
 from services.common.streaminfo import led
 from services.status.answers import answered
 

@@ -87,7 +87,7 @@ def init_distributed() -> tuple[int, int]:
     looks for MPI; default them for world size 1."""
     deepspeed = import_deepspeed()
     if "WORLD_SIZE" not in os.environ:
-        from services.common.nats_server import free_port
+        from services.common.ports import free_port
 
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -2,7 +2,7 @@
 per run, as it signs announcements with a key of the run's own (trust.py).
 
 In `<run_dir>/secrets/` (0700, each file 0600, kept on a resumed run): a random password per NATS
-user (`admin` and one per service, services/common/permissions.py), the run name the users block is
+user (`admin` and one per service, services/bus/permissions.py), the run name the users block is
 for, the inference servers' admin key and the trainer's prompt issuer key. nats-server gets the
 users block of this run (only its subjects), which includes the passwords from
 `secrets/nats-passwords.conf` (services/runs.py); each service gets only its own user's password
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.bus.nats_server import NatsServer
+from services.bus.permissions import ADMIN, users
 from services.bus.secrets import new_password
 from services.common.nats_auth import NatsAuth
-from services.common.nats_server import NatsServer
-from services.common.permissions import ADMIN, users
 from services.runs import PROMPT_ISSUER_KEY, RUN_FILE, SECRETS_DIR, locked_server
 
 INFERENCE_ADMIN_KEY = "inference-admin-key"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -13,28 +12,27 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import httpx
+from nats.aio.client import Client as NATS
 
-from services.common.bus import Bus
+from services.bus.nats_server import NatsServer
+from services.common.bus import Bus, close_connection
 from services.common.logging import configure_logging, get_logger
 from services.common.model_dirs import NotOurs, check_model_dir
 from services.common.model_path import ModelNotFound, require_model
-from services.common.nats_server import free_port
 from services.common.settings import SettingsError, deep_merge
 from services.runs import URL_FILE
-from services.up import SERVICE_SECTIONS
-from services.up.credentials import ADMIN, declare_as_admin, make_credentials
+from services.up.compose import compose
+from services.up.credentials import ADMIN, RunCredentials, declare_as_admin, make_credentials
 from services.up.display import Display
 from services.up.layout import layout, priorities
 from services.up.monitor import RunView, watch
-from services.up.presets import preset_for, preset_name, summarize, summary_lines
-from services.up.presets import section as preset_section
+from services.up.plan import execute
+from services.up.presets import preset_name, summarize, summary_lines
 from services.up.report import last_error, write_metrics
 from services.up.report import summary_lines as report_lines
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
-from services.up.stack import Stack, settings_class, to_env
-from services.up.trust import announce_trust
+from services.up.stack import Proc, Stack, settings_class
 
 log = get_logger("up")
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,144 +98,109 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     # the run's NATS users and inference admin key (credentials.py); an open bus only when asked
     creds = make_credentials(run_dir, s.run, locked=s.bus == "embedded" and not s.open_bus)
     nats = creds.nats_server(run_dir / "nats", run_dir / "nats-server.log") if s.bus == "embedded" else None
-    base_env = passed_env(s, os.environ)
-    # PYTHONPATH: jetrl's root, then the caller's own when `up.pass_env` names it (a workflow's package)
-    extra_path = [os.environ["PYTHONPATH"]] if "PYTHONPATH" in s.pass_env and os.environ.get("PYTHONPATH") else []
-    base_env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *extra_path]), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                    TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    base_env["JETRL_RUN_DIR"] = str(run_dir)  # marks every process of the run, children included
-    stack = Stack(run_dir, base_env)
+    stack = Stack(run_dir, _base_env(s, run_dir))
     view = RunView(started=started, target=stop_at_reward(s) or None)
     display = Display(s, view, stack)
     outcome = "failed"
     used: dict[str, Any] = {}
     try:
-        if nats is not None:
-            nats.start()
-            url = nats.url
-            log.info("nats-server ready", url=url, store=str(nats.store_dir), users=creds.locked)
-            if not creds.locked:
-                log.warning("open_bus: the bus admits anyone on this host without credentials: any process here can "
-                            "read the prompts, publish groups that are trained and announce weights", url=url)
-        else:
-            url = s.nats_url
-            log.info("using the NATS at nats_url", url=url, replicas=s.nats_replicas)
+        url = _bus_url(s, nats, creds)
         (run_dir / URL_FILE).write_text(url)  # lets `jetrl status` / `plot` find the live run
         await asyncio.to_thread(_make_model, s.model_path)
         dataset, task_eval = await asyncio.to_thread(_dataset, s, run_dir)
-        # `up`'s own connection (the monitor): its nats_auth; with bus_declare=false (a restricted user
-        # on an external bus) it only checks that `jetrl bus init` declared the streams
-        if creds.locked:  # the streams and the bucket declared once as the admin; then watched as the observer
-            await declare_as_admin(url, creds.auth(ADMIN), s.nats_replicas, trajectories_max_bytes=s.recording_max_bytes,
-                                   trajectories_discard=s.recording_discard)
-            bus = Bus(url, creds.auth("observer"), s.nats_replicas, declare=False)
-        else:
-            bus = Bus(url, s.nats_auth, s.nats_replicas, s.bus_declare)
-        nc = await bus.connect("jetrl-up")
-        await bus.declare_streams(nc.jetstream())
-        await watch(nc, s.run, view)
+        nc = await _monitor(s, creds, url, view)
 
         shape = layout(s)
         log.info("process layout", cores=shape.cores, rollout_workers=shape.rollout_workers, torch_threads=shape.torch_threads)
-        threads = {"OMP_NUM_THREADS": str(shape.torch_threads)}  # the trainer's and the servers' tensor work
-        common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json"}
-        preset = preset_for(s.dataset_path)  # the copy3 demo's settings, for the demo only (presets.py)
-        # the run's credentials under the preset under the user's own section (theirs win)
-        sec = lambda name: deep_merge(creds.section(name, sections.get(name, {})), preset_section(preset, sections, name))  # noqa: E731
-        # Ports first, so that every service is told where the servers will be before any of them is up.
-        servers = [f"http://127.0.0.1:{free_port()}" for _ in range(s.inference_servers)]
-        signed = announce_trust(run_dir, sections)  # the trainer signs announcements, the agents check them
-        trainer: dict[str, Any] = {
-            **common,
-            **signed,
-            "model_path": s.model_path,
-            "output_dir": str(run_dir / "trainer"),
-            "total_steps": s.total_steps,
-            "feeder": {"dataset_path": dataset},
-            # Weights travel in memory to the servers it started (docs/weights.md): on this host, through
-            # shared memory (`colocated`), unless they are simulated (no model to receive into: then the
-            # disk path, as `trainer.weights_broadcast.enabled: false` selects).
-            "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers, "transport": "colocated"},
-        }
-        stack.nice = priorities(s, broadcast=bool(deep_merge(trainer, sec("trainer"))["weights_broadcast"].get("enabled")))
-        if not s.dataset_path:  # the demo: a fixed eval set of 32 prompts, every 10 steps
-            eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1)
-            trainer["feeder"] |= {"eval_dataset_path": str(eval_set), "eval_every": 10, "eval_size": 32}
-        elif task_eval is not None:  # a generated task's held-out rows, for a trainer section's `feeder.eval_every`
-            trainer["feeder"]["eval_dataset_path"] = str(task_eval)
-        used = _print_settings(s, {"trainer": deep_merge(trainer, sec("trainer")), "rollout": sec("rollout"),
-                                   "inference": sec("inference")})
-        # The trainer first: its start (DeepSpeed's import and init, the model) is the longest of all and
-        # needs no inference server, so it overlaps the servers' start instead of following it. Its
-        # prompts wait in the PROMPTS stream until a rollout worker is up.
-        trainer_proc = stack.start("trainer", "services.trainer", to_env("trainer", deep_merge(trainer, sec("trainer"))) | threads)
-        stack.start("reward", "services.reward", to_env("reward", deep_merge(common, sec("reward"))))
-        for i, url in enumerate(servers):
-            port = int(url.rsplit(":", 1)[1])
-            stack.start(
-                f"inference-{i}",
-                "services.inference",
-                to_env(
-                    "inference",
-                    # skip_tokenizer_init: ids only, as jetrl starts real SGLang (the rollout client
-                    # decodes and applies stop strings itself): no detokenizing per reply
-                    deep_merge({**common, "model_path": s.model_path, "port": port, "seed": i,
-                                "torch_threads": shape.torch_threads, "skip_tokenizer_init": True}, sec("inference")),
-                )
-                | threads,
-            )
-            weights = {**common, **signed, "server": url, "cache_dir": str(run_dir / f"weights-cache-{i}")}
-            stack.start(f"weights-{i}", "services.weights", to_env("weights", deep_merge(weights, sec("weights"))))
-        # The rollout workers start beside the servers too: their start (imports, the tokenizer) overlaps
-        # the servers' model load, and each takes no prompt before a server serves (version_gate.py).
-        for i in range(shape.rollout_workers):
-            rollout = {**common, "model_path": s.model_path, "worker": f"rollout-{i}", "inference": {"servers": servers}}
-            # replicas: one dying is survivable (its prompts are redelivered); all of them is not
-            stack.start(f"rollout-{i}", "services.rollout", to_env("rollout", deep_merge(rollout, sec("rollout"))), required=False)
-        if "track" in sections:  # experiment trackers: a follower of the METRICS stream; losing it loses no training
-            config = run_dir / "config.json"
-            config.write_text(json.dumps({"up": s.model_dump(), **{n: sec(n) for n in SERVICE_SECTIONS if n != "track"}}, default=str))
-            track = {**common, "config_path": str(config)}
-            stack.start("track", "services.track", to_env("track", deep_merge(track, sec("track"))), required=False)
-
-        # A server that dies or never loads is reported here, with its log, before the live display.
-        await _wait_healthy(servers, stack, s.ready_timeout_s, stop)
-
-        with display:
-            while not stop.is_set():
-                display.refresh()
-                if trainer_proc.poll() == 0:
-                    outcome = "finished"
-                    break
-                failed = stack.failed() or stack.all_ended("rollout-")
-                for lost in stack.newly_ended("rollout-"):
-                    log.warning(
-                        "rollout worker ended; the others go on and its prompts are redelivered",
-                        service=lost.name,
-                        code=lost.poll(),
-                        log_tail=lost.log_tail(5),
-                    )
-                if failed is not None:
-                    display.stop()
-                    print(f"\njetrl up: service {failed.name} exited with code {failed.poll()}; "
-                          f"last lines of {failed.log_path}:\n{failed.log_tail()}", file=sys.stderr)
-                    print(last_error(failed.log_path), file=sys.stderr)
-                    break
-                if view.reached_at is not None:
-                    outcome = "converged"
-                    break
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 0.5)
-            if interrupted:
-                outcome = f"interrupted ({interrupted[0]})"
-        await asyncio.sleep(0.3)  # let the last metrics events arrive
-        await nc.close()
+        # the demo: a fixed eval set of 32 prompts, every 10 steps; a generated task: its held-out rows
+        eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1) if not s.dataset_path else task_eval
+        composed = compose(s, sections, creds, run_dir, url, shape, dataset, eval_set)
+        stack.nice = priorities(s, broadcast=composed.broadcast)
+        used = _print_settings(s, composed.learning)
+        procs = await execute(composed.plan, stack, s.ready_timeout_s, stop)
+        outcome = await _follow(display, stack, view, procs["trainer"], stop)
+        if interrupted:
+            outcome = f"interrupted ({interrupted[0]})"
+        # the last metrics events: a round trip brings every one the server routed here, then the
+        # subscriptions' queues are emptied (the drain), bounded
+        await close_connection(nc)
     finally:
         log.info("stopping the stack", outcome=outcome)
         await asyncio.to_thread(stack.stop, s.stop_timeout_s)
         if nats is not None:
             nats.stop()
         (run_dir / URL_FILE).unlink(missing_ok=True)
+    return _report(s, run_dir, kept, view, outcome, started, used, interrupted)
+
+
+def _base_env(s: UpSettings, run_dir: Path) -> dict[str, str]:
+    """What every service's environment starts from."""
+    env = passed_env(s, os.environ)
+    # PYTHONPATH: jetrl's root, then the caller's own when `up.pass_env` names it (a workflow's package)
+    extra_path = [os.environ["PYTHONPATH"]] if "PYTHONPATH" in s.pass_env and os.environ.get("PYTHONPATH") else []
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *extra_path]), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env["JETRL_RUN_DIR"] = str(run_dir)  # marks every process of the run, children included
+    return env
+
+
+def _bus_url(s: UpSettings, nats: NatsServer | None, creds: RunCredentials) -> str:
+    """Start the embedded nats-server (readiness: its /healthz), or use `nats_url`; returns the URL."""
+    if nats is None:
+        log.info("using the NATS at nats_url", url=s.nats_url, replicas=s.nats_replicas)
+        return s.nats_url
+    nats.start()
+    log.info("nats-server ready", url=nats.url, store=str(nats.store_dir), users=creds.locked)
+    if not creds.locked:
+        log.warning("open_bus: the bus admits anyone on this host without credentials: any process here can "
+                    "read the prompts, publish groups that are trained and announce weights", url=nats.url)
+    return nats.url
+
+
+async def _monitor(s: UpSettings, creds: RunCredentials, url: str, view: RunView) -> NATS:
+    """`up`'s own connection, watching the run. A locked run: the streams and the bucket declared once
+    as the admin, then watched as the observer. Else its nats_auth; with bus_declare=false (a restricted
+    user on an external bus) it only checks that `jetrl bus init` declared the streams."""
+    if creds.locked:
+        await declare_as_admin(url, creds.auth(ADMIN), s.nats_replicas, trajectories_max_bytes=s.recording_max_bytes,
+                               trajectories_discard=s.recording_discard)
+        bus = Bus(url, creds.auth("observer"), s.nats_replicas, declare=False)
+    else:
+        bus = Bus(url, s.nats_auth, s.nats_replicas, s.bus_declare)
+    nc = await bus.connect("jetrl-up")
+    await bus.declare_streams(nc.jetstream())
+    await watch(nc, s.run, view)
+    return nc
+
+
+async def _follow(display: Display, stack: Stack, view: RunView, trainer: Proc, stop: asyncio.Event) -> str:
+    """The live display until the trainer finishes, the reward target is reached, a required service
+    fails (its log tail printed) or `stop` is set; returns the outcome."""
+    with display:
+        while not stop.is_set():
+            display.refresh()
+            if trainer.poll() == 0:
+                return "finished"
+            failed = stack.failed() or stack.all_ended("rollout-")
+            for lost in stack.newly_ended("rollout-"):
+                log.warning("rollout worker ended; the others go on and its prompts are redelivered", service=lost.name,
+                            code=lost.poll(), log_tail=lost.log_tail(5))
+            if failed is not None:
+                display.stop()
+                print(f"\njetrl up: service {failed.name} exited with code {failed.poll()}; "
+                      f"last lines of {failed.log_path}:\n{failed.log_tail()}", file=sys.stderr)
+                print(last_error(failed.log_path), file=sys.stderr)
+                return "failed"
+            if view.reached_at is not None:
+                return "converged"
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+    return "failed"
+
+
+def _report(s: UpSettings, run_dir: Path, kept: Path | None, view: RunView, outcome: str, started: float,
+            used: dict[str, Any], interrupted: list[str]) -> int:
+    """metrics.json, the curve and the summary; the exit code."""
     wall = time.time() - started
     extra = {"outcome": outcome, "reached_at_step": view.reached_at, "wall_s": wall, "started_at": started,
              "servers": view.servers, "evals": view.evals, "settings": used, "workflow_stats": view.workflow_stats,
@@ -256,11 +219,6 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     if outcome in ("finished", "converged"):
         return 0
     return 130 if interrupted else 1
-
-
-def _simulated(inference: dict[str, Any]) -> bool:
-    """Whether the inference section asks for simulated servers (read as the server reads it)."""
-    return bool(getattr(settings_class("inference").model_validate(inference), "simulate", False))
 
 
 def _make_model(path: str) -> None:
@@ -293,21 +251,3 @@ def _make_dataset(run_dir: Path, n: int, name: str = "copy3.jsonl", seed: int = 
     from services.common.demo_task import write_copy3_dataset
 
     return write_copy3_dataset(run_dir / "data" / name, n, seed)
-
-
-async def _wait_healthy(servers: list[str], stack: Stack, timeout_s: float, stop: asyncio.Event) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        for url in servers:
-            while True:
-                failed = stack.failed()
-                if failed is not None:
-                    raise RuntimeError(f"{failed.name} exited with {failed.poll()} while starting:\n{failed.log_tail()}")
-                if stop.is_set():
-                    raise RuntimeError("interrupted while starting")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{url}/health")).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"inference server {url} not healthy within {timeout_s}s")
-                await asyncio.sleep(0.2)

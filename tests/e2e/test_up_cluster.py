@@ -14,9 +14,9 @@ import pytest
 from schemas.headers import is_rejection
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import decode_group
+from services.bus.nats_cluster import NatsCluster
+from services.bus.nats_server import NatsServer
 from services.common.bus import connect
-from services.common.nats_cluster import NatsCluster
-from services.common.nats_server import NatsServer
 from tests.support.up import DEMO, finish, start_up, step_of
 from tests.support.waiting import wait_until
 

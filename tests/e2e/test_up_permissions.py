@@ -18,10 +18,10 @@ import pytest
 from schemas.headers import prompt_headers
 from schemas.messages import PromptTask, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
+from services.bus.nats_server import NatsServer
+from services.bus.permissions import authorization_block
 from services.common.bus import connect, publish_acked
 from services.common.nats_auth import NatsAuth
-from services.common.nats_server import NatsServer
-from services.common.permissions import authorization_block
 from tests.support.bus_users import as_user, bus_init, make_pki, refusal, write_secrets
 from tests.support.up import ROOT, finish, start_up
 

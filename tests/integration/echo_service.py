@@ -11,7 +11,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from schemas.messages import MessageError, PromptTask, decode
 from schemas.subjects import PROMPTS_STREAM, Subjects
-from services.common.bus import connect, declare_streams
+from services.common.bus import Bus
 from services.common.entry import service_main
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
@@ -25,12 +25,12 @@ class EchoSettings(ServiceSettings):
     """Start a task that never finishes (the shutdown deadline must cancel it)."""
 
 
-async def run(settings: EchoSettings) -> None:
+async def run(settings: EchoSettings, bus: Bus) -> None:
     async def main(sup: Supervisor) -> None:
-        nc = await connect(settings.nats_url, "echo", connect_timeout_s=settings.connect_timeout_s)
+        nc = await bus.connect("echo", connect_timeout_s=settings.connect_timeout_s)
         sup.stack.push_async_callback(nc.drain)
         js = nc.jetstream()
-        await declare_streams(js)
+        await bus.declare_streams(js)
         subjects = Subjects(settings.run)
         metrics = MetricsPublisher(nc, settings.run, "echo")
         sub = await js.pull_subscribe(

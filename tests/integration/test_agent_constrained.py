@@ -23,7 +23,7 @@ import jsonschema
 import openai
 import pytest
 
-from services.common.nats_server import free_port
+from services.common.ports import free_port
 from services.rollout.agent.proxy import AgentProxy, SamplingDefaults
 from services.rollout.agent.server import ProxyServer
 from services.rollout.client_settings import InferenceClientSettings

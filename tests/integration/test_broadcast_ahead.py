@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from services.common.nats_server import free_port
+from services.common.ports import free_port
 from tests.support.inference import running_servers, spawn_server, wait_ready
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from schemas.messages import MetricsEvent, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode
 from schemas.subjects import METRICS_STREAM, WEIGHT_SYNC_STREAM, Subjects
 from services.common.bus import connect, declare_streams
-from services.common.nats_server import free_port
+from services.common.ports import free_port
 from tests.support.inference import running_servers
 from tests.support.trainer import REPO, kill_group, make_group, publish_group
 

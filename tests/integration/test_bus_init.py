@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from schemas.subjects import TRAJECTORIES_STREAM, WEIGHTS_BUCKET, stream_specs
+from services.bus.nats_server import NatsServer, find_binary
+from services.bus.permissions import authorization_block, password_env
 from services.bus.secrets import new_password
 from services.common.bus import BusNotInitialized, connect, declare_streams
 from services.common.nats_auth import NatsAuth
-from services.common.nats_server import NatsServer, find_binary
-from services.common.permissions import authorization_block, password_env
 from services.weights.objstore import open_bucket
 from tests.support.bus_users import ROOT, write_secrets
 

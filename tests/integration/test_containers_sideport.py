@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from services.common.nats_server import NatsServer, free_port
+from services.bus.nats_server import NatsServer, free_port
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

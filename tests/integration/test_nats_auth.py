@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from services.bus.nats_server import NatsServer
 from services.common.bus import connect
 from services.common.nats_auth import NatsAuth
-from services.common.nats_server import NatsServer
 from tests.support.bus_users import make_pki
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ import nats.js.errors
 import pytest
 
 from schemas.subjects import TRAJECTORIES_STREAM, WEIGHTS_BUCKET, stream_specs
+from services.bus.nats_cluster import NatsCluster
 from services.common.bus import connect, declare_streams
-from services.common.nats_cluster import NatsCluster
 from services.weights.objstore import open_bucket
 
 N = 400

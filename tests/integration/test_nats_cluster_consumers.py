@@ -16,10 +16,10 @@ from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
+from services.bus.nats_cluster import NatsCluster
 from services.common.bus import Bus, connect, declare_streams
 from services.common.busretry import with_retries
 from services.common.consumers import ConsumerRefused, add_consumer
-from services.common.nats_cluster import NatsCluster
 from services.replay.reader import StreamReader
 from services.replay.settings import RangeSettings
 from services.rollout.client_settings import InferenceClientSettings

@@ -19,9 +19,9 @@ import time
 import pytest
 
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
+from services.bus.nats_cluster import NatsCluster
 from services.common.bus import connect, declare_streams
 from services.common.busretry import with_retries
-from services.common.nats_cluster import NatsCluster
 from services.replay.reader import StreamReader
 from services.replay.settings import RangeSettings
 from services.trainer import fresh

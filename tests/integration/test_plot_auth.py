@@ -13,10 +13,10 @@ from pathlib import Path
 
 from schemas.messages import MetricsEvent, encode
 from schemas.subjects import METRICS_STREAM, Subjects
+from services.bus.nats_server import NatsServer
+from services.bus.permissions import authorization_block
 from services.common.bus import connect, publish_acked
 from services.common.nats_auth import NatsAuth
-from services.common.nats_server import NatsServer
-from services.common.permissions import authorization_block
 from tests.support.bus_users import ROOT, bus_init, write_secrets
 
 RUN = "plotted"

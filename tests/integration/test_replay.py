@@ -147,7 +147,7 @@ async def test_jetrl_replay_of_a_seq_range_trains_exactly_that_range(nats_url: s
 
 def test_a_parquet_replay_without_a_nats_server_says_it_needs_one(tiny_model: Path, tmp_path: Path) -> None:
     # Parquet input still publishes metrics on NATS: with no server the error must say so, not just time out.
-    from services.common.nats_server import free_port
+    from services.common.ports import free_port
 
     out = subprocess.run(
         [sys.executable, "-m", "services.replay", "run=offline", f"parquet=[{tmp_path / 'demo.parquet'}]",

@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 
 from schemas.subjects import TRAJECTORIES_STREAM
 from schemas.trajectory import decode_group
-from services.common.nats_server import free_port
+from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine
 from services.rollout.service import build_workflow, standard_kwargs

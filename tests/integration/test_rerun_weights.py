@@ -13,7 +13,7 @@ import pytest
 
 from schemas.messages import WeightsLoaded, WeightsLoadFailed, encode
 from schemas.subjects import Subjects
-from services.common.nats_server import free_port
+from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine, ModelRequest, WeightUpdateMeta
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream

@@ -11,8 +11,8 @@ from typing import Any
 import nats
 
 from schemas.subjects import TRAJECTORIES_STREAM
+from services.bus.nats_server import NatsServer
 from services.common.bus import connect, declare_streams
-from services.common.nats_server import NatsServer
 from services.rollout.workflows.synthetic import SyntheticWorkflow
 from tests.support.rollout import RUN, S, collect, push_prompts, running_worker
 

@@ -22,7 +22,7 @@ from schemas.headers import is_rejection
 from schemas.messages import RejectionMarker, decode
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from schemas.trajectory import decode_group
-from services.common.nats_server import free_port
+from services.common.ports import free_port
 from services.reward.client import RewardClient
 from services.reward.service import RewardService
 from services.reward.settings import RewardSettings

@@ -15,9 +15,9 @@ import pytest
 
 from schemas.messages import PromptTask
 from schemas.subjects import Subjects
+from services.bus.nats_server import NatsServer
 from services.common.bus import connect
 from services.common.busretry import BusUnavailable
-from services.common.nats_server import NatsServer
 from services.trainer import checkpoint as ckpt
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer

@@ -13,9 +13,9 @@ import pytest
 
 from schemas.messages import PromptTask, decode
 from schemas.subjects import PROMPTS_STREAM
+from services.bus.nats_server import NatsServer
 from services.common.bus import connect, declare_streams
 from services.common.busretry import BusUnavailable
-from services.common.nats_server import NatsServer
 from services.trainer.feeder import Feeder
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import until, write_dataset

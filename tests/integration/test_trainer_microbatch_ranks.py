@@ -59,7 +59,7 @@ def test_ranks_with_different_micro_batch_counts_train_like_one_pass(tiny_model:
     import torch
     from safetensors.torch import load_file
 
-    from services.common.nats_server import free_port
+    from services.common.ports import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from services.common.bus import connect, declare_streams
-from services.common.nats_server import free_port
+from services.common.ports import free_port
 from tests.support.trainer import REPO, make_group, publish_group
 
 STEPS, GROUPS = 2, 2

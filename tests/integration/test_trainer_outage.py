@@ -14,8 +14,8 @@ import pytest
 
 from schemas.messages import PromptTask
 from schemas.subjects import Subjects
+from services.bus.nats_server import NatsServer
 from services.common.bus import connect
-from services.common.nats_server import NatsServer
 from tests.support.trainer import (
     SERVICE_RUN,
     delivered_to_trainer,

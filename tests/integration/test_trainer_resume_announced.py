@@ -30,7 +30,7 @@ import pytest
 from schemas.headers import trajectory_headers
 from schemas.subjects import TRAJECTORIES_STREAM
 from schemas.trajectory import decode_group, encode_group_with_meta
-from services.common.nats_server import free_port
+from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine
 from services.rollout.service import build_workflow, standard_kwargs

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from services.bus.nats_server import NatsServer
 from services.common.bus import connect, declare_streams
 from services.common.busretry import BusUnavailable
-from services.common.nats_server import NatsServer
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings

@@ -58,7 +58,7 @@ def _launch(out: Path, nproc: int, stages: str, model: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    from services.common.nats_server import free_port
+    from services.common.ports import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            __file__, "--worker", str(out), stages, str(model)]

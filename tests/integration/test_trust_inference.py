@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.common.nats_server import free_port
+from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine, ModelRequest
 from services.weights.server_client import ServerClient, ServerError

@@ -14,7 +14,7 @@ import pytest
 
 from schemas.messages import WeightFile, WeightsLoaded, WeightsLoadFailed, WeightsPublished, encode
 from schemas.subjects import Subjects
-from services.common.nats_server import free_port
+from services.common.ports import free_port
 from services.status.weights import weights_status
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
 from services.weights.trust import sign

@@ -14,7 +14,7 @@ import pytest
 
 from schemas.messages import WeightFile, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode, encode
 from schemas.subjects import WEIGHT_SYNC_STREAM, WEIGHTS_BUCKET, Subjects
-from services.common.nats_server import free_port
+from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine, ModelRequest
 from services.status.weights import weights_status
@@ -141,9 +141,9 @@ async def publish_corrupted(nc: nats.aio.client.Client, run: str, version: int, 
 async def test_reports_survive_a_nats_server_restart_and_a_lost_one_never_stops_the_agent(tmp_path: Path) -> None:
     # The agent's side of a nats-server restart, without inference servers: its report is published
     # while the server is down, retried, and recorded once the server is back on the same store.
+    from services.bus.nats_server import NatsServer
     from services.common.bus import connect
     from services.common.metrics import MetricsPublisher
-    from services.common.nats_server import NatsServer
     from services.weights.agent import WeightsAgent
     from services.weights.server_client import ServerClient
     from services.weights.settings import WeightsSettings

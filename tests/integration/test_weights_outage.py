@@ -16,8 +16,8 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from schemas.subjects import WEIGHTS_BUCKET
+from services.bus.nats_server import NatsServer, free_port
 from services.common.bus import connect
-from services.common.nats_server import NatsServer, free_port
 from services.weights import objread, objstore
 from services.weights.publisher import WeightPublisher
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from services.bus.nats_server import NatsServer
 from services.common.bus import connect
 from services.common.busretry import BusUnavailable
-from services.common.nats_server import NatsServer
 from services.weights.publisher import WeightPublisher
 
 

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from schemas.messages import WeightsPublished
+from services.bus.nats_server import NatsServer, free_port
 from services.common.bus import connect
 from services.common.metrics import MetricsPublisher
-from services.common.nats_server import NatsServer, free_port
 from services.weights.agent import WeightsAgent
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
 from services.weights.server_client import ServerClient

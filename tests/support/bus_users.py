@@ -12,8 +12,8 @@ from typing import Any
 
 import nats
 
+from services.bus.permissions import ADMIN, users
 from services.bus.secrets import new_password
-from services.common.permissions import ADMIN, users
 
 ROOT = Path(__file__).resolve().parents[2]
 

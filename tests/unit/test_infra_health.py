@@ -105,7 +105,7 @@ def test_metric_names_are_valid_prometheus_names() -> None:
 
 async def test_http_check_passes_when_any_upstream_answers(side_port: str) -> None:
     from services.common.health import http_check
-    from services.common.nats_server import free_port
+    from services.common.ports import free_port
 
     dead = f"http://127.0.0.1:{free_port()}/health"
     assert await http_check(dead, f"{side_port}/healthz")() is True

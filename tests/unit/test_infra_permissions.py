@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from services.common.nats_server import find_binary
-from services.common.permissions import ADMIN, authorization_block, passwords_conf, service_permissions, users
+from services.bus.nats_server import find_binary
+from services.bus.permissions import ADMIN, authorization_block, passwords_conf, service_permissions, users
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -93,7 +93,7 @@ def test_k8s_mounts_only_each_pods_own_password() -> None:
 
 
 def test_the_reward_discovery_subjects_use_its_real_service_name() -> None:
-    from services.common.permissions import REWARD_SERVICE
+    from services.bus.permissions import REWARD_SERVICE
     from services.reward.service import SERVICE_NAME
 
     assert REWARD_SERVICE == SERVICE_NAME

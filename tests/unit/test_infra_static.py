@@ -269,7 +269,7 @@ def test_rollout_readiness_pings_the_reward_service_by_its_real_name() -> None:
 
 def test_the_cluster_node_config_is_valid_for_nats_server() -> None:
     """compose.cluster.yaml's node config, as nats-server itself reads it (`-t`: check and exit)."""
-    from services.common.nats_server import find_binary
+    from services.bus.nats_server import find_binary
 
     env = {**os.environ, "NATS_NODE": "nats-2"}
     proc = subprocess.run([find_binary(), "-c", str(INFRA / "nats-cluster.conf"), "-t"], env=env, capture_output=True, text=True,

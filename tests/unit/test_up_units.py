@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.nats_server import NatsServer
+from services.bus.nats_server import NatsServer
 from services.runs import URL_FILE
 from services.up.rundir import RunDirInUse, prepare_run_dir
 

@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from services.common.nats_server import NatsServer, free_port
+from services.bus.nats_server import NatsServer, free_port
 
 NODE_CONF = """
 server_name: {name}

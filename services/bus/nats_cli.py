@@ -9,8 +9,8 @@ import signal
 import subprocess
 import time
 
-from services.common.nats_cluster import NatsCluster
-from services.common.nats_server import NatsServer
+from services.bus.nats_cluster import NatsCluster
+from services.bus.nats_server import NatsServer
 
 
 def main(argv: list[str] | None = None) -> int:
