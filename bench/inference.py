@@ -1,7 +1,7 @@
 """Benchmark: CPU inference server tokens/s at concurrency 1, 4, 16, 64, as ratios to concurrency 1.
 
 Starts `jetrl inference` on the tiny model (built locally if needed) as a real process and drives it
-with the real `InferenceEngine` client: `concurrency` workers, each sending one request after another
+with the real `SGLangClient` client: `concurrency` workers, each sending one request after another
 (prompt of 8 tokens, 64 new tokens, `ignore_eos` so every request costs the same). Iteration-level
 batching should make throughput grow with concurrency; the headline `score` is the ratio at 16
 (target >= 4). Run: `python bench/inference.py [--model DIR] [--new-tokens N]`.
@@ -32,7 +32,7 @@ import httpx
 
 from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine, ModelRequest
+from services.rollout.engine import ModelRequest, SGLangClient
 
 LEVELS = (1, 4, 16, 64)
 
@@ -58,7 +58,7 @@ def start_server(model: Path, port: int, log_path: Path, args: tuple[str, ...] =
     raise RuntimeError("server did not become ready in 120 s")
 
 
-async def level(engine: InferenceEngine, concurrency: int, requests: int, new_tokens: int) -> tuple[float, int, float]:
+async def level(engine: SGLangClient, concurrency: int, requests: int, new_tokens: int) -> tuple[float, int, float]:
     """(tokens/s, tokens, mean request latency) with `concurrency` closed-loop workers."""
     prompt = [1, 5, 6, 7, 13, 8, 9, 13]
     todo = list(range(requests))
@@ -80,7 +80,7 @@ async def level(engine: InferenceEngine, concurrency: int, requests: int, new_to
 
 
 async def measure(url: str, new_tokens: int) -> dict[int, tuple[float, int, float]]:
-    engine = InferenceEngine(InferenceClientSettings(servers=[url]))
+    engine = SGLangClient(InferenceClientSettings(servers=[url]))
     try:
         await level(engine, 4, 8, new_tokens)  # warm-up: first-call allocations, connection pool
         return {c: await level(engine, c, max(12, 4 * c), new_tokens) for c in LEVELS}
@@ -121,7 +121,7 @@ async def rollout_load(url: str, pid: int, groups: int, samples: int, think_s: f
     pausing a random 0..`think_s` between groups (a rollout worker scores and publishes a group before
     it sends the next prompt, so groups do not arrive in lock step); the server's CPU-seconds per 1000
     samples over that window and its forward batch rows."""
-    engine = InferenceEngine(InferenceClientSettings(servers=[url]))
+    engine = SGLangClient(InferenceClientSettings(servers=[url]))
     done = 0
     rng = random.Random(0)
 

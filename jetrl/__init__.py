@@ -25,7 +25,7 @@ _EXPORTS: dict[str, str] = {
     "WorkflowError": "services.rollout.workflow",
     "workflow_context": "services.rollout.workflow",
     # requests to the inference engine, and what comes back
-    "InferenceEngine": "services.rollout.engine",
+    "InferenceEngine": "services.rollout.engine_api",  # the protocol; the SGLang client is one implementation
     "ModelRequest": "services.rollout.io_struct",
     "ModelResponse": "services.rollout.io_struct",
     "GenerationHyperparameters": "services.rollout.gconfig",
@@ -120,7 +120,7 @@ if TYPE_CHECKING:
     from services.rollout.api import TensorDict, concat_padded_tensors
     from services.rollout.compat.helpers import apply_chat_template, import_from_string, load_hf_tokenizer
     from services.rollout.compat.reward import AsyncRewardWrapper
-    from services.rollout.engine import InferenceEngine
+    from services.rollout.engine_api import InferenceEngine
     from services.rollout.gconfig import GenerationHyperparameters
     from services.rollout.io_struct import ModelRequest, ModelResponse
     from services.rollout.tensors import concat_padded, sample_tensors, turn_tensors

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from services.rollout.engine import InferenceEngine, ModelRequest, ModelResponse
+from services.rollout.engine import ModelRequest, ModelResponse
+from services.rollout.engine_api import InferenceEngine
 from services.rollout.gconfig import GenerationHyperparameters
 from services.rollout.tensors import concat_padded
 from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, workflow_context

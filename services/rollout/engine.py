@@ -1,4 +1,5 @@
-"""`InferenceEngine`: the SGLang client rollout workflows call (`agenerate`), plus weight control.
+"""`SGLangClient`: the SGLang client rollout workflows call (`agenerate`), plus weight control; the
+implementation over aiohttp of the workflows' `InferenceEngine` protocol (`engine_api.py`).
 
 Interruptible generation (AReaL's `agenerate`): a pass that ends in `abort` (a weight update paused the
 server) is continued with prompt + tokens so far and the remaining budget, so one completion can carry
@@ -52,7 +53,9 @@ from services.rollout.sglang_protocol import (
 log = get_logger("inference-client")
 
 
-class InferenceEngine:
+class SGLangClient:
+    """jetrl's `InferenceEngine` (engine_api.py): generation on a set of SGLang-protocol servers, and their weight control."""
+
     def __init__(self, settings: InferenceClientSettings, keys: tuple[str, str] = ("", "")) -> None:
         """keys: the servers' (api_key, admin_api_key), each shown where a server wants it
         (`Authorization: Bearer`; a service's `trust.inference_api_key` / `inference_admin_api_key`)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from services.rollout.engine_api import InferenceEngine
 from services.rollout.failures import note_not_accepted
 from services.rollout.tensors import TensorDict
 from services.rollout.workflow import RolloutWorkflow, as_tensor_dict, workflow_context
@@ -24,7 +25,7 @@ class EvalOrTrain(RolloutWorkflow):
         self.workflow = workflow
         self.eval_workflow = eval_workflow
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | dict[str, Any] | None:
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> TensorDict | dict[str, Any] | None:
         chosen = self.eval_workflow if workflow_context.is_eval else self.workflow
         return await chosen.arun_episode(engine, data)
 
@@ -36,7 +37,7 @@ class Accepting(RolloutWorkflow):
         self.workflow = workflow
         self.should_accept_fn = should_accept_fn
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> TensorDict | None:
         result = as_tensor_dict(await self.workflow.arun_episode(engine, data))
         if result is None or self.should_accept_fn(result):
             return result

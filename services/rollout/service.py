@@ -112,11 +112,11 @@ async def run(settings: RolloutSettings, bus: Bus) -> None:
 
     async def main(sup: Supervisor) -> None:
         from services.reward.client import RewardClient
-        from services.rollout.engine import InferenceEngine
+        from services.rollout.engine import SGLangClient
 
         nc = await bus.connect(f"rollout-{settings.worker}")
         sup.stack.push_async_callback(close_connection, nc)
-        engine = InferenceEngine(settings.inference, settings.trust.inference_keys())
+        engine = SGLangClient(settings.inference, settings.trust.inference_keys())
         sup.stack.push_async_callback(engine.aclose)
         # the side port's /readyz: an inference server and a reward service (its micro-service name) answer
         # SGLang's /ready where it exists, else /health, which runs a test generation and waits out a pause

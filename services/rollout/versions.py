@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from services.common.logging import get_logger
+from services.rollout.engine_api import InferenceEngine
+from services.rollout.io_struct import ModelRequest, ModelResponse
 from services.rollout.tensors import TensorDict
 from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError, as_tensor_dict
 
@@ -88,12 +90,15 @@ class VersionWatch:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    async def agenerate(self, req: Any, *args: Any, **kwargs: Any) -> Any:
-        resp = await self._engine.agenerate(req, *args, **kwargs)
+    async def agenerate(self, req: ModelRequest, *, episode: str | None = None) -> ModelResponse:
+        resp: ModelResponse = await self._engine.agenerate(req, episode=episode)
         versions = getattr(resp, "output_versions", None)
         if versions:
             self._newest.version = max(self._newest.version, max(versions))
         return resp
+
+    def release_episode(self, episode: str) -> None:
+        self._engine.release_episode(episode)
 
 
 class CheckedWorkflow(RolloutWorkflow):
@@ -110,7 +115,7 @@ class CheckedWorkflow(RolloutWorkflow):
     def __getattr__(self, name: str) -> Any:
         return getattr(self.workflow, name)
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> TensorDict | None:
         result = as_tensor_dict(await self.workflow.arun_episode(VersionWatch(engine, self._newest), data))
         if result is not None:
             try:

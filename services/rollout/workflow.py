@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from services.common.refs import RefError, resolve_ref
+from services.rollout.engine_api import InferenceEngine
 from services.rollout.failures import note_shrunk
 from services.rollout.tensors import TensorDict, concat_padded
 
@@ -130,9 +131,9 @@ class RolloutWorkflow(ABC):
     """One episode of one prompt. Subclass it and implement `arun_episode`."""
 
     @abstractmethod
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | dict[str, Any] | None:
-        """Run the episode for the dataset row `data` with the inference `engine`
-        (`services.rollout.engine.InferenceEngine`)."""
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> TensorDict | dict[str, Any] | None:
+        """Run the episode for the dataset row `data` with the inference `engine` (the
+        `InferenceEngine` protocol: `agenerate`, `release_episode`)."""
 
 
 def is_interactions(result: Mapping[str, Any]) -> bool:
@@ -227,7 +228,7 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
         self.workflow = workflow
         self.group_size = group_size
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> TensorDict | None:
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.workflow.arun_episode(engine, data)) for _ in range(self.group_size)]

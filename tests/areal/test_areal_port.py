@@ -23,7 +23,7 @@ from schemas.headers import is_rejection
 from schemas.messages import PromptTask, RejectionMarker, decode, encode
 from schemas.subjects import Subjects
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine
+from services.rollout.engine import SGLangClient
 from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from tests.areal.areal_pkg import install
@@ -68,8 +68,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture
-async def engine(server: str) -> AsyncIterator[InferenceEngine]:
-    eng = InferenceEngine(InferenceClientSettings(servers=[server]))
+async def engine(server: str) -> AsyncIterator[SGLangClient]:
+    eng = SGLangClient(InferenceClientSettings(servers=[server]))
     try:
         yield eng
     finally:
@@ -122,7 +122,7 @@ async def push(nc: NATS, data: list[dict[str, Any]]) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("piece", list(PIECES))
 async def test_areals_own_code_runs_episodes_with_none_failed(
-    piece: str, ported: Path, nc: NATS, engine: InferenceEngine, tiny_model: Path
+    piece: str, ported: Path, nc: NATS, engine: SGLangClient, tiny_model: Path
 ) -> None:
     from transformers import AutoTokenizer
 

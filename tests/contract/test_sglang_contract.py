@@ -27,7 +27,7 @@ from bench.async_speedup import requests_in_server
 from services.inference.server import InferenceServer
 from services.inference.settings import InferenceSettings
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import BadRequestError, InferenceEngine, ModelRequest, WeightUpdateMeta
+from services.rollout.engine import BadRequestError, ModelRequest, SGLangClient, WeightUpdateMeta
 from services.rollout.sglang_protocol import MIN_VERSION, MODEL_INFO, parse_server_version
 from services.weights.server_client import ServerClient, readiness_urls
 from tests.contract import sglang_pkg
@@ -136,7 +136,7 @@ async def drive_clients(rec: Recorder, model: Path, new_weights: Path) -> None:
     """What jetrl's clients send in a run: generation with logprobs and stop strings, the engine's and
     the agent's weight updates (each pause mode: abort, in_place and retract, the latter two with a
     request held through the load), model info, readiness, loads."""
-    engine = InferenceEngine(InferenceClientSettings(servers=[rec.url], max_retries=1, tokenizer_path=str(model)))
+    engine = SGLangClient(InferenceClientSettings(servers=[rec.url], max_retries=1, tokenizer_path=str(model)))
     agent = ServerClient(rec.url, 60.0, "in_place")
     try:
         assert await agent.wait_ready(30)
@@ -227,7 +227,7 @@ def constrained_payloads() -> list[dict[str, Any]]:
 async def finish_rules(url: str) -> list[dict[str, Any]]:
     """What the CPU server does with `stop_token_ids`, with and without `ignore_eos`, as items for SGLang's
     own finish rule to judge (`Req._check_token_based_finish`: with ignore_eos no token ends the output)."""
-    engine = InferenceEngine(InferenceClientSettings(servers=[url], max_retries=0))
+    engine = SGLangClient(InferenceClientSettings(servers=[url], max_retries=0))
     try:
         free = await engine.agenerate(ModelRequest(PROMPT, max_new_tokens=4, temperature=0.0, ignore_eos=True))
         stop_id = free.output_ids[0]
@@ -287,7 +287,7 @@ async def test_a_batch_through_sglangs_app_gives_each_sample_what_it_gets_alone(
     the one its request gets alone (same seeds), and a batch SGLang refuses for one bad input is sent
     again pass by pass, so only that sample fails."""
     rec = await Recorder(app.url).start()
-    engine = InferenceEngine(InferenceClientSettings(servers=[rec.url], max_retries=0))
+    engine = SGLangClient(InferenceClientSettings(servers=[rec.url], max_retries=0))
     try:
         reqs = [ModelRequest(PROMPT, max_new_tokens=5, ignore_eos=True, seed=40 + i) for i in range(GROUP)]
         batched = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
@@ -339,7 +339,7 @@ async def test_the_weights_agent_starts_and_loads_versions_against_sglangs_app(
     log = tmp_path / "agent.log"
     args = [sys.executable, "-m", "services.weights", f"server={app.url}", f"nats_url={nats_url}", "run=contract",
             f"cache_dir={tmp_path / 'cache'}", "pause_mode=in_place", "log_format=json"]
-    engine = InferenceEngine(InferenceClientSettings(servers=[app.url]))
+    engine = SGLangClient(InferenceClientSettings(servers=[app.url]))
     with open(log, "wb") as out:
         agent = subprocess.Popen(args, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -397,7 +397,7 @@ async def test_the_agent_proxys_stop_strings_through_sglangs_app(app: App, tiny_
     from services.rollout.agent.proxy import AgentProxy, SamplingDefaults
     from services.rollout.agent.server import ProxyServer
 
-    engine = InferenceEngine(InferenceClientSettings(servers=[app.url]))
+    engine = SGLangClient(InferenceClientSettings(servers=[app.url]))
     srv = ProxyServer(AgentProxy(engine, AutoTokenizer.from_pretrained(tiny_model), SamplingDefaults(max_new_tokens=24)))
     await srv.start()
     try:

@@ -14,7 +14,7 @@ import pytest
 
 from jetrl import ArealOpenAI, GenerationHyperparameters
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine
+from services.rollout.engine import SGLangClient
 from services.rollout.workflow import as_tensor_dict
 from tests.integration.test_rollout_stack import inference
 
@@ -26,8 +26,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture
-async def engine(server: str) -> AsyncIterator[InferenceEngine]:
-    eng = InferenceEngine(InferenceClientSettings(servers=[server]))
+async def engine(server: str) -> AsyncIterator[SGLangClient]:
+    eng = SGLangClient(InferenceClientSettings(servers=[server]))
     try:
         yield eng
     finally:
@@ -41,7 +41,7 @@ def tokenizer(tiny_model: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-async def test_a_multi_turn_direct_client_episode_as_areal_writes_it(engine: InferenceEngine, tokenizer: Any) -> None:
+async def test_a_multi_turn_direct_client_episode_as_areal_writes_it(engine: SGLangClient, tokenizer: Any) -> None:
     gconfig = GenerationHyperparameters(max_new_tokens=5, temperature=1.0).new_with_stop_and_pad_token_ids(tokenizer)
     client = ArealOpenAI(engine=engine, tokenizer=tokenizer, tool_call_parser="qwen25", reasoning_parser="qwen3",
                          chat_template_type="concat", engine_max_tokens=4096)
@@ -64,7 +64,7 @@ async def test_a_multi_turn_direct_client_episode_as_areal_writes_it(engine: Inf
     assert tensors is not None and tensors["rewards"].tolist() == pytest.approx([0.5, 1.0])
 
 
-async def test_responses_validate_with_the_installed_sdk_and_omit_is_dropped(engine: InferenceEngine, tokenizer: Any) -> None:
+async def test_responses_validate_with_the_installed_sdk_and_omit_is_dropped(engine: SGLangClient, tokenizer: Any) -> None:
     import openai
 
     client = ArealOpenAI(engine=engine, tokenizer=tokenizer)
@@ -73,7 +73,7 @@ async def test_responses_validate_with_the_installed_sdk_and_omit_is_dropped(eng
     assert response.usage is not None and response.usage.output_tokens >= 1  # the SDK's own type validated
 
 
-async def test_openai_agents_drive_the_direct_client(engine: InferenceEngine, tokenizer: Any) -> None:
+async def test_openai_agents_drive_the_direct_client(engine: SGLangClient, tokenizer: Any) -> None:
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner
 
     client = ArealOpenAI(engine=engine, tokenizer=tokenizer)

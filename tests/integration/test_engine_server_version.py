@@ -11,7 +11,7 @@ from aiohttp import web
 
 from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine, InferenceError
+from services.rollout.engine import InferenceError, SGLangClient
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ async def loading_then_old() -> AsyncIterator[tuple[str, list[str]]]:
 
 async def test_a_loading_server_is_asked_again_and_an_old_one_refused(loading_then_old: tuple[str, list[str]]) -> None:
     url, asked = loading_then_old
-    engine = InferenceEngine(InferenceClientSettings(servers=[url]))
+    engine = SGLangClient(InferenceClientSettings(servers=[url]))
     try:
         assert await engine.connect(url) is None  # loading: no version yet, nothing refused
         with pytest.raises(InferenceError, match=r"SGLang 0\.5\.10"):

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import BadRequestError, InferenceEngine, ModelRequest, ModelResponse
+from services.rollout.engine import BadRequestError, ModelRequest, ModelResponse, SGLangClient
 from tests.support.inference import ServerProcess, free_port, running_servers
 
 PROMPT = [1, 5, 6, 7, 13]
@@ -28,13 +28,13 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield s
 
 
-def engine_for(*servers: str, batch: bool = True) -> InferenceEngine:
-    return InferenceEngine(InferenceClientSettings(servers=list(servers), batch_generate=batch, max_retries=0,
+def engine_for(*servers: str, batch: bool = True) -> SGLangClient:
+    return SGLangClient(InferenceClientSettings(servers=list(servers), batch_generate=batch, max_retries=0,
                                                    backoff_initial_s=0.01, connect_timeout_s=2.0))
 
 
 @pytest.fixture
-async def engine(server: ServerProcess) -> AsyncIterator[InferenceEngine]:
+async def engine(server: ServerProcess) -> AsyncIterator[SGLangClient]:
     eng = engine_for(server.url)
     yield eng
     await eng.aclose()
@@ -49,7 +49,7 @@ def group(seed: int = 100) -> list[ModelRequest]:
     return [ModelRequest(list(PROMPT), max_new_tokens=6, ignore_eos=True, seed=seed + i) for i in range(GROUP)]
 
 
-async def test_a_group_of_eight_samples_is_one_http_request(server: ServerProcess, engine: InferenceEngine) -> None:
+async def test_a_group_of_eight_samples_is_one_http_request(server: ServerProcess, engine: SGLangClient) -> None:
     before = await generate_calls(server.url)
     out = await asyncio.gather(*(engine.agenerate(r, episode="e1") for r in group()))
     assert await generate_calls(server.url) - before == 1
@@ -63,7 +63,7 @@ async def test_a_group_of_eight_samples_is_one_http_request(server: ServerProces
         await unbatched.aclose()
 
 
-async def test_batched_samples_are_the_samples_each_request_gets_alone(server: ServerProcess, engine: InferenceEngine) -> None:
+async def test_batched_samples_are_the_samples_each_request_gets_alone(server: ServerProcess, engine: SGLangClient) -> None:
     batched = await asyncio.gather(*(engine.agenerate(r) for r in group(seed=7)))
     alone: list[ModelResponse] = [await engine.agenerate(r) for r in group(seed=7)]  # one at a time: no batch
     for b, a in zip(batched, alone, strict=True):
@@ -74,7 +74,7 @@ async def test_batched_samples_are_the_samples_each_request_gets_alone(server: S
     assert len({tuple(b.output_ids) for b in batched}) > 1  # the seeds differ, so do the samples
 
 
-async def test_a_bad_sample_fails_alone_and_the_rest_of_its_batch_succeeds(server: ServerProcess, engine: InferenceEngine) -> None:
+async def test_a_bad_sample_fails_alone_and_the_rest_of_its_batch_succeeds(server: ServerProcess, engine: SGLangClient) -> None:
     reqs = group()
     reqs[3] = ModelRequest([1, 5, 10_000], max_new_tokens=6, ignore_eos=True, seed=3)  # out of the tiny model's vocabulary
     before = await generate_calls(server.url)
@@ -99,7 +99,7 @@ async def test_a_batch_fails_over_to_the_next_server(server: ServerProcess) -> N
 
 
 async def test_samples_aborted_by_a_weight_update_are_continued_together(
-    server: ServerProcess, engine: InferenceEngine, tiny_model: Path
+    server: ServerProcess, engine: SGLangClient, tiny_model: Path
 ) -> None:
     from services.rollout.engine import WeightUpdateMeta
     from services.rollout.sglang_protocol import parse_version
@@ -124,7 +124,7 @@ async def test_samples_aborted_by_a_weight_update_are_continued_together(
     assert await generate_calls(server.url) - before < passes  # ... in batches, not one request per pass
 
 
-async def test_a_cancelled_sample_leaves_the_rest_of_its_batch_running(server: ServerProcess, engine: InferenceEngine) -> None:
+async def test_a_cancelled_sample_leaves_the_rest_of_its_batch_running(server: ServerProcess, engine: SGLangClient) -> None:
     tasks = [asyncio.create_task(engine.agenerate(r)) for r in group(seed=300)]
     await asyncio.sleep(0)  # every pass is queued in the batcher (one event-loop turn)
     tasks[5].cancel()
@@ -133,7 +133,7 @@ async def test_a_cancelled_sample_leaves_the_rest_of_its_batch_running(server: S
     assert all(isinstance(r, ModelResponse) and len(r.output_ids) == 6 for i, r in enumerate(out) if i != 5)
 
 
-async def test_server_info_counts_the_rows_of_every_model_call(server: ServerProcess, engine: InferenceEngine) -> None:
+async def test_server_info_counts_the_rows_of_every_model_call(server: ServerProcess, engine: SGLangClient) -> None:
     """`forward_rows` is how the batching can be checked in a run: every generated token is one row of
     one model call, except that a group's shared prompt is computed once: a group of 8 arriving at once
     is prefilled in one call of one row (its logits give each sample its first token), then decoded in

@@ -1,4 +1,4 @@
-"""Contract tests of the `InferenceEngine` client against an SGLang-protocol server.
+"""Contract tests of the `SGLangClient` client against an SGLang-protocol server.
 
 By default the server is `jetrl inference` (CPU, tiny model) as a real process. Set `JETRL_SGLANG_URL`
 to run the same tests against a real SGLang server (marker `sglang`; `JETRL_SGLANG_MODEL` = the local
@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import BadRequestError, InferenceEngine, ModelRequest, WeightUpdateMeta
+from services.rollout.engine import BadRequestError, ModelRequest, SGLangClient, WeightUpdateMeta
 from tests.support.inference import reference_logprobs, running_servers
 
 PROMPTS = [[1, 5, 6, 7, 13], [1, 9, 13], [1, 4, 4, 4, 4, 4, 4, 13], [1, 20, 21, 22, 23, 13], [1, 8], [1, 7, 7, 13]]
@@ -46,8 +46,8 @@ def target(request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: p
 
 
 @pytest.fixture
-async def engine(target: Target) -> InferenceEngine:
-    eng = InferenceEngine(InferenceClientSettings(servers=[target.url], max_retries=1, backoff_initial_s=0.05))
+async def engine(target: Target) -> SGLangClient:
+    eng = SGLangClient(InferenceClientSettings(servers=[target.url], max_retries=1, backoff_initial_s=0.05))
     yield eng
     await eng.aclose()
 
@@ -66,7 +66,7 @@ async def wait_running(url: str, task: asyncio.Task) -> None:
     raise AssertionError("the request never started running")
 
 
-async def test_greedy_is_deterministic_and_honours_max_new_tokens(engine: InferenceEngine, target: Target) -> None:
+async def test_greedy_is_deterministic_and_honours_max_new_tokens(engine: SGLangClient, target: Target) -> None:
     req = ModelRequest(PROMPTS[0], max_new_tokens=12, temperature=0.0, ignore_eos=True)
     a, b = await engine.agenerate(req), await engine.agenerate(req)
     assert a.output_ids == b.output_ids and len(a.output_ids) == 12
@@ -75,7 +75,7 @@ async def test_greedy_is_deterministic_and_honours_max_new_tokens(engine: Infere
     assert set(a.output_versions) == {await engine.get_weight_version(target.url)}
 
 
-async def test_stop_token_ids_end_the_completion(engine: InferenceEngine) -> None:
+async def test_stop_token_ids_end_the_completion(engine: SGLangClient) -> None:
     free = await engine.agenerate(ModelRequest(PROMPTS[1], max_new_tokens=10, temperature=0.0, ignore_eos=True))
     stop_id = free.output_ids[3]
     cut = free.output_ids.index(stop_id) + 1
@@ -87,7 +87,7 @@ async def test_stop_token_ids_end_the_completion(engine: InferenceEngine) -> Non
     assert r.stop_reason == "length" and r.output_ids == free.output_ids
 
 
-async def test_seeded_sampling_is_reproducible(engine: InferenceEngine, target: Target) -> None:
+async def test_seeded_sampling_is_reproducible(engine: SGLangClient, target: Target) -> None:
     if not target.cpu and not os.environ.get("JETRL_SGLANG_DETERMINISTIC"):
         pytest.skip("SGLang honours sampling_seed only with --enable-deterministic-inference (JETRL_SGLANG_DETERMINISTIC=1)")
     req = ModelRequest(PROMPTS[2], max_new_tokens=16, temperature=1.0, ignore_eos=True, seed=1234)
@@ -97,7 +97,7 @@ async def test_seeded_sampling_is_reproducible(engine: InferenceEngine, target: 
     assert other.output_ids != a.output_ids
 
 
-async def test_logprobs_match_a_reference_forward_pass(engine: InferenceEngine, target: Target) -> None:
+async def test_logprobs_match_a_reference_forward_pass(engine: SGLangClient, target: Target) -> None:
     if target.model is None:
         pytest.skip("JETRL_SGLANG_MODEL not set: no local copy of the served model for the reference pass")
     # Concurrent requests of different lengths are decoded in one batch: padding must not leak.
@@ -108,13 +108,13 @@ async def test_logprobs_match_a_reference_forward_pass(engine: InferenceEngine, 
         assert res.output_logprobs == pytest.approx(ref, abs=1e-4)
 
 
-async def test_a_bad_request_raises_at_once_with_the_server_message(engine: InferenceEngine) -> None:
+async def test_a_bad_request_raises_at_once_with_the_server_message(engine: SGLangClient) -> None:
     with pytest.raises(BadRequestError, match="vocab"):
         await engine.agenerate(ModelRequest([1, 10**6], max_new_tokens=4))
 
 
 async def test_pause_update_continue_gives_one_completion_with_two_versions(
-    engine: InferenceEngine, target: Target, tmp_path: Path
+    engine: SGLangClient, target: Target, tmp_path: Path
 ) -> None:
     if target.model is None:
         pytest.skip("JETRL_SGLANG_MODEL not set: no checkpoint to load")
@@ -146,7 +146,7 @@ async def test_pause_update_continue_gives_one_completion_with_two_versions(
 
 
 async def test_update_weights_loads_a_checkpoint_and_never_leaves_the_server_paused(
-    engine: InferenceEngine, target: Target, tmp_path: Path
+    engine: SGLangClient, target: Target, tmp_path: Path
 ) -> None:
     # The AReaL-lite name of the research API (docs/design.md "Python API"), on the disk transport.
     if target.model is None or not target.cpu:
@@ -179,7 +179,7 @@ async def test_failover_when_a_server_dies_mid_request(target: Target, tiny_mode
     with running_servers(tiny_model, tmp_path) as (victim,):
         # The module's server survives; the extra one is listed first, so round robin starts there.
         settings = InferenceClientSettings(servers=[victim.url, target.url], policy="round_robin", max_retries=1, backoff_initial_s=0.05)
-        engine = InferenceEngine(settings)
+        engine = SGLangClient(settings)
         try:
             short = ModelRequest(PROMPTS[1], max_new_tokens=2, ignore_eos=True)
             spread = [(await engine.agenerate(short)).server for _ in range(2)]

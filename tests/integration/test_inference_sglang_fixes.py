@@ -14,7 +14,7 @@ import pytest
 
 from services.common.health import http_check
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine, InferenceError, ModelRequest
+from services.rollout.engine import InferenceError, ModelRequest, SGLangClient
 from services.weights.server_client import READY_POLL_TIMEOUT_S, ServerClient, ServerError, readiness_urls
 from tests.support.inference import ServerProcess, running_servers
 
@@ -29,8 +29,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture
-async def engine(server: ServerProcess) -> AsyncIterator[InferenceEngine]:
-    eng = InferenceEngine(InferenceClientSettings(servers=[server.url], max_retries=1, backoff_initial_s=0.05))
+async def engine(server: ServerProcess) -> AsyncIterator[SGLangClient]:
+    eng = SGLangClient(InferenceClientSettings(servers=[server.url], max_retries=1, backoff_initial_s=0.05))
     yield eng
     await eng.aclose()
 
@@ -44,12 +44,12 @@ async def wait_running(url: str, task: asyncio.Task) -> None:
     raise AssertionError("the request never started running")
 
 
-async def test_engine_reads_the_weight_version_from_model_info(engine: InferenceEngine, server: ServerProcess) -> None:
+async def test_engine_reads_the_weight_version_from_model_info(engine: SGLangClient, server: ServerProcess) -> None:
     res = await engine.agenerate(ModelRequest(PROMPT, max_new_tokens=3, ignore_eos=True))
     assert res.output_versions == [await engine.get_weight_version(server.url)] * 3
 
 
-async def test_stop_strings_are_applied_by_the_engine_not_sent_to_the_server(engine: InferenceEngine, tiny_model: Path) -> None:
+async def test_stop_strings_are_applied_by_the_engine_not_sent_to_the_server(engine: SGLangClient, tiny_model: Path) -> None:
     from transformers import AutoTokenizer
 
     decode = AutoTokenizer.from_pretrained(str(tiny_model)).decode
@@ -63,7 +63,7 @@ async def test_stop_strings_are_applied_by_the_engine_not_sent_to_the_server(eng
 
 
 async def test_in_place_pause_then_update_with_a_request_in_flight(
-    engine: InferenceEngine, server: ServerProcess, tiny_model: Path, tmp_path: Path
+    engine: SGLangClient, server: ServerProcess, tiny_model: Path, tmp_path: Path
 ) -> None:
     from services.inference.make_model import build_model
 
@@ -113,7 +113,7 @@ async def test_a_server_too_old_fails_at_start_naming_version_and_feature(tmp_pa
                 await client.wait_ready(30)
         finally:
             await client.aclose()
-        engine = InferenceEngine(InferenceClientSettings(servers=[old.url]))
+        engine = SGLangClient(InferenceClientSettings(servers=[old.url]))
         try:
             with pytest.raises(InferenceError, match=r"SGLang 0\.4\.9"):
                 await engine.agenerate(ModelRequest([1, 2], max_new_tokens=2))

@@ -1,4 +1,4 @@
-"""Top log-probs through the `InferenceEngine` against the real CPU server (or real SGLang, as in the
+"""Top log-probs through the `SGLangClient` against the real CPU server (or real SGLang, as in the
 contract tests): one list per output token, also when a pause splits the generation into passes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from services.rollout.engine import InferenceEngine, ModelRequest, ModelResponse
+from services.rollout.engine import ModelRequest, ModelResponse, SGLangClient
 from tests.integration import test_inference_contract as contract
 from tests.integration.test_inference_contract import PROMPTS, Target, wait_running
 
@@ -23,14 +23,14 @@ def assert_greedy_top(res: ModelResponse, n: int, length: int) -> None:
         assert top[0][0] == tok and top[0][1] == pytest.approx(lp, abs=1e-5)  # greedy: the sampled token leads
 
 
-async def test_top_logprobs_per_token_and_none_unless_asked(engine: InferenceEngine) -> None:
+async def test_top_logprobs_per_token_and_none_unless_asked(engine: SGLangClient) -> None:
     res = await engine.agenerate(ModelRequest(PROMPTS[0], max_new_tokens=8, temperature=0.0, ignore_eos=True, top_logprobs=3))
     assert_greedy_top(res, 3, 8)
     plain = await engine.agenerate(ModelRequest(PROMPTS[0], max_new_tokens=8, temperature=0.0, ignore_eos=True))
     assert plain.output_top_logprobs == [] and plain.output_ids == res.output_ids
 
 
-async def test_top_logprobs_are_concatenated_across_aborted_passes(engine: InferenceEngine, target: Target) -> None:
+async def test_top_logprobs_are_concatenated_across_aborted_passes(engine: SGLangClient, target: Target) -> None:
     req = ModelRequest(PROMPTS[3], max_new_tokens=300, temperature=0.0, ignore_eos=True, top_logprobs=2)
     task = asyncio.create_task(engine.agenerate(req))
     try:

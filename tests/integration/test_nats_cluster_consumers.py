@@ -23,7 +23,7 @@ from services.common.consumers import ConsumerRefused, add_consumer
 from services.replay.reader import StreamReader
 from services.replay.settings import RangeSettings
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine
+from services.rollout.engine import SGLangClient
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.trainer.consumer import TrajectoryConsumer
 from services.trainer.intake import Intake
@@ -85,7 +85,7 @@ async def _started_while_the_majority_is_down(cluster: NatsCluster, start: Calla
 async def test_a_rollout_worker_declares_its_consumer_through_the_outage(cluster: NatsCluster) -> None:
     await _prepare(cluster)
     config = WorkerConfig(worker="w", max_deliver=4)
-    engine = InferenceEngine(InferenceClientSettings(servers=["http://127.0.0.1:9"]))  # never asked: no episode runs
+    engine = SGLangClient(InferenceClientSettings(servers=["http://127.0.0.1:9"]))  # never asked: no episode runs
 
     async def start(nc: NATS) -> Any:
         # the service's `nats_replicas=3`, as its entry point's Bus carries it beside a 3-node cluster

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine, ModelRequest
+from services.rollout.engine import ModelRequest, SGLangClient
 from tests.support.inference import running_servers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ async def test_generate_train_one_step_and_serve_the_new_weights(smollm2: Path, 
     tok = load_pretrained_tokenizer(str(smollm2))
     prompt = encode_chat(tok, QUESTION)
     with running_servers(smollm2, tmp_path) as [server]:
-        engine = InferenceEngine(InferenceClientSettings(servers=[server.url], max_retries=1))
+        engine = SGLangClient(InferenceClientSettings(servers=[server.url], max_retries=1))
         try:
             # generation through the real server process: 4 samples of the prompt, as a group
             samples = await asyncio.gather(*(engine.agenerate(ModelRequest(prompt, max_new_tokens=12, seed=i)) for i in range(4)))

@@ -22,7 +22,7 @@ from schemas.subjects import TRAJECTORIES_STREAM
 from schemas.trajectory import decode_group
 from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine
+from services.rollout.engine import SGLangClient
 from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
@@ -54,7 +54,7 @@ def workflow(tiny_model: Path) -> Any:
     return build_workflow(settings, standard_kwargs(settings, lambda: tok, None))
 
 
-def rollout_worker(nc: NATS, tiny_model: Path, engine: InferenceEngine) -> contextlib.AbstractAsyncContextManager[RolloutWorker]:
+def rollout_worker(nc: NATS, tiny_model: Path, engine: SGLangClient) -> contextlib.AbstractAsyncContextManager[RolloutWorker]:
     return running_worker(nc, RUN, workflow(tiny_model), engine, nak_delay_s=0.1)
 
 
@@ -108,7 +108,7 @@ async def test_a_second_run_under_the_same_name_trains_past_the_first_runs_versi
             feeder={"dataset_path": str(dataset), "max_in_flight": 4},
         )
 
-    engine = InferenceEngine(InferenceClientSettings(servers=[url]))
+    engine = SGLangClient(InferenceClientSettings(servers=[url]))
     try:
         with (
             process(stack.server_args(port), tmp_path / "server.log") as server,

@@ -15,7 +15,7 @@ from schemas.messages import WeightsLoaded, WeightsLoadFailed, encode
 from schemas.subjects import Subjects
 from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine, ModelRequest, WeightUpdateMeta
+from services.rollout.engine import ModelRequest, SGLangClient, WeightUpdateMeta
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
 from tests.support.weights import Stack, make_version, process, server_version, wait_healthy
 
@@ -46,7 +46,7 @@ async def test_a_resumed_trainers_lower_version_loads_and_a_replayed_older_annou
     pub = WeightPublisher(nc, RUN, announce_key=KEY.encode())  # the object store: the agent keeps local copies (keep_local=1)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    engine = InferenceEngine(InferenceClientSettings(servers=[url]))
+    engine = SGLangClient(InferenceClientSettings(servers=[url]))
     cache = tmp_path / "cache0"
     try:
         with process(stack.server_args(port), tmp_path / "server.log") as server:

@@ -20,7 +20,7 @@ from services.reward.client import RewardClient
 from services.reward.service import RewardService
 from services.reward.settings import RewardSettings
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine
+from services.rollout.engine import SGLangClient
 from services.rollout.tensors import concat_padded, sample_tensors, turn_tensors
 from services.rollout.versions import workflow_name
 from services.rollout.workflow import workflow_context
@@ -52,7 +52,7 @@ async def reward(nc: NATS, nats_url: str) -> AsyncIterator[RewardService]:
 class Recording:
     """The real engine; every reply kept per prompt, in the order the workflow asked."""
 
-    def __init__(self, engine: InferenceEngine) -> None:
+    def __init__(self, engine: SGLangClient) -> None:
         self.engine = engine
         self.calls: dict[str, list[list[Any]]] = defaultdict(list)
         """prompt id -> [episode, reply] per request, in the order the requests were made"""
@@ -68,7 +68,7 @@ class Recording:
 
 
 async def published(nc: NATS, server: str, workflow: Any, n: int) -> tuple[list[Any], Recording]:
-    engine = Recording(InferenceEngine(InferenceClientSettings(servers=[server])))
+    engine = Recording(SGLangClient(InferenceClientSettings(servers=[server])))
     try:
         async with running_worker(nc, RUN, workflow, engine, stop_timeout_s=15):
             await push_prompts(nc.jetstream(), n)

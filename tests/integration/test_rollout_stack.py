@@ -28,7 +28,7 @@ from services.reward.service import RewardService
 from services.reward.settings import RewardSettings
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.dump import TrajectoryDumper
-from services.rollout.engine import InferenceEngine
+from services.rollout.engine import SGLangClient
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflows.multi_turn import MultiTurnWorkflow
 from services.rollout.workflows.rlvr import RLVRWorkflow
@@ -86,7 +86,7 @@ async def reward(nc: NATS, nats_url: str) -> AsyncIterator[RewardService]:
 async def worker(
     nc: NATS, workflow: Any, server: str, name: str = "w", dumper: TrajectoryDumper | None = None, **config: Any
 ) -> AsyncIterator[RolloutWorker]:
-    engine = InferenceEngine(InferenceClientSettings(servers=[server]))
+    engine = SGLangClient(InferenceClientSettings(servers=[server]))
     try:
         async with running_worker(nc, RUN, workflow, engine, stop_timeout_s=15, dumper=dumper, worker=name, **config) as w:
             yield w
@@ -205,7 +205,7 @@ async def test_unreachable_inference_server_is_retried_then_rejected_with_the_er
 
     # The server serves when the worker starts (a worker takes no prompt before that), then goes away.
     server = await asyncio.to_thread(lambda: wait_ready(spawn_server(None, tmp_path, "simulate=true")))
-    engine = InferenceEngine(InferenceClientSettings(servers=[server.url], max_retries=0, connect_timeout_s=0.5))
+    engine = SGLangClient(InferenceClientSettings(servers=[server.url], max_retries=0, connect_timeout_s=0.5))
     wf = RLVRWorkflow(str(tiny_model), RewardClient(nc), group_size=2)
     w = RolloutWorker(nc, RUN, wf, engine, WorkerConfig(worker="w", max_deliver=2, nak_delay_s=0.05, fetch_timeout_s=0.2))
     await w.declare()

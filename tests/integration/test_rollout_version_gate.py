@@ -22,7 +22,7 @@ from schemas.messages import PromptTask, WeightsLoaded, decode, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from schemas.trajectory import decode_group
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine, ModelRequest
+from services.rollout.engine import ModelRequest, SGLangClient
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from services.rollout.workflow import RolloutWorkflow
 from tests.support.inference import spawn_server, wait_ready
@@ -64,7 +64,7 @@ async def publish(js: Any, pid: str, min_version: int) -> None:
 @pytest.mark.timeout(120)
 async def test_a_prompt_waits_in_progress_for_its_version_then_runs_on_it(nc: Any, server: str) -> None:
     js = nc.jetstream()
-    engine = InferenceEngine(InferenceClientSettings(servers=[server]))
+    engine = SGLangClient(InferenceClientSettings(servers=[server]))
     # a poll far longer than the test: only the load report can release the held prompt in time
     config = WorkerConfig(worker="w", max_concurrent=4, fetch_timeout_s=0.2, ack_wait_s=ACK_WAIT_S, max_deliver=2, version_poll_s=60.0)
     worker = RolloutWorker(nc, RUN, OneSample(), engine, config)
@@ -104,7 +104,7 @@ async def test_stopping_hands_prompts_still_waiting_for_their_version_straight_b
     hold the worker for its drain timeout: it goes back to the queue at once, and nothing is lost."""
     js = nc.jetstream()
     own = await nats.connect(nats_url)  # the worker's own connection, ended as its process ends it
-    engine = InferenceEngine(InferenceClientSettings(servers=[server]))
+    engine = SGLangClient(InferenceClientSettings(servers=[server]))
     config = WorkerConfig(worker="w", max_concurrent=4, fetch_timeout_s=0.2, ack_wait_s=60, max_deliver=5, drain_timeout_s=60.0)
     worker = RolloutWorker(own, RUN, OneSample(), engine, config)
     stopping = asyncio.Event()

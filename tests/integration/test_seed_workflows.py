@@ -23,7 +23,7 @@ from schemas.subjects import Subjects
 from schemas.trajectory import decode_group
 from services.common.demo_task import make_copy3_rows
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine, WeightUpdateMeta
+from services.rollout.engine import SGLangClient, WeightUpdateMeta
 from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.rollout.versions import CheckedWorkflow
@@ -66,7 +66,7 @@ def seed_workflow(ref: str, tiny_model: Path, **workflow_kwargs: Any) -> Rollout
     return build_workflow(settings, standard_kwargs(settings, lambda: tok, None))
 
 
-def worker(nc: NATS, workflow: RolloutWorkflow, engine: InferenceEngine) -> contextlib.AbstractAsyncContextManager[RolloutWorker]:
+def worker(nc: NATS, workflow: RolloutWorkflow, engine: SGLangClient) -> contextlib.AbstractAsyncContextManager[RolloutWorker]:
     return running_worker(nc, RUN, workflow, engine, nak_delay_s=0.1)
 
 
@@ -108,7 +108,7 @@ async def test_seed_workflows_train_past_eta(
         batch_groups=2, eta=1, checkpoint_every=0, fetch_timeout_s=0.2,
         feeder={"dataset_path": str(dataset), "max_in_flight": 4, "max_attempts": 1},
     )
-    engine = InferenceEngine(InferenceClientSettings(servers=[server]))
+    engine = SGLangClient(InferenceClientSettings(servers=[server]))
 
     async def publish(version: int, step: int, hf_dir: Path) -> None:  # as the weights service would
         await engine.update_weights(WeightUpdateMeta(path=str(hf_dir), version=version))
@@ -140,7 +140,7 @@ async def test_seed_workflows_train_past_eta(
 
 async def test_direct_client_interactions_become_trajectories(nc: NATS, server: str, tiny_model: Path) -> None:
     workflow = seed_workflow("tests.seed_workflows.direct_agent:MyWorkflow", tiny_model)
-    engine = InferenceEngine(InferenceClientSettings(servers=[server]))
+    engine = SGLangClient(InferenceClientSettings(servers=[server]))
     try:
         async with worker(nc, workflow, engine):
             await push(nc, rows(2, chat=True))
@@ -160,7 +160,7 @@ async def test_direct_client_interactions_become_trajectories(nc: NATS, server: 
 async def test_invented_versions_are_an_error_naming_the_workflow(nc: NATS, server: str, tiny_model: Path) -> None:
     workflow = seed_workflow("tests.seed_workflows.rollout_workflow:FutureVersionsWorkflow", tiny_model)
     assert isinstance(workflow, GroupedRolloutWorkflow) and isinstance(workflow.workflow, CheckedWorkflow)
-    engine = InferenceEngine(InferenceClientSettings(servers=[server]))
+    engine = SGLangClient(InferenceClientSettings(servers=[server]))
     try:
         async with worker(nc, workflow, engine):
             await push(nc, rows(2, chat=False))
@@ -181,7 +181,7 @@ async def test_direct_client_links_turns_and_discounts_rewards_back(server: str,
 
     from services.rollout.api import ArealOpenAI
 
-    engine = InferenceEngine(InferenceClientSettings(servers=[server]))
+    engine = SGLangClient(InferenceClientSettings(servers=[server]))
     try:
         client = ArealOpenAI(engine=engine, tokenizer=AutoTokenizer.from_pretrained(tiny_model), max_new_tokens=3)
         messages: list[dict[str, Any]] = [{"role": "user", "content": "123="}]

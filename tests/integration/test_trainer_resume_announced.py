@@ -32,7 +32,7 @@ from schemas.subjects import TRAJECTORIES_STREAM
 from schemas.trajectory import decode_group, encode_group_with_meta
 from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine
+from services.rollout.engine import SGLangClient
 from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.status.groups import render_groups, trainer_groups
@@ -85,7 +85,7 @@ async def rollout(nc: Any, tiny_model: Path, url: str) -> AsyncIterator[None]:
                                model_path=str(tiny_model))
     tok = AutoTokenizer.from_pretrained(tiny_model)
     workflow = build_workflow(settings, standard_kwargs(settings, lambda: tok, None))
-    engine = InferenceEngine(InferenceClientSettings(servers=[url]))
+    engine = SGLangClient(InferenceClientSettings(servers=[url]))
     try:
         async with running_worker(nc, RUN, workflow, engine, nak_delay_s=0.1):
             yield

@@ -15,7 +15,7 @@ import pytest
 
 from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine, ModelRequest
+from services.rollout.engine import ModelRequest, SGLangClient
 from services.weights.server_client import ServerClient, ServerError
 from tests.support.weights import ROOT, make_version, process, wait_healthy
 
@@ -56,7 +56,7 @@ async def test_admin_routes_need_the_admin_key_and_clients_send_theirs(tmp_path:
             await stranger.aclose()
 
         # the rollout engine, with the server's api_key
-        engine = InferenceEngine(InferenceClientSettings(servers=[url], max_retries=0), keys=(API, ""))
+        engine = SGLangClient(InferenceClientSettings(servers=[url], max_retries=0), keys=(API, ""))
         try:
             resp = await engine.agenerate(ModelRequest(input_ids=[1, 5], max_new_tokens=4, ignore_eos=True))
             assert resp.output_versions == [7] * 4

@@ -19,7 +19,7 @@ from schemas.messages import PromptTask, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from schemas.trajectory import decode_group
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine
+from services.rollout.engine import SGLangClient
 from services.rollout.worker import RolloutWorker, WorkerConfig
 from tests.integration.test_rollout_version_gate import OneSample
 from tests.support.inference import ServerProcess, free_port, wait_ready
@@ -45,7 +45,7 @@ async def publish(js: Any, pid: str) -> None:
 async def test_a_worker_started_before_its_server_takes_no_prompt_until_the_server_serves(nc: Any, tmp_path: Path) -> None:
     js = nc.jetstream()
     port = free_port()
-    engine = InferenceEngine(InferenceClientSettings(servers=[f"http://127.0.0.1:{port}"]))
+    engine = SGLangClient(InferenceClientSettings(servers=[f"http://127.0.0.1:{port}"]))
     config = WorkerConfig(worker="w", max_concurrent=4, fetch_timeout_s=0.2, ack_wait_s=5.0, max_deliver=2, version_poll_s=0.1)
     worker = RolloutWorker(nc, RUN, OneSample(), engine, config)
     await worker.declare()  # the shared consumer exists before the worker runs (run() declares it too)
@@ -81,7 +81,7 @@ async def test_a_worker_started_before_its_server_takes_no_prompt_until_the_serv
 
 @pytest.mark.timeout(60)
 async def test_a_worker_waiting_for_its_servers_stops_at_once_on_sigterm(nc: Any) -> None:
-    engine = InferenceEngine(InferenceClientSettings(servers=[f"http://127.0.0.1:{free_port()}"]))
+    engine = SGLangClient(InferenceClientSettings(servers=[f"http://127.0.0.1:{free_port()}"]))
     worker = RolloutWorker(nc, RUN, OneSample(), engine, WorkerConfig(worker="w", version_poll_s=30.0))
     await worker.declare()
     stopping = asyncio.Event()

@@ -16,7 +16,7 @@ from schemas.messages import WeightFile, WeightsLoaded, WeightsLoadFailed, Weigh
 from schemas.subjects import WEIGHT_SYNC_STREAM, WEIGHTS_BUCKET, Subjects
 from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine, ModelRequest
+from services.rollout.engine import ModelRequest, SGLangClient
 from services.status.weights import weights_status
 from services.weights import objstore
 from services.weights.files import object_uri
@@ -68,7 +68,7 @@ async def test_servers_follow_versions_keep_generating_refuse_corruption_and_lat
             assert {(s.server, s.loaded_version, s.lag) for s in status.servers} == {(u, 3, 0) for u in urls}
 
             # A generation in flight across the v4 update finishes as one completion with both versions.
-            engine = InferenceEngine(InferenceClientSettings(servers=[urls[0]]))
+            engine = SGLangClient(InferenceClientSettings(servers=[urls[0]]))
             try:
                 gen = asyncio.create_task(
                     engine.agenerate(ModelRequest(input_ids=[1, 5, 6, 7], max_new_tokens=480, ignore_eos=True, seed=1))

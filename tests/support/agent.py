@@ -23,7 +23,7 @@ from services.common.ports import free_port
 from services.rollout.agent.proxy import AgentProxy, SamplingDefaults
 from services.rollout.agent.server import ProxyServer
 from services.rollout.client_settings import InferenceClientSettings
-from services.rollout.engine import InferenceEngine, ModelRequest, ModelResponse
+from services.rollout.engine import ModelRequest, ModelResponse, SGLangClient
 from tests.support.waiting import wait_http_ok
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def inference_url(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         proc.wait(10)
 
 
-class RecordingEngine(InferenceEngine):
+class RecordingEngine(SGLangClient):
     """The real client, keeping what the server answered so tests can compare the export with it."""
 
     def __init__(self, settings: InferenceClientSettings) -> None:

@@ -34,6 +34,7 @@ from services.rollout.agent.errors import ProxyError
 from services.rollout.agent.export import STYLES, AgentSample
 from services.rollout.agent.proxy import AgentProxy, SamplingDefaults, Session
 from services.rollout.agent.server import ProxyServer
+from services.rollout.engine_api import InferenceEngine
 from services.rollout.workflow import RolloutWorkflow, WorkflowError, import_ref, workflow_context
 
 log = get_logger("rollout.agent")
@@ -159,7 +160,7 @@ class AgentWorkflow(RolloutWorkflow):
             self._pool = None
 
     # ---- one episode ---------------------------------------------------------------------------
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, AgentSample] | None:
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, AgentSample] | None:
         server = await self.start(engine)
         proxy = self.proxy
         assert proxy is not None

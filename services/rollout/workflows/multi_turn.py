@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from services.rollout.engine import BadRequestError, ModelRequest
+from services.rollout.engine_api import InferenceEngine
 from services.rollout.groups import GroupBuilder
+from services.rollout.io_struct import BadRequestError, ModelRequest
 from services.rollout.tensors import Segment, TensorDict
 from services.rollout.workflow import RolloutWorkflow, workflow_context
 from services.rollout.workflows.common import (
@@ -64,7 +65,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.reward_timeout_s = reward_timeout_s
         self.prompt_key = prompt_key
 
-    async def conversation(self, engine: Any, data: dict[str, Any], episode: str, prompt: str,
+    async def conversation(self, engine: InferenceEngine, data: dict[str, Any], episode: str, prompt: str,
                            prompt_ids: list[int]) -> tuple[list[Segment], float] | None:
         """One sample's segments and reward; None when a turn could not be scored."""
         segments: list[Segment] = [(prompt_ids, False, None, None)]
@@ -94,7 +95,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
                 break
         return segments, reward * discount
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> TensorDict | None:
         """The group as numpy arrays (`groups.GroupBuilder`): the trajectory message `concat_padded` of
         `turn_tensors` would give, without torch. The prompt is chat-templated once for the group."""
         prompt = prompt_text(data, self.prompt_key)
@@ -105,8 +106,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             results = await asyncio.gather(*(self.conversation(engine, data, e, prompt, prompt_ids) for e in episodes))
         finally:
             for e in episodes:
-                if hasattr(engine, "release_episode"):
-                    engine.release_episode(e)
+                engine.release_episode(e)
         group = GroupBuilder()
         for result in results:
             if result is not None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from services.rollout.engine import BadRequestError, ModelRequest, ModelResponse
+from services.rollout.engine_api import InferenceEngine
 from services.rollout.groups import GroupBuilder
+from services.rollout.io_struct import BadRequestError, ModelRequest, ModelResponse
 from services.rollout.tensors import TensorDict
 from services.rollout.workflow import RolloutWorkflow, workflow_context
 from services.rollout.workflows.common import (
@@ -59,7 +60,7 @@ class RLVRWorkflow(RolloutWorkflow):
         self.reward_timeout_s = reward_timeout_s
         self.prompt_key = prompt_key
 
-    async def generate(self, engine: Any, prompt_ids: list[int]) -> list[ModelResponse]:
+    async def generate(self, engine: InferenceEngine, prompt_ids: list[int]) -> list[ModelResponse]:
         episode = workflow_context.prompt_id
         base = {**self.request.__dict__, "input_ids": list(prompt_ids)}
         try:
@@ -67,10 +68,10 @@ class RLVRWorkflow(RolloutWorkflow):
         except BadRequestError as exc:
             raise refused(exc) from exc
         finally:
-            if episode is not None and hasattr(engine, "release_episode"):
+            if episode is not None:
                 engine.release_episode(episode)
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> TensorDict | None:
         prompt = prompt_text(data, self.prompt_key)
         prompt_ids = self.prompts.ids(prompt)
         responses = await self.generate(engine, prompt_ids)

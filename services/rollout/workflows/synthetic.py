@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from services.rollout.engine_api import InferenceEngine
 from services.rollout.tensors import TensorDict, concat_padded, sample_tensors
 from services.rollout.workflow import RolloutWorkflow, workflow_context
 
@@ -40,7 +41,7 @@ class SyntheticWorkflow(RolloutWorkflow):
         self.reject = reject
         self.marker_dir = Path(marker_dir) if marker_dir else None
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: InferenceEngine | None, data: dict[str, Any]) -> TensorDict | None:  # it asks no engine
         if self.marker_dir is not None:
             self.marker_dir.mkdir(parents=True, exist_ok=True)
             (self.marker_dir / f"{workflow_context.prompt_id}.{os.getpid()}").touch()
