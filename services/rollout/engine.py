@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +25,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from services.common.busretry import full_jitter
 from services.common.logging import get_logger
 from services.common.trust import bearer_for
 from services.rollout.batching import GenerateBatcher
@@ -117,8 +117,7 @@ class SGLangClient:
 
     # ---- HTTP with retry and failover ----------------------------------------------------------
     async def _backoff(self, attempt: int) -> None:
-        cap = min(self.settings.backoff_max_s, self.settings.backoff_initial_s * (2**attempt))
-        await asyncio.sleep(random.uniform(0, cap))
+        await asyncio.sleep(full_jitter(attempt, self.settings.backoff_initial_s, self.settings.backoff_max_s))
 
     async def _post_once(self, server: str, path: str, payload: dict[str, Any], timeout_s: float | None) -> Any:
         """One POST with retries on this server. Raises BadRequestError on 4xx, OSError-like

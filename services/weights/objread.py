@@ -20,7 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectInfo
 from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
-from services.common.busretry import Backoff, retryable
+from services.common.busretry import with_retries
 from services.common.logging import get_logger
 from services.weights.objstore import (
     ACK_TIMEOUT_S,
@@ -56,23 +56,20 @@ async def get_file(
     included) is resumed after the last chunk written, with capped backoff, until `retry_s` has passed
     (then `BusUnavailable`)."""
     store = ObjectStore(bucket, stream_name(bucket), js)
-    backoff = Backoff(f"download {bucket}/{name}", retry_s, on_retry)
     reader: _Reader | None = None
-    while True:
-        try:
-            info = await store.get_info(name)
-            if reader is None:
-                reader = _Reader(info, dest)
-            elif info.nuid != reader.info.nuid:
-                raise ObjectStoreError(f"{name}: replaced while it was being read")
-            await reader.read(js, bucket, timeout_s)
-        except Exception as exc:
-            if not retryable(exc):
-                raise
-            await backoff.failed(exc)
-            continue
-        backoff.reset()
-        return reader.info, reader.sha.hexdigest()
+
+    async def attempt() -> _Reader:
+        nonlocal reader
+        info = await store.get_info(name)
+        if reader is None:
+            reader = _Reader(info, dest)
+        elif info.nuid != reader.info.nuid:
+            raise ObjectStoreError(f"{name}: replaced while it was being read")
+        await reader.read(js, bucket, timeout_s)
+        return reader
+
+    done = await with_retries(f"download {bucket}/{name}", attempt, retry_s, on_retry)
+    return done.info, done.sha.hexdigest()
 
 
 class _Reader:

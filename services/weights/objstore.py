@@ -37,7 +37,7 @@ from nats.js.errors import BadRequestError, BucketNotFoundError, ObjectNotFoundE
 from nats.js.object_store import ObjectStore
 
 from services.common.bus import DECLARE_BUDGET_S, js_api_call, not_initialized
-from services.common.busretry import Backoff, retryable
+from services.common.busretry import with_retries
 from services.common.logging import get_logger
 
 CHUNK_SIZE = 1024 * 1024
@@ -119,23 +119,21 @@ async def put_file(
     (`busretry.retryable`, a chunk never acked included) is started again from the first chunk under a
     fresh id, with capped backoff, until `retry_s` has passed (then `BusUnavailable`); the chunks of a
     failed attempt are purged as soon as the server answers again."""
-    backoff = Backoff(f"upload {bucket}/{name}", retry_s, on_retry)
     abandoned: list[str] = []
-    while True:
+
+    async def attempt() -> ObjectInfo:
         nuid = js._nc._nuid.next().decode()  # the same id source nats-py's own put uses
         try:
-            info = await _put_once(js, bucket, name, path, chunk_size, nuid, timeout_s)
-        except BaseException as exc:
+            return await _put_once(js, bucket, name, path, chunk_size, nuid, timeout_s)
+        except BaseException:
             if not await _purge_chunks(js, bucket, nuid):
                 abandoned.append(nuid)
-            if not isinstance(exc, Exception) or not retryable(exc):
-                raise
-            await backoff.failed(exc)
-            continue
-        backoff.reset()
-        for old in abandoned:  # left by attempts made while the server was away
-            await _purge_chunks(js, bucket, old)
-        return info
+            raise
+
+    info = await with_retries(f"upload {bucket}/{name}", attempt, retry_s, on_retry)
+    for old in abandoned:  # left by attempts made while the server was away
+        await _purge_chunks(js, bucket, old)
+    return info
 
 
 async def _put_once(
