@@ -34,7 +34,7 @@ from services.common.nats_server import NatsServer
 from services.replay.reader import StreamReader
 from services.replay.settings import RangeSettings, ReplaySettings
 from services.replay.source import RecordingSource, open_records
-from services.trainer.intake import Intake
+from services.trainer.intake.intake import Intake
 
 RUN = "bench"
 

@@ -17,8 +17,8 @@ from services.common.logging import get_logger
 from services.common.runner import Supervisor, supervise
 from services.replay.settings import ReplaySettings
 from services.replay.source import RecordingSource, open_records
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.service import run_ranks
 
 log = get_logger("replay")

@@ -28,7 +28,7 @@ from services.replay.reader import Record, StreamReader
 from services.replay.settings import RangeSettings, ReplaySettings
 
 if TYPE_CHECKING:
-    from services.trainer.intake import Group, Intake
+    from services.trainer.intake.intake import Group, Intake
     from services.trainer.loop import Trainer
 
 log = get_logger("replay")

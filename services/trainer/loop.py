@@ -31,19 +31,19 @@ from services.common.bus import declare_streams
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
-from services.trainer import checkpoint as ckpt
-from services.trainer import fresh
-from services.trainer.actor import PPOActor
-from services.trainer.batch import collate, shard
-from services.trainer.collective import Command, execute, scatter
-from services.trainer.consumer import TrajectoryConsumer
-from services.trainer.engine import TrainEngine
-from services.trainer.feeder import Feeder
-from services.trainer.gather import StreamSpec, streamable
-from services.trainer.intake import Group, Intake, trust_prompts
+from services.trainer.feed import fresh
+from services.trainer.feed.feeder import Feeder
+from services.trainer.intake.batch import collate, shard
+from services.trainer.intake.consumer import TrajectoryConsumer
+from services.trainer.intake.intake import Group, Intake, trust_prompts
+from services.trainer.intake.validate import model_limits
+from services.trainer.model import checkpoint as ckpt
+from services.trainer.model.actor import PPOActor
+from services.trainer.model.collective import Command, execute, scatter
+from services.trainer.model.engine import TrainEngine
+from services.trainer.model.gather import StreamSpec, streamable
 from services.trainer.settings import TrainerSettings
 from services.trainer.step_metrics import StepFacts, step_values
-from services.trainer.validate import model_limits
 
 log = get_logger("trainer")
 

@@ -26,7 +26,7 @@ from schemas.metric_names import (
 )
 
 if TYPE_CHECKING:
-    from services.trainer.intake import Group
+    from services.trainer.intake.intake import Group
 
 
 @dataclass(frozen=True)

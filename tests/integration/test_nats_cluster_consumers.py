@@ -25,8 +25,8 @@ from services.replay.settings import RangeSettings
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine
 from services.rollout.worker import RolloutWorker, WorkerConfig
-from services.trainer.consumer import TrajectoryConsumer
-from services.trainer.intake import Intake
+from services.trainer.intake.consumer import TrajectoryConsumer
+from services.trainer.intake.intake import Intake
 from services.trainer.settings import TrainerSettings
 from tests.integration.test_rollout_version_gate import OneSample
 

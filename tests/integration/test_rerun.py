@@ -15,8 +15,8 @@ from structlog.testing import capture_logs
 from schemas.subjects import Subjects
 from services.common.bus import connect
 from services.status.groups import render_groups, trainer_groups
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from services.weights.publisher import WeightPublisher, latest_published
 from tests.support.trainer import make_group, publish_group, take_prompts, trained_steps, write_dataset

@@ -16,7 +16,7 @@ from schemas.subjects import PROMPTS_STREAM, Subjects
 from services.common.bus import connect, declare_streams
 from services.common.metrics import MetricsPublisher
 from services.common.nats_cluster import NatsCluster
-from services.trainer.feeder import Feeder
+from services.trainer.feed.feeder import Feeder
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import until, write_dataset
 

@@ -16,7 +16,7 @@ from schemas.subjects import PROMPTS_STREAM
 from services.common.bus import connect, declare_streams
 from services.common.busretry import BusUnavailable
 from services.common.nats_server import NatsServer
-from services.trainer.feeder import Feeder
+from services.trainer.feed.feeder import Feeder
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import until, write_dataset
 

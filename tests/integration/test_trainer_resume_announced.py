@@ -36,8 +36,8 @@ from services.rollout.engine import InferenceEngine
 from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.status.groups import render_groups, trainer_groups
-from services.trainer.intake import Intake
-from services.trainer.ledger import PromptLedger
+from services.trainer.feed.ledger import PromptLedger
+from services.trainer.intake.intake import Intake
 from services.weights.publisher import ensure_weight_sync_stream, latest_published
 from tests.integration.test_seed_workflows import rows
 from tests.seed_workflows.rewards import copy3_reward_fn

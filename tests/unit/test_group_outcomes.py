@@ -12,8 +12,8 @@ from schemas.headers import rejection_headers
 from schemas.messages import MetricsEvent, RejectionMarker, decode, encode
 from schemas.metric_names import GROUP_OUTCOMES, GroupOutcome
 from services.status.groups import OUTCOMES
-from services.trainer.intake import Intake, Verdict
-from services.trainer.ledger import PromptLedger
+from services.trainer.feed.ledger import PromptLedger
+from services.trainer.intake.intake import Intake, Verdict
 
 
 def test_verdict_outcome_is_the_declared_type() -> None:

@@ -15,9 +15,9 @@ import pytest
 from schemas.headers import rejection_headers, trajectory_headers
 from schemas.messages import RejectionMarker, encode
 from schemas.trajectory import encode_group_with_meta
-from services.trainer.dataset import load_rows
-from services.trainer.intake import Intake
-from services.trainer.ledger import PromptLedger
+from services.trainer.feed.dataset import load_rows
+from services.trainer.feed.ledger import PromptLedger
+from services.trainer.intake.intake import Intake
 
 ROWS = [{"id": i, "prompt": f"{i:03d}=", "answer": f"{i:03d}"} for i in range(10)]
 

@@ -9,8 +9,8 @@ import pytest
 
 from schemas.headers import trajectory_headers
 from schemas.trajectory import TrajectoryError, decode_group, encode_group_with_meta, encode_table, group_to_table
-from services.trainer.intake import Intake
-from services.trainer.validate import Limits, check_group
+from services.trainer.intake.intake import Intake
+from services.trainer.intake.validate import Limits, check_group
 
 LIMITS = Limits(vocab_size=20, max_seq_len=16)
 

@@ -26,9 +26,9 @@ from services.common.bus import publish_acked, unsubscribe_quietly
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
-from services.trainer.dataset import load_rows
-from services.trainer.evaluation import EvalRounds
-from services.trainer.ledger import PromptLedger
+from services.trainer.feed.dataset import load_rows
+from services.trainer.feed.evaluation import EvalRounds
+from services.trainer.feed.ledger import PromptLedger
 from services.trainer.settings import TrainerSettings
 
 log = get_logger("trainer")

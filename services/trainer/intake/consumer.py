@@ -24,7 +24,7 @@ from services.common.consumers import add_consumer, delete_consumer_if_present
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
-from services.trainer.intake import Group, Intake, Verdict
+from services.trainer.intake.intake import Group, Intake, Verdict
 from services.trainer.settings import TrainerSettings
 
 log = get_logger("trainer")

@@ -37,8 +37,8 @@ from schemas.trajectory import DecodedGroup, TrajectoryError, decode_group
 from services.common.logging import get_logger
 from services.common.settings import SettingsError
 from services.common.signing import prompt_tag, prompt_tag_ok
-from services.trainer.feeder import Feeder
-from services.trainer.validate import Limits, check_group
+from services.trainer.feed.feeder import Feeder
+from services.trainer.intake.validate import Limits, check_group
 
 if TYPE_CHECKING:
     from services.trainer.settings import TrainerSettings
