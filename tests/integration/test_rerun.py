@@ -100,8 +100,8 @@ async def test_a_fresh_start_after_version_n_starts_at_n_plus_1_and_trains_nothi
     try:
         await third.start(nc)
         assert third.resumed and third.version == 3 and not third.done
-        assert third.intake.first_version == 2
-        assert third.feeder is not None and third.feeder.ledger.first_version == 2
+        assert third.window.first_version == 2  # the one window the intake and the feeder read
+        assert third.feeder is not None and third.feeder.ledger.window is third.window is third.intake.window
     finally:
         await third.close()
         await nc.close()
