@@ -291,7 +291,7 @@ class Trainer:
         t_end = time.monotonic()
         facts = StepFacts(self.version, self.intake.counts, before, self.last_seq,
                           self.feeder.metric_values() if self.feeder is not None else {})
-        values = step_values(facts, batch, groups, res.stats, (t0, t_data, t_train, t_end))
+        values = step_values(facts, batch, [g.head_version for g in groups], res.stats, (t0, t_data, t_train, t_end))
         self._record({"version": self.version, "prompt_ids": [g.prompt_id for g in groups],
                       "seqs": [g.seq for g in groups], "last_seq": self.last_seq})
         if self.metrics is not None:
