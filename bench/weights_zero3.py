@@ -36,8 +36,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 async def rank0(engine: object, url: str, rounds: int, bucket_mb: float, out: Path) -> None:
     from services.trainer.gather import StreamSpec, gather_stream
-    from services.weights.broadcast import WeightBroadcaster
-    from services.weights.bucket_stream import BucketStream
+    from services.weights.sender.broadcast import WeightBroadcaster
+    from services.weights.sender.bucket_stream import BucketStream
 
     sender = WeightBroadcaster([url], dtype="float32", bucket_mb=bucket_mb, timeout_s=300)
     spec = StreamSpec("float32", sender.bucket_bytes)

@@ -62,7 +62,7 @@ async def run_service(settings: ReplaySettings) -> None:
 
 
 async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
-    from services.weights.publisher import WeightPublisher
+    from services.weights.sender.publisher import WeightPublisher
 
     try:
         nc = await connect(settings.nats_url, f"jetrl-replay-{settings.run}", connect_timeout_s=settings.connect_timeout_s)

@@ -24,7 +24,7 @@ from typing import Any
 
 from services.common.logging import get_logger
 from services.rollout.io_struct import BadRequestError, InferenceError
-from services.rollout.sglang_protocol import ProtocolError, batch_key, build_batch_payload, split_batch_reply
+from schemas.sglang_protocol import ProtocolError, batch_key, build_batch_payload, split_batch_reply
 
 log = get_logger("inference-client")
 

@@ -37,7 +37,7 @@ from services.rollout.io_struct import (
     ServersUnavailableError,
     WeightUpdateMeta,
 )
-from services.rollout.sglang_protocol import (
+from schemas.sglang_protocol import (
     MODEL_INFO,
     ProtocolError,
     build_generate_payload,

@@ -34,7 +34,7 @@ from services.rollout.kwargs import resolve_callable_kwargs
 from services.rollout.resolve import is_agent, resolve_workflow
 from services.rollout.selection import Accepting, EvalOrTrain
 from services.rollout.settings import RolloutSettings
-from services.rollout.sglang_protocol import READY_POLL_TIMEOUT_S, readiness_urls
+from schemas.sglang_protocol import READY_POLL_TIMEOUT_S, readiness_urls
 from services.rollout.tokenizer import load_pretrained_tokenizer
 from services.rollout.versions import CheckedWorkflow
 from services.rollout.worker import RolloutWorker, WorkerConfig

@@ -15,7 +15,7 @@ from services.trainer import memory
 from services.trainer.actor import PPOActor
 from services.trainer.engine import TrainEngine
 from services.trainer.gather import StreamSpec, gather_stream
-from services.weights.bucket_stream import BucketStream
+from services.weights.sender.bucket_stream import BucketStream
 
 
 @dataclass

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.weights.bucket_stream import BucketStream
-from services.weights.buckets import Bucket, plan_buckets
+from services.weights.sender.bucket_stream import BucketStream
+from services.weights.sender.buckets import Bucket, plan_buckets
 
 
 @dataclass

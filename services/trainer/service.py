@@ -106,7 +106,7 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Fu
     """`engine` still being built (a fresh start): the trainer starts (leftovers cleared, consumer and
     feeder open, the first prompts issued) while DeepSpeed initialises, so the rollout workers generate
     the first batch meanwhile; training starts once the engine is there."""
-    from services.weights.publisher import WeightPublisher
+    from services.weights.sender.publisher import WeightPublisher
 
     nc = await connect(settings.nats_url, f"jetrl-trainer-{settings.run}")
     try:
@@ -138,10 +138,10 @@ def _broadcast_publisher(settings: TrainerSettings, nc: Any, disk: Any) -> Any:
     b = settings.weights_broadcast
     if not (b.enabled and settings.publish_weights):
         return None
-    from services.weights.broadcast import WeightBroadcaster
-    from services.weights.broadcast_publish import BroadcastPublisher
-    from services.weights.colocated import ColocatedSender
-    from services.weights.sender import VersionSender
+    from services.weights.sender.broadcast import WeightBroadcaster
+    from services.weights.sender.broadcast_publish import BroadcastPublisher
+    from services.weights.sender.colocated import ColocatedSender
+    from services.weights.sender.version_sender import VersionSender
 
     sender: VersionSender
     if b.transport == "colocated":

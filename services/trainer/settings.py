@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from services.common.model_path import ModelPath
 from services.common.settings import Section, ServiceSettings, flag
 from services.trainer.dataset import DatasetOptions
-from services.weights.broadcast_settings import BroadcastSettings
+from services.weights.sender.broadcast_settings import BroadcastSettings
 
 
 class PPOSettings(Section):

@@ -3,7 +3,7 @@ announced version into its inference server without stopping generation."""
 
 from __future__ import annotations
 
-from services.weights.settings import WeightsSettings
+from services.weights.agent.settings import WeightsSettings
 
 DESCRIPTION = (
     "Weights agent: loads the latest published weight version into one inference server at start, then "
@@ -14,4 +14,4 @@ DESCRIPTION = (
 def main(argv: list[str] | None = None) -> int:
     from services.common.entry import service_main
 
-    return service_main(WeightsSettings, "services.weights.agent:run_agent", argv, DESCRIPTION)
+    return service_main(WeightsSettings, "services.weights.agent.agent:run_agent", argv, DESCRIPTION)

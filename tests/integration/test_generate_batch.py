@@ -102,7 +102,7 @@ async def test_samples_aborted_by_a_weight_update_are_continued_together(
     server: ServerProcess, engine: InferenceEngine, tiny_model: Path
 ) -> None:
     from services.rollout.engine import WeightUpdateMeta
-    from services.rollout.sglang_protocol import parse_version
+    from schemas.sglang_protocol import parse_version
 
     async with httpx.AsyncClient() as http:
         v0 = parse_version((await http.get(server.url + "/model_info")).json()["weight_version"])

@@ -18,7 +18,7 @@ from services.status.groups import render_groups, trainer_groups
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from services.weights.publisher import WeightPublisher, latest_published
+from services.weights.sender.publisher import WeightPublisher, latest_published
 from tests.support.trainer import make_group, publish_group, take_prompts, trained_steps, write_dataset
 
 RUN = "again2"

@@ -30,7 +30,7 @@ from services.status.groups import render_groups, trainer_groups
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream, latest_published
+from services.weights.sender.publisher import WeightPublisher, ensure_weight_sync_stream, latest_published
 from tests.integration.test_seed_workflows import rows
 from tests.seed_workflows.rewards import copy3_reward_fn
 from tests.support.rollout import running_worker

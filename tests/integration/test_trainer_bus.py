@@ -22,7 +22,7 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from services.weights.publisher import WeightPublisher, latest_published
+from services.weights.sender.publisher import WeightPublisher, latest_published
 from tests.support.trainer import (
     SERVICE_RUN,
     kill_group,

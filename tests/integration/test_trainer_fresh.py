@@ -15,7 +15,7 @@ from services.common.bus import connect
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.settings import TrainerSettings
-from services.weights.publisher import WeightPublisher
+from services.weights.sender.publisher import WeightPublisher
 from tests.support.trainer import make_group, publish_group, read_steps, take_prompts, write_dataset
 
 RUN = "again"

@@ -101,7 +101,7 @@ async def test_an_announcement_lost_in_an_outage_skips_that_version_instead_of_s
     from services.trainer.engine import TrainEngine
     from services.trainer.loop import Trainer
     from services.trainer.settings import TrainerSettings
-    from services.weights.publisher import WeightPublisher, latest_published
+    from services.weights.sender.publisher import WeightPublisher, latest_published
 
     run, shared = "shared-outage", tmp_path / "shared"
     settings = TrainerSettings(run=run, nats_url=nats_server.url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"),

@@ -21,7 +21,7 @@ from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.service import _broadcast_publisher
 from services.trainer.settings import TrainerSettings
-from services.weights.publisher import WeightPublisher
+from services.weights.sender.publisher import WeightPublisher
 from tests.support.inference import running_servers
 from tests.support.trainer import make_group, publish_group, take_prompts, write_dataset
 
@@ -139,8 +139,8 @@ def _model_state(model_dir: Path, shift: float) -> dict[str, torch.Tensor]:
 
 @pytest.mark.timeout(180)
 async def test_a_corrupted_bucket_is_refused_and_the_old_weights_keep_serving(tiny_model: Path, tmp_path: Path) -> None:
-    from services.weights.broadcast import WeightBroadcaster
-    from services.weights.buckets import Bucket, make_buckets
+    from services.weights.sender.broadcast import WeightBroadcaster
+    from services.weights.sender.buckets import Bucket, make_buckets
 
     with running_servers(tiny_model, tmp_path, 2) as servers:
         urls = [s.url for s in servers]
@@ -181,8 +181,8 @@ async def test_sigkill_of_one_server_mid_broadcast_the_other_gets_the_version(ti
     import signal
     import time
 
-    from services.weights.broadcast import GroupBroken, WeightBroadcaster
-    from services.weights.buckets import make_buckets
+    from services.weights.sender.broadcast import GroupBroken, WeightBroadcaster
+    from services.weights.sender.buckets import make_buckets
 
     deadline = 20.0
     with running_servers(tiny_model, tmp_path, 2) as (a, b):
@@ -265,8 +265,8 @@ async def test_a_server_started_after_version_5_catches_up_from_disk_then_gets_6
 async def test_a_version_goes_out_while_the_trainer_goes_on_and_the_next_waits_for_it(
     nats_url: str, tiny_model: Path, tmp_path: Path
 ) -> None:
-    from services.weights.broadcast import WeightBroadcaster
-    from services.weights.broadcast_publish import BroadcastPublisher
+    from services.weights.sender.broadcast import WeightBroadcaster
+    from services.weights.sender.broadcast_publish import BroadcastPublisher
 
     with running_servers(tiny_model, tmp_path, 1) as (server,):
         nc = await connect(nats_url, "test")
@@ -308,7 +308,7 @@ async def _stream_until_first_token(http: httpx.AsyncClient, url: str, body: dic
 
 @pytest.mark.timeout(180)
 async def test_generation_goes_on_across_an_update_and_a_completion_spans_both_versions(tiny_model: Path, tmp_path: Path) -> None:
-    from services.weights.broadcast import WeightBroadcaster
+    from services.weights.sender.broadcast import WeightBroadcaster
 
     with running_servers(tiny_model, tmp_path, 1) as (server,):
         sender = WeightBroadcaster([server.url], bucket_mb=0.05, timeout_s=30)
@@ -343,8 +343,8 @@ async def test_generation_goes_on_across_an_update_and_a_completion_spans_both_v
 
 @pytest.mark.timeout(180)
 async def test_a_server_that_refuses_to_join_is_left_out_and_the_others_are_served(tiny_model: Path, tmp_path: Path) -> None:
-    from services.weights.broadcast import WeightBroadcaster
-    from services.weights.update_group import SHUN_VERSIONS
+    from services.weights.sender.broadcast import WeightBroadcaster
+    from services.weights.sender.update_group import SHUN_VERSIONS
 
     with running_servers(tiny_model, tmp_path, 1) as (real,), running_servers(None, tmp_path, 1, "simulate=true") as (sim,):
         sender = WeightBroadcaster([real.url, sim.url], bucket_mb=0.05, timeout_s=5)

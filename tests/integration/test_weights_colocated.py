@@ -20,9 +20,9 @@ from services.common.bus import connect
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.service import _broadcast_publisher
-from services.weights.colocated import ColocatedSender
-from services.weights.publisher import WeightPublisher
-from services.weights.tensor_payload import PayloadError, deserialize, serialize
+from services.weights.sender.colocated import ColocatedSender
+from services.weights.sender.publisher import WeightPublisher
+from schemas.tensor_payload import PayloadError, deserialize, serialize
 from tests.integration.test_weights_broadcast import (
     _model_state,
     _stream_until_first_token,
@@ -148,7 +148,7 @@ async def test_a_stalled_or_killed_server_does_not_hang_the_trainer(nats_url: st
     """The other server gets every version while one server stalls mid-update (given up on after
     `timeout_s`), is killed mid-update (given up on at once, the connection lost) and is down
     (unreachable); each is reported failed with its cause."""
-    from services.weights.broadcast_publish import BroadcastPublisher
+    from services.weights.sender.broadcast_publish import BroadcastPublisher
 
     with running_servers(tiny_model, tmp_path, 2) as (a, b):
         nc = await connect(nats_url, "test")

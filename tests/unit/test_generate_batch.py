@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from services.inference.requests import RequestError, parse_generate
-from services.rollout.sglang_protocol import (
+from schemas.sglang_protocol import (
     ProtocolError,
     build_batch_payload,
     build_generate_payload,

@@ -25,8 +25,8 @@ from services.weights.files import (
     verify_file,
     versions_to_drop,
 )
-from services.weights.server_client import parse_version
-from services.weights.settings import WeightsSettings
+from services.weights.agent.server_client import parse_version
+from services.weights.agent.settings import WeightsSettings
 
 
 def test_copy_hashed_copies_and_hashes(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ import torch
 
 from services.common.settings import SettingsError, load_settings
 from services.trainer.settings import TrainerSettings
-from services.weights.bucket_checksum import bucket_checksum
-from services.weights.buckets import make_buckets
+from schemas.bucket_checksum import bucket_checksum
+from services.weights.sender.buckets import make_buckets
 
 
 def test_servers_are_a_list_or_comma_separated_and_must_be_urls() -> None:
@@ -35,7 +35,7 @@ def test_buckets_keep_order_respect_the_size_and_checksum_the_sent_bytes() -> No
 
 
 def test_the_receiver_checks_a_bucket_with_the_algorithm_the_sender_announced() -> None:
-    from services.weights.bucket_checksum import check_bucket
+    from schemas.bucket_checksum import check_bucket
 
     tensors = [torch.arange(1000, dtype=torch.float32), torch.ones(7, dtype=torch.bfloat16)]
     fast = bucket_checksum(tensors)

@@ -26,13 +26,13 @@ from typing import Any, Literal
 import httpx
 import torch
 
+from schemas.tensor_payload import serialize
 from services.common.logging import get_logger
 from services.common.trust import InferenceAuth
-from services.weights.broadcast import VersionResult
-from services.weights.bucket_stream import BucketSource, ListSource
-from services.weights.buckets import make_buckets
-from services.weights.shm_pool import COPY_THREADS, BufferPool, BufferSet
-from services.weights.tensor_payload import serialize
+from services.weights.sender.broadcast import VersionResult
+from services.weights.sender.bucket_stream import BucketSource, ListSource
+from services.weights.sender.buckets import make_buckets
+from services.weights.sender.shm_pool import COPY_THREADS, BufferPool, BufferSet
 
 log = get_logger("weights.colocated")
 

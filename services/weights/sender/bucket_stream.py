@@ -25,7 +25,7 @@ import time
 from collections import deque
 from typing import Protocol
 
-from services.weights.buckets import Bucket
+from services.weights.sender.buckets import Bucket
 
 HELD = 2
 """Gathered buckets rank 0 holds at most: the one on the wire and the next (its checksum is computed

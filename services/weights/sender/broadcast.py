@@ -25,9 +25,9 @@ import torch
 
 from services.common.logging import get_logger
 from services.common.trust import InferenceAuth
-from services.weights.bucket_stream import BucketSource, ListSource
-from services.weights.buckets import Bucket, ensure_checksum, make_buckets
-from services.weights.update_group import BROKEN_GRACE_S, UpdateGroup, outcome, short_error
+from services.weights.sender.bucket_stream import BucketSource, ListSource
+from services.weights.sender.buckets import Bucket, ensure_checksum, make_buckets
+from services.weights.sender.update_group import BROKEN_GRACE_S, UpdateGroup, outcome, short_error
 
 log = get_logger("weights.broadcast")
 

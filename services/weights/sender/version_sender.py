@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from services.weights.broadcast import VersionResult
-    from services.weights.bucket_stream import BucketSource
+    from services.weights.sender.broadcast import VersionResult
+    from services.weights.sender.bucket_stream import BucketSource
 
 
 class VersionSender(Protocol):
