@@ -24,11 +24,11 @@ import httpx
 import pytest
 
 from bench.async_speedup import requests_in_server
+from schemas.sglang_protocol import MIN_VERSION, MODEL_INFO, parse_server_version
 from services.inference.server import InferenceServer
 from services.inference.settings import InferenceSettings
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import BadRequestError, InferenceEngine, ModelRequest, WeightUpdateMeta
-from schemas.sglang_protocol import MIN_VERSION, MODEL_INFO, parse_server_version
 from services.weights.agent.server_client import ServerClient, readiness_urls
 from tests.contract import sglang_pkg
 from tests.contract.recorder import Recorder
@@ -211,9 +211,9 @@ async def test_sglang_accepts_what_jetrl_sends_and_what_the_cpu_server_answers(
 def constrained_payloads() -> list[dict[str, Any]]:
     """The `/generate` bodies jetrl sends for structured output: the agent proxy's tool-call and
     response_format constraints, a regex and an EBNF, alone and as one batch (judged by SGLang)."""
+    from schemas.sglang_protocol import build_batch_payload, build_generate_payload
     from services.rollout.agent.constraints import output_constraint
     from services.rollout.agent.options import ResponseFormat, ToolChoice
-    from schemas.sglang_protocol import build_batch_payload, build_generate_payload
 
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
     constraints = [{"json_schema": output_constraint(tools, ToolChoice("required"), ResponseFormat())},

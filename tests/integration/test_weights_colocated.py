@@ -16,13 +16,13 @@ import torch
 
 from schemas.messages import WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode
 from schemas.subjects import WEIGHT_SYNC_STREAM, Subjects
+from schemas.tensor_payload import PayloadError, deserialize, serialize
 from services.common.bus import connect
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
 from services.trainer.service import _broadcast_publisher
 from services.weights.sender.colocated import ColocatedSender
 from services.weights.sender.publisher import WeightPublisher
-from schemas.tensor_payload import PayloadError, deserialize, serialize
 from tests.integration.test_weights_broadcast import (
     _model_state,
     _stream_until_first_token,

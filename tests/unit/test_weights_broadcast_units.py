@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from schemas.bucket_checksum import bucket_checksum
 from services.common.settings import SettingsError, load_settings
 from services.trainer.settings import TrainerSettings
-from schemas.bucket_checksum import bucket_checksum
 from services.weights.sender.buckets import make_buckets
 
 
