@@ -20,9 +20,9 @@ from schemas.tensor_payload import PayloadError, deserialize, serialize
 from services.common.bus import connect
 from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
-from services.trainer.service import _broadcast_publisher
+from services.trainer.service import weight_sync
 from services.weights.sender.colocated import ColocatedSender
-from services.weights.sender.publisher import WeightPublisher
+from services.weights.sender.memory import MemoryWeights
 from tests.integration.test_weights_broadcast import (
     _model_state,
     _stream_until_first_token,
@@ -44,9 +44,10 @@ async def test_the_trainer_hands_each_version_over_in_shared_memory_bit_for_bit(
         urls = [s.url for s in servers]
         settings = broadcast_trainer(nats_url, tiny_model, tmp_path, urls, disk_every=2, transport="colocated")
         nc = await connect(nats_url, "test")
-        bcast = _broadcast_publisher(settings, nc, WeightPublisher(nc, RUN, shared_dir=settings.weights_shared_dir))
-        assert bcast is not None and isinstance(bcast.broadcaster, ColocatedSender)
-        trainer = Trainer(settings, TrainEngine(settings), broadcast=bcast)
+        sync = weight_sync(settings, nc)
+        assert isinstance(sync, MemoryWeights) and isinstance(sync.publisher.broadcaster, ColocatedSender)
+        bcast = sync.publisher
+        trainer = Trainer(settings, TrainEngine(settings), weights=sync)
         await trainer.start(nc)
         js, subjects = nc.jetstream(), Subjects(RUN)
         loaded = {u: await js.subscribe(subjects.weights_loaded(u), stream=WEIGHT_SYNC_STREAM, ordered_consumer=True) for u in urls}
