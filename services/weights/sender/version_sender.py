@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from services.weights.sender.broadcast import VersionResult
     from services.weights.sender.bucket_stream import BucketSource
+    from services.weights.sender.results import VersionResult
 
 
 class VersionSender(Protocol):
