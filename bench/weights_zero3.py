@@ -105,7 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=100, choices=(100, 1000))
     parser.add_argument("--rounds", type=int, default=3, help="versions per mode, alternating")
-    parser.add_argument("--bucket-mb", type=float, default=16.0, help="weights_broadcast.bucket_mb")
+    parser.add_argument("--bucket-mb", type=float, default=16.0, help="weights.bucket_mb")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="jetrl-bench-zero3-"))
     procs: list[subprocess.Popen[bytes]] = []

@@ -1,5 +1,7 @@
-"""Weight sync: `WeightPublisher` (trainer side) and `jetrl weights`, the agent that loads each
-announced version into its inference server without stopping generation."""
+"""Weight sync. `sender/`: the trainer's side (`WeightSync`, built by `make_weight_sync` from
+`weights.transport`); `agent/`: `jetrl weights`, the agent that loads each announced version into its
+inference server without stopping generation; here: what both sides read (files and hashes, the
+object store, signing, the run's announcements)."""
 
 from __future__ import annotations
 
