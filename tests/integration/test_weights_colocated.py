@@ -18,8 +18,8 @@ from schemas.messages import WeightsLoaded, WeightsLoadFailed, WeightsPublished,
 from schemas.subjects import WEIGHT_SYNC_STREAM, Subjects
 from schemas.tensor_payload import PayloadError, deserialize, serialize
 from services.common.bus import connect
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.service import weight_sync
 from services.weights.sender.colocated import ColocatedSender
 from services.weights.sender.memory import MemoryWeights
