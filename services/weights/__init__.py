@@ -5,7 +5,7 @@ object store, signing, the run's announcements)."""
 
 from __future__ import annotations
 
-from services.weights.agent.settings import WeightsSettings
+from services.weights.settings import WeightsSettings
 
 DESCRIPTION = (
     "Weights agent: loads the latest published weight version into one inference server at start, then "

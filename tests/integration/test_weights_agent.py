@@ -146,7 +146,7 @@ async def test_reports_survive_a_nats_server_restart_and_a_lost_one_never_stops_
     from services.common.nats_server import NatsServer
     from services.weights.agent.agent import WeightsAgent
     from services.weights.agent.server_client import ServerClient
-    from services.weights.agent.settings import WeightsSettings
+    from services.weights.settings import WeightsSettings
 
     server = NatsServer(tmp_path / "nats", port=free_port()).start()
     settings = WeightsSettings(run="wrestart", server="http://127.0.0.1:9", report_retry_s=60)

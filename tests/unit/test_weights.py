@@ -14,7 +14,6 @@ from schemas.messages import WeightFile
 from services.common.settings import SettingsError, load_settings
 from services.status.weights import ServerWeights, WeightsStatus, render_weights
 from services.weights.agent.server_client import parse_version
-from services.weights.agent.settings import WeightsSettings
 from services.weights.files import (
     ChecksumError,
     checkpoint_files,
@@ -27,6 +26,7 @@ from services.weights.files import (
     verify_file,
     versions_to_drop,
 )
+from services.weights.settings import WeightsSettings
 
 
 def test_copy_hashed_copies_and_hashes(tmp_path: Path) -> None:

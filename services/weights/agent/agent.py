@@ -46,9 +46,9 @@ from services.common.runner import Supervisor, supervise
 from services.weights.agent.fetch import FetchError, Retry, fetch_version
 from services.weights.agent.listen import AnnouncementFeed
 from services.weights.agent.server_client import READY_POLL_TIMEOUT_S, ServerClient, ServerError, readiness_urls
-from services.weights.agent.settings import WeightsSettings
 from services.weights.announcements import ensure_weight_sync_stream
 from services.weights.files import remove_tree, version_dirs, versions_to_drop
+from services.weights.settings import WeightsSettings
 from services.weights.trust import Freshness, Refused, check, default_roots
 
 log = get_logger("weights.agent")
