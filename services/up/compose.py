@@ -21,6 +21,7 @@ from services.up.presets import section as preset_section
 from services.up.settings import UpSettings
 from services.up.stack import settings_class, to_env
 from services.up.trust import announce_trust
+from services.up.weights import in_memory, trainer_weights
 
 
 @dataclass(frozen=True)
@@ -54,16 +55,14 @@ def compose(s: UpSettings, sections: dict[str, dict[str, Any]], creds: RunCreden
         "output_dir": str(run_dir / "trainer"),
         "total_steps": s.total_steps,
         "feeder": {"dataset_path": dataset},
-        # Weights travel in memory to the servers it started (docs/weights.md): on this host, through
-        # shared memory (`colocated`), unless they are simulated (no model to receive into: then the
-        # disk path, as `trainer.weights_broadcast.enabled: false` selects).
-        "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers, "transport": "colocated"},
     }
+    # Weights travel in memory to the servers it started, unless simulated (weights.py, docs/weights.md)
+    tsec = trainer_weights(sec("trainer"), servers, _simulated(sec("inference")))
     if not s.dataset_path and eval_set is not None:  # the demo: a fixed eval set of 32 prompts, every 10 steps
         trainer["feeder"] |= {"eval_dataset_path": str(eval_set), "eval_every": 10, "eval_size": 32}
     elif eval_set is not None:  # a generated task's held-out rows, for a trainer section's `feeder.eval_every`
         trainer["feeder"]["eval_dataset_path"] = str(eval_set)
-    trainer = deep_merge(trainer, sec("trainer"))
+    trainer = deep_merge(trainer, tsec)
     # The trainer first: its start (DeepSpeed's import and init, the model) is the longest of all and
     # needs no inference server, so it overlaps the servers' start instead of following it. Its
     # prompts wait in the PROMPTS stream until a rollout worker is up.
@@ -92,7 +91,7 @@ def compose(s: UpSettings, sections: dict[str, dict[str, Any]], creds: RunCreden
         track = {**common, "config_path": str(config)}
         plan.append(Step("track", "services.track", to_env("track", deep_merge(track, sec("track"))), required=False))
     learning = {"trainer": trainer, "rollout": sec("rollout"), "inference": sec("inference")}
-    return Composed(plan, learning, servers, bool(trainer["weights_broadcast"].get("enabled")))
+    return Composed(plan, learning, servers, in_memory(tsec))
 
 
 def _simulated(inference: dict[str, Any]) -> bool:
