@@ -7,6 +7,8 @@ error, or JetStream answers 503 while it starts up again. Those are retried with
 backoff until `give_up_after_s` has passed since the first failure; then `BusUnavailable` says so.
 A closed connection (the client was shut down) and any other error are not retried. An error of the
 caller's own that is a `TimeoutError` (an object chunk never acknowledged) is retried like any timeout.
+A write JetStream refused for want of space (`storefull.py`) is retried too (space may return), and
+logged at error level naming the stream: a full store is no outage, a person must make room.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import nats.errors
 import nats.js.errors
 
 from services.common.logging import get_logger
+from services.common.storefull import store_full
 
 log = get_logger("bus.retry")
 
@@ -75,7 +78,7 @@ def stop_retrying_when(event: asyncio.Event | None) -> None:
 
 
 def retryable(exc: BaseException) -> bool:
-    return isinstance(exc, _RETRYABLE) and not isinstance(exc, _FATAL)
+    return (isinstance(exc, _RETRYABLE) and not isinstance(exc, _FATAL)) or store_full(exc) is not None
 
 
 class Backoff:
@@ -109,7 +112,12 @@ class Backoff:
         self.attempt += 1
         if self.on_retry is not None:
             self.on_retry(exc)
-        log.warning("nats call failed; retrying", what=self.what, attempt=self.attempt, delay_s=round(delay, 2), error=repr(exc))
+        full = store_full(exc)
+        if full is not None:
+            log.error("the JetStream store is full: a write was refused; retrying until space returns (docs/security.md "
+                      "\"A full disk\")", stream=full or "unnamed", what=self.what, attempt=self.attempt, error=str(exc))
+        else:
+            log.warning("nats call failed; retrying", what=self.what, attempt=self.attempt, delay_s=round(delay, 2), error=repr(exc))
         if _stopping is None:
             await asyncio.sleep(delay)  # the backoff itself
         else:  # ... cut short by a stop: the next failure then gives up

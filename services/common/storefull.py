@@ -1,0 +1,75 @@
+"""A full JetStream store: how nats-server says it, and how jetrl recognises it.
+
+What nats-server (2.15) does when the filesystem of its file store is full, measured on a 48 MB
+tmpfs (tests/e2e/test_up_store_full.py, docs/security.md "A full disk"):
+- the write fails with ENOSPC; the server logs `Filestore [<stream>] Critical write error: write
+  .../streams/<stream>/msgs/<n>.blk: no space left on device` and answers the publish with
+  err_code 10051 ("... no space left on device"), or not at all (a plain stream's publisher then
+  sees its ack time out, as in an outage);
+- the stream keeps failing that same block after space returns, until nats-server restarts;
+- `/healthz?details=true` on its monitor port answers 503 and lists each such stream with its write
+  error: `store_errors` reads it (`jetrl up` every second, `jetrl status` once).
+Within its own `max_file_store` JetStream refuses a write cleanly instead, with err_code 10047
+("insufficient storage resources"), and writes again as soon as space is made inside the store.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+
+import nats.js.errors
+
+INSUFFICIENT_RESOURCES = 10047
+"""JetStream's "insufficient storage resources available": the store's own limit (`max_file_store`)."""
+STORE_FAILED = 10051
+"""JetStream's "stream store failed": the write itself failed (with "no space left on device" when the disk is full)."""
+_FULL_WORDS = ("no space left on device", "insufficient storage", "insufficient resources")
+_STREAM_IN_PATH = re.compile(r"/streams/([^/\s]+)/")
+_STREAM_IN_TEXT = re.compile(r"stream '[^']*> ([^']+)'")
+
+
+def stream_named_in(text: str) -> str:
+    """The stream an error text of nats-server names (its block file's path, or `'<account> > <stream>'`), else ""."""
+    found = _STREAM_IN_PATH.search(text) or _STREAM_IN_TEXT.search(text)
+    return found.group(1) if found else ""
+
+
+def store_full(exc: BaseException) -> str | None:
+    """When `exc` is JetStream refusing a write for want of space: the stream it names ("" when it
+    names none); else None. A timeout is never taken for one (it looks like an outage)."""
+    if not isinstance(exc, nats.js.errors.APIError):
+        return None
+    text = f"{exc.description or ''} {exc}".lower()
+    if exc.err_code == INSUFFICIENT_RESOURCES or (exc.err_code == STORE_FAILED and any(w in text for w in _FULL_WORDS)):
+        return exc.stream or stream_named_in(exc.description or "")
+    return None
+
+
+def store_errors(monitor_url: str, timeout_s: float = 2.0) -> dict[str, str]:
+    """{stream: nats-server's write error} for each stream whose store cannot be written, from the
+    server's `/healthz?details=true` (empty: all healthy). Raises `OSError` when the monitor port does
+    not answer (a server stopped or restarting)."""
+    try:
+        with urllib.request.urlopen(f"{monitor_url.rstrip('/')}/healthz?details=true", timeout=timeout_s) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as exc:  # 503: unhealthy, with the details
+        body = exc.read()
+    try:
+        report = json.loads(body or b"{}")
+    except ValueError:
+        return {}
+    out: dict[str, str] = {}
+    for err in report.get("errors") or []:
+        text = str(err.get("error", ""))
+        if "write error" in text or any(w in text.lower() for w in _FULL_WORDS):
+            out[str(err.get("stream") or stream_named_in(text))] = text
+    return out
+
+
+def describe(errors: dict[str, str]) -> str:
+    """One line for a person: `STORE FULL: TRAJECTORIES, METRICS (no space left on device)`."""
+    causes = sorted({"no space left on device" if "no space left" in e else e.rsplit(": ", 1)[-1] for e in errors.values()})
+    return f"STORE FULL: {', '.join(sorted(errors))} ({'; '.join(causes)})"
