@@ -23,7 +23,7 @@ from services.common.nats_server import free_port
 from services.common.settings import SettingsError, deep_merge
 from services.runs import MONITOR_URL_FILE, URL_FILE
 from services.up import SERVICE_SECTIONS
-from services.up.credentials import ADMIN, declare_as_admin, make_credentials
+from services.up.credentials import ADMIN, adopt_issuer_key, declare_as_admin, make_credentials
 from services.up.display import Display
 from services.up.layout import layout, priorities
 from services.up.monitor import RunView, watch
@@ -100,6 +100,9 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     started = time.time()
     # the run's NATS users and inference admin key (credentials.py); an open bus only when asked
     creds = make_credentials(run_dir, s.run, locked=s.bus == "embedded" and not s.open_bus)
+    if (var := adopt_issuer_key(creds, os.environ)) is not None:  # the user's key, not a second one beside it
+        log.info("the trainer checks pushed prompts with your prompt issuer key; jetrl prompts push --run finds it",
+                 set_by=var, kept_as=str(creds.dir / "prompt-issuer-key"))
     nats = creds.nats_server(run_dir / "nats", run_dir / "nats-server.log") if s.bus == "embedded" else None
     base_env = passed_env(s, os.environ)
     # PYTHONPATH: jetrl's root, then the caller's own when `up.pass_env` names it (a workflow's package)

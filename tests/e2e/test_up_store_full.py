@@ -5,7 +5,8 @@ test fills that filesystem. What a user sees is asserted: within 10 s `jetrl up`
 the stream and its display says STORE FULL with the stream; `jetrl status` names it too. Then the
 filesystem grows (`mount -o remount,size=...`, as an operator makes room), nats-server is restarted by
 `up` (it keeps failing a stream's block after a write error until it restarts) and the run finishes.
-Mounting needs root (or CAP_SYS_ADMIN): elsewhere the test is skipped, saying so.
+Mounting needs root (or CAP_SYS_ADMIN): elsewhere the test is skipped, saying so. The same run has a
+prompt issuer key of the user's in its environment, which `up` takes as the run's.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def test_a_full_store_is_shown_within_10s_and_the_run_finishes_after_space_retur
 def _run_to_the_end_through_a_full_store(tmp_path: Path, store: Path) -> None:
     config = {**DEMO, "up": {"rollout_workers": 1, "store_restart_free_bytes": 100_000_000}}
     started = time.monotonic()
-    proc = start_up(tmp_path, RUN, 4, config)
+    # besides: a prompt issuer key of the user's own in the shell, which becomes the run's (no "set one, not both")
+    proc = start_up(tmp_path, RUN, 4, config, {"JETRL_TRAINER__TRUST__PROMPT_ISSUER_KEY": "the-users-own-key"})
     assert proc.stdout is not None
     lines, seen = reader(proc.stdout), []
     try:
@@ -134,6 +136,8 @@ def _run_to_the_end_through_a_full_store(tmp_path: Path, store: Path) -> None:
         out = "".join(seen)
     assert proc.returncode == 0, out[-4000:]
     assert f"run {RUN}: finished" in out and "store writable again" in out, out[-4000:]
+    assert "the trainer checks pushed prompts with your prompt issuer key" in out
+    assert (tmp_path / RUN / "secrets" / "prompt-issuer-key").read_text().strip() == "the-users-own-key"
     metrics = json.loads((tmp_path / RUN / "metrics.json").read_text())
     assert metrics["steps"][-1]["step"] == 4
     assert metrics["store"]["times_full"] and metrics["store"]["nats_restarts"] >= 1 and not metrics["store"]["full_at_end"]
