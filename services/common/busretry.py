@@ -24,7 +24,7 @@ import nats.errors
 import nats.js.errors
 
 from services.common.logging import get_logger
-from services.common.storefull import store_full
+from services.common.storefull import ALARM, store_full
 
 log = get_logger("bus.retry")
 
@@ -113,10 +113,12 @@ class Backoff:
         if self.on_retry is not None:
             self.on_retry(exc)
         full = store_full(exc)
-        if full is not None:
+        if full is None and isinstance(exc, TimeoutError):  # an outage, or a full store: the server's health says which
+            full = "" if await ALARM.after_timeout(self.what) else None  # (the alarm logs the streams it names)
+        elif full is not None:
             log.error("the JetStream store is full: a write was refused; retrying until space returns (docs/security.md "
                       "\"A full disk\")", stream=full or "unnamed", what=self.what, attempt=self.attempt, error=str(exc))
-        else:
+        if full is None:
             log.warning("nats call failed; retrying", what=self.what, attempt=self.attempt, delay_s=round(delay, 2), error=repr(exc))
         if _stopping is None:
             await asyncio.sleep(delay)  # the backoff itself

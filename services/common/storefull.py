@@ -15,12 +15,19 @@ Within its own `max_file_store` JetStream refuses a write cleanly instead, with 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 import urllib.error
 import urllib.request
+from collections import Counter
 
 import nats.js.errors
+
+from services.common.logging import get_logger
+
+log = get_logger("bus.store")
 
 INSUFFICIENT_RESOURCES = 10047
 """JetStream's "insufficient storage resources available": the store's own limit (`max_file_store`)."""
@@ -29,6 +36,10 @@ STORE_FAILED = 10051
 _FULL_WORDS = ("no space left on device", "insufficient storage", "insufficient resources")
 _STREAM_IN_PATH = re.compile(r"/streams/([^/\s]+)/")
 _STREAM_IN_TEXT = re.compile(r"stream '[^']*> ([^']+)'")
+ASK_EVERY_S = 3.0
+"""After a timed-out write, the server's health is asked at most this often per process."""
+LOG_EVERY_S = 30.0
+"""A stream's store-full error is logged again at most this often per process (it is counted each time)."""
 
 
 def stream_named_in(text: str) -> str:
@@ -73,3 +84,41 @@ def describe(errors: dict[str, str]) -> str:
     """One line for a person: `STORE FULL: TRAJECTORIES, METRICS (no space left on device)`."""
     causes = sorted({"no space left on device" if "no space left" in e else e.rsplit(": ", 1)[-1] for e in errors.values()})
     return f"STORE FULL: {', '.join(sorted(errors))} ({'; '.join(causes)})"
+
+
+class StoreAlarm:
+    """A service's view of the store after its writes time out: with the server's monitor address
+    (`nats_monitor_url`, which `jetrl up` sets), a timed-out write asks the server's health (at
+    most every `ASK_EVERY_S`) whether streams cannot be written; each is then logged at error level,
+    naming it (at most every `LOG_EVERY_S`), and counted in `seen`."""
+
+    def __init__(self) -> None:
+        self.monitor_url = ""
+        self.seen: Counter[str] = Counter()
+        """How often a timed-out write of this process met each stream unwritable."""
+        self._asked = -ASK_EVERY_S
+        self._errors: dict[str, str] = {}
+        self._logged: dict[str, float] = {}
+
+    async def after_timeout(self, what: str) -> dict[str, str]:
+        """{stream: write error} the server reports now (cached for `ASK_EVERY_S`); {} without a monitor address."""
+        if not self.monitor_url:
+            return {}
+        if time.monotonic() - self._asked >= ASK_EVERY_S:  # one question at a time: others meanwhile take the last answer
+            self._asked = time.monotonic()
+            try:
+                self._errors = await asyncio.to_thread(store_errors, self.monitor_url, 2.0)
+            except OSError:  # the server itself is away: an outage, said by the retries
+                self._errors = {}
+        now = time.monotonic()
+        for stream, error in self._errors.items():
+            self.seen[stream] += 1
+            if now - self._logged.get(stream, -LOG_EVERY_S) >= LOG_EVERY_S:
+                self._logged[stream] = now
+                log.error("the JetStream store is full: a write timed out and nats-server cannot write the stream; "
+                          "retried until space returns (docs/security.md \"A full disk\")", stream=stream, what=what, error=error)
+        return dict(self._errors)
+
+
+ALARM = StoreAlarm()
+"""This process's (`services.common.entry` sets its `monitor_url` from `nats_monitor_url`)."""

@@ -41,7 +41,7 @@ from services.common.consumers import add_consumer
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
-from services.common.storefull import store_full
+from services.common.storefull import ALARM, store_full
 from services.rollout.dump import TrajectoryDumper
 from services.rollout.engine import BadRequestError
 from services.rollout.failures import EpisodeFailures, set_current
@@ -353,12 +353,15 @@ class RolloutWorker:
         try:
             ack = await publish_acked(self.js, subject, body, timeout_s=self.config.publish_timeout_s,
                                       headers=dict(headers), stream=TRAJECTORIES_STREAM)
-        except nats.js.errors.APIError as exc:
-            if store_full(exc) is not None:
-                if self.metrics is not None:
-                    self.metrics.count("store_full")
+        except (nats.js.errors.APIError, TimeoutError) as exc:
+            refused = store_full(exc)
+            if refused is not None:
                 log.error("the JetStream store is full: a group was not recorded (docs/security.md \"A full disk\")",
-                          stream=store_full(exc) or TRAJECTORIES_STREAM, subject=subject, error=str(exc))
+                          stream=refused or TRAJECTORIES_STREAM, subject=subject, error=str(exc))
+            elif isinstance(exc, TimeoutError) and TRAJECTORIES_STREAM in await ALARM.after_timeout(f"publish {subject}"):
+                refused = TRAJECTORIES_STREAM  # no answer at all: the server's health named the stream (logged there)
+            if refused is not None and self.metrics is not None:
+                self.metrics.count("store_full")
             raise
         if ack.duplicate:
             log.info("result already recorded (duplicate dropped)", subject=subject, msg_id=headers.get("Nats-Msg-Id"))

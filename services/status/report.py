@@ -44,10 +44,10 @@ def nats_auth_for(settings: StatusSettings) -> NatsAuth | None:
 
 
 def monitor_url_for(settings: StatusSettings) -> str:
-    """An explicit monitor_url; else a live `jetrl up` run's embedded server's ("": none to ask)."""
+    """An explicit nats_monitor_url; else a live `jetrl up` run's embedded server's ("": none to ask)."""
     live = Path(settings.run_dir) / settings.run / MONITOR_URL_FILE
-    if settings.monitor_url or "nats_url" in settings.model_fields_set or not live.exists():
-        return settings.monitor_url
+    if settings.nats_monitor_url or "nats_url" in settings.model_fields_set or not live.exists():
+        return settings.nats_monitor_url
     return live.read_text().strip()
 
 

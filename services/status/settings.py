@@ -19,7 +19,3 @@ class StatusSettings(ServiceSettings):
     unless nats_url is set."""
     alive_within_s: float = 30.0
     """A worker whose last metrics event is older than this is shown as silent."""
-    monitor_url: str = ""
-    """The nats-server's monitor address (http://host:8222), whose health report names each stream the
-    store cannot write (a full disk). Unset: a live `jetrl up` run's own (<run_dir>/<run>/nats-monitor.url),
-    else not asked."""

@@ -149,7 +149,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         shape = layout(s)
         log.info("process layout", cores=shape.cores, rollout_workers=shape.rollout_workers, torch_threads=shape.torch_threads)
         threads = {"OMP_NUM_THREADS": str(shape.torch_threads)}  # the trainer's and the servers' tensor work
-        common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json"}
+        common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json",
+                  **({"nats_monitor_url": store.monitor_url} if store is not None else {})}
         preset = preset_for(s.dataset_path)  # the copy3 demo's settings, for the demo only (presets.py)
         # the run's credentials under the preset under the user's own section (theirs win)
         sec = lambda name: deep_merge(creds.section(name, sections.get(name, {})), preset_section(preset, sections, name))  # noqa: E731

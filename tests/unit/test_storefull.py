@@ -1,0 +1,34 @@
+"""A full store as nats-server 2.15 words it (the texts below are its own, from a 48 MB tmpfs):
+recognised, with the stream named, and never confused with an outage or another refusal."""
+
+from __future__ import annotations
+
+import nats.errors
+import nats.js.errors
+
+from services.common.busretry import retryable
+from services.common.storefull import describe, store_full, stream_named_in
+
+NO_SPACE = "write /runs/r/nats/jetstream/jetstream/$G/streams/OBJ_WEIGHTS/msgs/1.blk: no space left on device"
+
+
+def test_a_write_refused_for_space_names_its_stream_and_is_retried() -> None:
+    refused = nats.js.errors.ServerError(code=500, err_code=10051, description=NO_SPACE)
+    assert store_full(refused) == "OBJ_WEIGHTS" and retryable(refused)
+    limit = nats.js.errors.ServerError(code=500, err_code=10047, description="insufficient storage resources available")
+    assert store_full(limit) == "" and retryable(limit)
+
+
+def test_other_errors_are_not_a_full_store() -> None:
+    other = nats.js.errors.ServerError(code=500, err_code=10051, description="stream store failed: some other fault")
+    assert store_full(other) is None and not retryable(other)
+    assert store_full(nats.errors.TimeoutError()) is None, "a timeout alone looks like an outage"
+    assert store_full(nats.js.errors.BadRequestError(code=400, err_code=10058, description="stream name already in use")) is None
+
+
+def test_the_stream_is_read_from_either_wording_and_described_in_one_line() -> None:
+    assert stream_named_in("JetStream stream '$G > OBJ_WEIGHTS' write error: " + NO_SPACE) == "OBJ_WEIGHTS"
+    assert stream_named_in("JetStream stream 'ACC > METRICS' write error: disk") == "METRICS"
+    assert stream_named_in("nothing named") == ""
+    line = describe({"TRAJECTORIES": "JetStream stream '$G > TRAJECTORIES' write error: " + NO_SPACE, "METRICS": NO_SPACE})
+    assert line == "STORE FULL: METRICS, TRAJECTORIES (no space left on device)"
