@@ -25,11 +25,13 @@ from pathlib import Path
 
 import pytest
 
+from schemas.subjects import stream_specs
+from services.common.permissions import OBJ_STREAM
 from tests.support.up import DEMO, ROOT, start_up, step_of
 
 RUN = "full"
 DETECT_S = 10.0
-STREAMS = ("PROMPTS", "TRAJECTORIES", "METRICS", "WEIGHTS", "OBJ_WEIGHTS")
+STREAMS = (*(spec.name for spec in stream_specs()), OBJ_STREAM)
 
 
 def mount_tmpfs(path: Path, size: str) -> None:
@@ -109,6 +111,7 @@ def _run_to_the_end_through_a_full_store(tmp_path: Path, store: Path) -> None:
         print(f"filled at {filled - started:.0f}s")
         shown = wait_for(lines, seen, filled + DETECT_S, "STORE FULL: ", '"the JetStream store is full')
         assert len(shown) == 2, f"no store-full alert within {DETECT_S}s:\n" + "".join(seen[-40:])
+        print(f"shown {time.monotonic() - filled:.1f}s after filling")
         display, logged = shown
         assert any(name in display for name in STREAMS), display
         assert json.loads(logged)["level"] == "error" and json.loads(logged)["stream"] in STREAMS, logged
@@ -123,7 +126,7 @@ def _run_to_the_end_through_a_full_store(tmp_path: Path, store: Path) -> None:
         subprocess.run(["mount", "-o", "remount,size=256m", str(store)], check=True)
         grown = time.monotonic()
         wait_for(lines, seen, time.monotonic() + 300, "store writable again")
-        print(f"shown after {time.monotonic() - filled:.1f}s; writable {time.monotonic() - grown:.1f}s after growing")
+        print(f"writable again {time.monotonic() - grown:.1f}s after growing")
         while (line := lines.get(timeout=300)) is not None:
             seen.append(line)
     finally:
