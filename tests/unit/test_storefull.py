@@ -3,8 +3,11 @@ recognised, with the stream named, and never confused with an outage or another 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nats.errors
 import nats.js.errors
+import pytest
 
 from services.common.busretry import retryable
 from services.common.storefull import describe, store_full, stream_named_in
@@ -32,3 +35,26 @@ def test_the_stream_is_read_from_either_wording_and_described_in_one_line() -> N
     assert stream_named_in("nothing named") == ""
     line = describe({"TRAJECTORIES": "JetStream stream '$G > TRAJECTORIES' write error: " + NO_SPACE, "METRICS": NO_SPACE})
     assert line == "STORE FULL: METRICS, TRAJECTORIES (no space left on device)"
+
+
+def test_the_display_says_store_full_at_once_and_when_it_is_writable_again(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rich.console import Console
+
+    from services.up.display import Display
+    from services.up.monitor import RunView
+    from services.up.settings import UpSettings
+    from services.up.stack import Stack
+
+    view = RunView()
+    lines = Display(UpSettings(display="lines"), view, Stack(tmp_path, {}))
+    view.store.full = {"TRAJECTORIES": "JetStream stream '$G > TRAJECTORIES' write error: " + NO_SPACE}
+    lines.refresh()
+    lines.refresh()  # said once, not at every refresh
+    view.store.full = {}
+    lines.refresh()
+    assert capsys.readouterr().out == "STORE FULL: TRAJECTORIES (no space left on device)\nstore writable again\n"
+
+    view.store.full = {"METRICS": NO_SPACE}
+    console = Console(width=200, record=True)
+    console.print(Display(UpSettings(display="live"), view, Stack(tmp_path, {}))._table())
+    assert "STORE FULL: METRICS (no space left on device): the run waits until space returns" in console.export_text()
