@@ -9,8 +9,10 @@ tmpfs (tests/e2e/test_up_store_full.py, docs/security.md "A full disk"):
 - the stream keeps failing that same block after space returns, until nats-server restarts;
 - `/healthz?details=true` on its monitor port answers 503 and lists each such stream with its write
   error: `store_errors` reads it (`jetrl up` every second, `jetrl status` once).
-Within its own `max_file_store` JetStream refuses a write cleanly instead, with err_code 10047
-("insufficient storage resources"), and writes again as soon as space is made inside the store.
+At its own `max_file_store` JetStream refuses a write cleanly instead, with a 503 and err_code 10023
+("insufficient resources"; measured), and writes again as soon as space is made inside the store (a
+purge, older messages discarded); 10047 ("insufficient storage resources available") is its word for
+the same at an account's limits.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from services.common.logging import get_logger
 
 log = get_logger("bus.store")
 
-INSUFFICIENT_RESOURCES = 10047
-"""JetStream's "insufficient storage resources available": the store's own limit (`max_file_store`)."""
+INSUFFICIENT_RESOURCES = (10023, 10047)
+"""JetStream's "insufficient resources" (the server's `max_file_store` reached) and "insufficient storage
+resources available" (an account's limit)."""
 STORE_FAILED = 10051
 """JetStream's "stream store failed": the write itself failed (with "no space left on device" when the disk is full)."""
 _FULL_WORDS = ("no space left on device", "insufficient storage", "insufficient resources")
@@ -54,7 +57,7 @@ def store_full(exc: BaseException) -> str | None:
     if not isinstance(exc, nats.js.errors.APIError):
         return None
     text = f"{exc.description or ''} {exc}".lower()
-    if exc.err_code == INSUFFICIENT_RESOURCES or (exc.err_code == STORE_FAILED and any(w in text for w in _FULL_WORDS)):
+    if exc.err_code in INSUFFICIENT_RESOURCES or (exc.err_code == STORE_FAILED and any(w in text for w in _FULL_WORDS)):
         return exc.stream or stream_named_in(exc.description or "")
     return None
 

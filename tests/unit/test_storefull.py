@@ -18,8 +18,10 @@ NO_SPACE = "write /runs/r/nats/jetstream/jetstream/$G/streams/OBJ_WEIGHTS/msgs/1
 def test_a_write_refused_for_space_names_its_stream_and_is_retried() -> None:
     refused = nats.js.errors.ServerError(code=500, err_code=10051, description=NO_SPACE)
     assert store_full(refused) == "OBJ_WEIGHTS" and retryable(refused)
-    limit = nats.js.errors.ServerError(code=500, err_code=10047, description="insufficient storage resources available")
-    assert store_full(limit) == "" and retryable(limit)
+    limit = nats.js.errors.ServiceUnavailableError(code=503, err_code=10023, description="insufficient resources")
+    assert store_full(limit) == "" and retryable(limit), "the server's max_file_store reached (measured)"
+    account = nats.js.errors.ServerError(code=500, err_code=10047, description="insufficient storage resources available")
+    assert store_full(account) == "" and retryable(account)
 
 
 def test_other_errors_are_not_a_full_store() -> None:
