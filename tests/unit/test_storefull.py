@@ -60,3 +60,26 @@ def test_the_display_says_store_full_at_once_and_when_it_is_writable_again(tmp_p
     console = Console(width=200, record=True)
     console.print(Display(UpSettings(display="live"), view, Stack(tmp_path, {}))._table())
     assert "STORE FULL: METRICS (no space left on device): the run waits until space returns" in console.export_text()
+
+
+def test_a_full_store_is_waited_for_past_the_outage_budget() -> None:
+    """An outage is given up after the budget; a write refused for want of space is retried past it
+    (space returns when someone makes room, however long that takes)."""
+    import asyncio
+    import time
+
+    from services.common.busretry import Backoff, BusUnavailable
+
+    async def retried_for(exc: BaseException, seconds: float) -> bool:
+        backoff = Backoff("publish", give_up_after_s=0.05)
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            try:
+                await backoff.failed(exc)
+            except BusUnavailable:
+                return False
+        return True
+
+    refused = nats.js.errors.ServerError(code=500, err_code=10051, description=NO_SPACE)
+    assert asyncio.run(retried_for(refused, 0.3))
+    assert not asyncio.run(retried_for(nats.errors.TimeoutError(), 0.3))
