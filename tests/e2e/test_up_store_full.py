@@ -30,6 +30,10 @@ from services.common.permissions import OBJ_STREAM
 from tests.support.up import DEMO, ROOT, start_up, step_of
 
 RUN = "full"
+ETA = 1
+STEPS = 3 + 2 * ETA
+"""More than the groups recorded before the store fills can train (the rollout runs up to `eta` versions
+ahead): the run cannot finish before space returns."""
 DETECT_S = 10.0
 STREAMS = (*(spec.name for spec in stream_specs()), OBJ_STREAM)
 
@@ -78,6 +82,7 @@ def wait_for(lines: queue.Queue[str | None], seen: list[str], until: float, *wan
         except queue.Empty:
             break
         if line is None:
+            lines.put(None)  # the end stays for the next reader
             break
         seen.append(line)
         found.update({w: line for w in wanted if w in line and w not in found})
@@ -95,10 +100,11 @@ def test_a_full_store_is_shown_within_10s_and_the_run_finishes_after_space_retur
 
 
 def _run_to_the_end_through_a_full_store(tmp_path: Path, store: Path) -> None:
-    config = {**DEMO, "up": {"rollout_workers": 1, "store_restart_free_bytes": 100_000_000}}
+    config = {**DEMO, "up": {"rollout_workers": 1, "store_restart_free_bytes": 100_000_000},
+              "trainer": {**DEMO["trainer"], "eta": ETA}}
     started = time.monotonic()
     # besides: a prompt issuer key of the user's own in the shell, which becomes the run's (no "set one, not both")
-    proc = start_up(tmp_path, RUN, 4, config, {"JETRL_TRAINER__TRUST__PROMPT_ISSUER_KEY": "the-users-own-key"})
+    proc = start_up(tmp_path, RUN, STEPS, config, {"JETRL_TRAINER__TRUST__PROMPT_ISSUER_KEY": "the-users-own-key"})
     assert proc.stdout is not None
     lines, seen = reader(proc.stdout), []
     try:
@@ -142,5 +148,5 @@ def _run_to_the_end_through_a_full_store(tmp_path: Path, store: Path) -> None:
     assert "the trainer checks pushed prompts with your prompt issuer key" in out
     assert (tmp_path / RUN / "secrets" / "prompt-issuer-key").read_text().strip() == "the-users-own-key"
     metrics = json.loads((tmp_path / RUN / "metrics.json").read_text())
-    assert metrics["steps"][-1]["step"] == 4
+    assert metrics["steps"][-1]["step"] == STEPS
     assert metrics["store"]["times_full"] and metrics["store"]["nats_restarts"] >= 1 and not metrics["store"]["full_at_end"]
