@@ -48,6 +48,7 @@ def judges() -> dict[str, Any]:
     if hasattr(io_struct, "ContinueGenerationReqInput"):
         out["/continue_generation"] = model(io_struct.ContinueGenerationReqInput)
     out["finish"] = _finish
+    out["grammar"] = _grammar
     return out
 
 
@@ -66,6 +67,36 @@ def _finish(body: dict[str, Any]) -> None:
     if finished != body["finished"]:
         raise ValueError(f"SGLang {'finishes' if finished else 'does not finish'} on {body['tokens']} with {body['sampling_params']}; "
                          f"the CPU server {'did' if body['finished'] else 'did not'}")
+
+
+def _grammar(body: dict[str, Any]) -> None:
+    """SGLang's own grammar admission (`GrammarManager`) on a server started with or without
+    `--skip-tokenizer-init`: raises when the CPU server's answer (`body["refused"]`: its 400's text, or
+    None when it served the request) differs from SGLang's. The backend's creation is read from
+    `GrammarManager.__init__`'s source (building one needs the scheduler); the refusal is SGLang's own
+    `process_req_with_grammar` run on a manager without a backend."""
+    import inspect
+    from types import SimpleNamespace
+
+    from sglang.srt.constrained.grammar_manager import GrammarManager
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    init = inspect.getsource(GrammarManager.__init__)
+    if "skip_tokenizer_init" not in init or "self.grammar_backend = None" not in init:
+        raise ValueError("GrammarManager no longer gates its grammar backend on skip_tokenizer_init: re-check jetrl's rule")
+    if not body["skip_tokenizer_init"]:  # SGLang builds its backend (xgrammar) and serves the request
+        if body["refused"] is not None:
+            raise ValueError(f"SGLang with its tokenizer has a grammar backend; the CPU server refused: {body['refused']}")
+        return
+    aborted: list[str] = []
+    req = SimpleNamespace(sampling_params=SamplingParams(**body["sampling_params"]), grammar=None,
+                          set_finish_with_abort=lambda msg, *a, **k: aborted.append(msg))
+    manager = SimpleNamespace(grammar_backend=None, _enable_strict_thinking=False, grammar_queue=[])
+    GrammarManager.process_req_with_grammar(manager, req)  # type: ignore[arg-type]
+    if not aborted:
+        raise ValueError("SGLang without a grammar backend did not abort the constrained request")
+    if body["refused"] is None or aborted[0] not in body["refused"]:
+        raise ValueError(f"SGLang aborts with {aborted[0]!r}; the CPU server answered {body['refused']!r}")
 
 
 def _sampling(raw: dict[str, Any]) -> None:

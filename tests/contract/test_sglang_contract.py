@@ -197,6 +197,7 @@ async def test_sglang_accepts_what_jetrl_sends_and_what_the_cpu_server_answers(
                for s in sent)  # the batch form is judged too
     sent += constrained_payloads()
     sent += await finish_rules(recorder.url)
+    sent += await grammar_refusals(recorder.url)
     # Controls the judge must refuse: the `stop` field jetrl used to send to a --skip-tokenizer-init
     # server, and two grammars in one request.
     old = {"method": "POST", "path": "/generate", "body": {"input_ids": PROMPT, "sampling_params": {"stop": ["\n"]}}}
@@ -241,6 +242,19 @@ async def finish_rules(url: str) -> list[dict[str, Any]]:
         return items
     finally:
         await engine.aclose()
+
+
+async def grammar_refusals(url: str) -> list[dict[str, Any]]:
+    """What the CPU server started with `skip_tokenizer_init` answers to each kind of constraint, as
+    items for SGLang's own grammar admission to judge: it has no grammar backend there and aborts the
+    request with a 400 carrying its message."""
+    items = []
+    async with httpx.AsyncClient() as http:
+        for params in ({"json_schema": '{"type": "object"}'}, {"regex": "[0-9]+"}, {"ebnf": 'root ::= "1"'}):
+            reply = await http.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": {**params, "max_new_tokens": 4}})
+            items.append({"method": "POST", "path": "grammar", "body": {
+                "skip_tokenizer_init": True, "sampling_params": params, "refused": reply.text if reply.status_code == 400 else None}})
+    return items
 
 
 @dataclass
