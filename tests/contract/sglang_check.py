@@ -49,6 +49,7 @@ def judges() -> dict[str, Any]:
         out["/continue_generation"] = model(io_struct.ContinueGenerationReqInput)
     out["finish"] = _finish
     out["grammar"] = _grammar
+    out["validate"] = _validate
     return out
 
 
@@ -97,6 +98,42 @@ def _grammar(body: dict[str, Any]) -> None:
         raise ValueError("SGLang without a grammar backend did not abort the constrained request")
     if body["refused"] is None or aborted[0] not in body["refused"]:
         raise ValueError(f"SGLang aborts with {aborted[0]!r}; the CPU server answered {body['refused']!r}")
+
+
+def _validate(body: dict[str, Any]) -> None:
+    """SGLang's own input validation (`TokenizerManager._validate_one_request`, no auto-truncation) on
+    one request, for the model at `model_path` served with `context_len` tokens: raises when SGLang's verdict differs from the CPU
+    server's (`body["refused"]`: its 400's text, or None). `body["stricter"]` marks a request the CPU
+    server refuses on purpose where SGLang does not (out-of-vocabulary input ids): then SGLang must
+    still admit it, so that the day it checks them too this judge says so."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=body["model_path"], skip_tokenizer_init=True, device="cpu")
+    try:  # 0.5.14 on: the process-wide server args the checks read
+        from sglang.srt.runtime_context import publish
+    except ImportError:
+        pass
+    else:
+        publish(args, role="tokenizer")
+    tm = TokenizerManager.__new__(TokenizerManager)  # only the attributes the check reads, as __init__ sets them
+    tm.__dict__.update(context_len=body["context_len"], allow_auto_truncate=False, validate_total_tokens=True,
+                       num_reserved_tokens=0, is_generation=True, model_config=ModelConfig.from_server_args(args))
+    obj = GenerateReqInput(input_ids=body["input_ids"], sampling_params=body["sampling_params"])
+    obj.normalize_batch_and_arguments()
+    try:
+        tm._validate_one_request(obj, list(body["input_ids"]))
+        sglang = None
+    except ValueError as exc:
+        sglang = str(exc)
+    if body.get("stricter"):
+        if sglang is not None:
+            raise ValueError(f"SGLang now refuses what only the CPU server refused: {sglang}")
+        return
+    if (sglang is None) != (body["refused"] is None) or (sglang is not None and sglang not in body["refused"]):
+        raise ValueError(f"SGLang: {sglang!r}; the CPU server: {body['refused']!r}")
 
 
 def _sampling(raw: dict[str, Any]) -> None:

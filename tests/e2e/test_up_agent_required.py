@@ -61,7 +61,7 @@ def run_example(tmp_path: Path, config: str, model: Path, overrides: dict[str, A
     for call in calls:
         assert call["name"] == "submit" and set(call["arguments"]) == {"answer"}, call
         assert re.fullmatch(r"[0-9]{1,8}", call["arguments"]["answer"]), call
-    print(f"{len(calls)} recorded tool calls, all valid; outcomes {outcomes}")
+    print(out[out.rfind("run agent:"):], f"{len(calls)} recorded tool calls, all valid; outcomes {outcomes}", sep="\n")
 
 
 @pytest.mark.timeout(1200)
