@@ -30,7 +30,6 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from schemas import metric_names as names
 from schemas.headers import prompt_id_of, prompt_tag_of, rejection_headers, trajectory_headers
 from schemas.messages import MessageError, PromptTask, RejectionMarker, decode, encode
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
@@ -45,7 +44,7 @@ from services.rollout.dump import TrajectoryDumper
 from services.rollout.engine import BadRequestError
 from services.rollout.failures import EpisodeFailures, set_current
 from services.rollout.puller import Puller
-from services.rollout.stats import RolloutStats
+from services.rollout.stats import RolloutStats, constraint_counters
 from services.rollout.tensors import group_sizes
 from services.rollout.version_gate import VersionGate
 from services.rollout.versions import workflow_name
@@ -386,13 +385,5 @@ class RolloutWorker:
         # the workflow's own statistics (AReaL's stats_tracker), means over the interval, by scope/key
         from services.rollout.compat import stats_tracker
 
-        return {**self.stats.snapshot(), **gate, **self.failures.counters(), **self._constraint_counters(),
+        return {**self.stats.snapshot(), **gate, **self.failures.counters(), **constraint_counters(self.engine, self.workflow),
                 **stats_tracker.export_all(reset=True)}
-
-    def _constraint_counters(self) -> dict[str, float]:
-        """Structured output's losses: generations restarted after an abort, agent replies that missed
-        their constraint (the agent proxy's count, for an agent workflow)."""
-        proxy = getattr(self.workflow, "proxy", None)
-        unmet = getattr(getattr(proxy, "stats", None), "unmet", 0)
-        return {names.CONSTRAINED_RESTARTS_TOTAL: float(getattr(self.engine, "constrained_restarts", 0)),
-                names.CONSTRAINT_UNMET_TOTAL: float(unmet)}

@@ -24,7 +24,9 @@ from services.rollout.agent.proxy import AgentProxy
 from services.rollout.agent.workflow import AgentWorkflow
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine
+from services.rollout.versions import CheckedWorkflow
 from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.workflow import GroupedRolloutWorkflow
 from services.up.display import Display
 from services.up.monitor import RunView, watch
 from services.up.settings import UpSettings
@@ -58,7 +60,8 @@ async def test_constraint_counters_reach_jetrl_status_and_ups_display(nats_url: 
         workflow = AgentWorkflow(Agent())
         workflow.proxy = AgentProxy(engine, AutoTokenizer.from_pretrained(tiny_model))
         engine.constrained_restarts, workflow.proxy.stats.unmet = 2, 1
-        worker = RolloutWorker(nc, RUN, workflow, engine, WorkerConfig(worker="w0"), metrics=MetricsPublisher(nc, RUN, "rollout", "w0"))
+        wrapped = GroupedRolloutWorkflow(CheckedWorkflow(workflow), 2)  # as the rollout service wraps it
+        worker = RolloutWorker(nc, RUN, wrapped, engine, WorkerConfig(worker="w0"), metrics=MetricsPublisher(nc, RUN, "rollout", "w0"))
         await worker.metrics.emit(worker._snapshot())  # type: ignore[union-attr]  # the worker's periodic report
         await nc.flush()
         for _ in range(200):  # the display's subscription gets it (a real round trip through nats-server)
