@@ -122,6 +122,17 @@ class StoreAlarm:
                           "retried until space returns (docs/security.md \"A full disk\")", stream=stream, what=what, error=error)
         return dict(self._errors)
 
+    async def write_failed(self, exc: BaseException, stream: str, what: str) -> bool:
+        """Whether a failed write to `stream` met a full store: a refusal for space (logged here,
+        naming the stream), or a timeout while the server's health names `stream` (logged by
+        `after_timeout`)."""
+        refused = store_full(exc)
+        if refused is not None:
+            log.error("the JetStream store is full: a write was refused (docs/security.md \"A full disk\")",
+                      stream=refused or stream, what=what, error=str(exc))
+            return True
+        return isinstance(exc, TimeoutError) and stream in await self.after_timeout(what)
+
 
 ALARM = StoreAlarm()
 """This process's (`services.common.entry` sets its `monitor_url` from `nats_monitor_url`)."""

@@ -41,7 +41,7 @@ from services.common.consumers import add_consumer
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
-from services.common.storefull import ALARM, store_full
+from services.common.storefull import ALARM
 from services.rollout.dump import TrajectoryDumper
 from services.rollout.engine import BadRequestError
 from services.rollout.failures import EpisodeFailures, set_current
@@ -347,20 +347,13 @@ class RolloutWorker:
         return self.subjects.trajectories_eval if is_eval else self.subjects.trajectories
 
     async def _publish(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
-        """Publish and wait for the stream's ack, bounded (`publish_acked`). A refusal for want of
-        space is logged at error level naming the stream and counted (`store_full`), then raised as
-        the episode's failure (the prompt is redelivered)."""
+        """Publish and wait for the stream's ack, bounded (`publish_acked`). A full store is logged at
+        error level naming the stream and counted (`store_full`), then raised as the episode's failure."""
         try:
             ack = await publish_acked(self.js, subject, body, timeout_s=self.config.publish_timeout_s,
                                       headers=dict(headers), stream=TRAJECTORIES_STREAM)
         except (nats.js.errors.APIError, TimeoutError) as exc:
-            refused = store_full(exc)
-            if refused is not None:
-                log.error("the JetStream store is full: a group was not recorded (docs/security.md \"A full disk\")",
-                          stream=refused or TRAJECTORIES_STREAM, subject=subject, error=str(exc))
-            elif isinstance(exc, TimeoutError) and TRAJECTORIES_STREAM in await ALARM.after_timeout(f"publish {subject}"):
-                refused = TRAJECTORIES_STREAM  # no answer at all: the server's health named the stream (logged there)
-            if refused is not None and self.metrics is not None:
+            if await ALARM.write_failed(exc, TRAJECTORIES_STREAM, f"publish {subject}") and self.metrics is not None:
                 self.metrics.count("store_full")
             raise
         if ack.duplicate:

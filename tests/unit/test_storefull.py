@@ -83,3 +83,14 @@ def test_a_full_store_is_waited_for_past_the_outage_budget() -> None:
     refused = nats.js.errors.ServerError(code=500, err_code=10051, description=NO_SPACE)
     assert asyncio.run(retried_for(refused, 0.3))
     assert not asyncio.run(retried_for(nats.errors.TimeoutError(), 0.3))
+
+
+def test_a_rollout_write_refused_for_space_is_a_full_store_and_a_timeout_alone_is_not() -> None:
+    import asyncio
+
+    from services.common.storefull import StoreAlarm
+
+    alarm = StoreAlarm()  # no monitor address: a timeout cannot be told from an outage
+    refused = nats.js.errors.ServerError(code=500, err_code=10051, description=NO_SPACE)
+    assert asyncio.run(alarm.write_failed(refused, "TRAJECTORIES", "publish"))
+    assert not asyncio.run(alarm.write_failed(nats.errors.TimeoutError(), "TRAJECTORIES", "publish"))
