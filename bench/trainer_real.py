@@ -73,9 +73,9 @@ def worker(model: str, row: dict[str, int], samples: int, tokens: int, steps: in
     ids = rng.integers(0, vocab, size=(samples, tokens))
     lm = np.zeros_like(ids)
     lm[:, tokens // 4:] = 1
-    group = {"input_ids": ids, "attention_mask": np.ones_like(ids), "loss_mask": lm,
-             "logprobs": (-2.3 * lm).astype(np.float32), "versions": np.where(lm > 0, 0, -1),
-             "rewards": rng.random(samples).astype(np.float32)}
+    group: dict[str, np.ndarray] = {"input_ids": ids, "attention_mask": np.ones_like(ids), "loss_mask": lm,
+                                    "logprobs": (-2.3 * lm).astype(np.float32), "versions": np.where(lm > 0, 0, -1),
+                                    "rewards": rng.random(samples).astype(np.float32)}
     b = attach_advantages(collate([group]), "grpo", 1e-6)
     walls, cpus = [], []
     before = peak = 0
