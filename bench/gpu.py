@@ -85,9 +85,9 @@ def trainer_worker(model: str, samples: int, seq_len: int, result: str) -> None:
     import torch
 
     from bench.trainer_memory import batch
-    from services.trainer.actor import PPOActor
-    from services.trainer.batch import shard
-    from services.trainer.engine import TrainEngine
+    from services.trainer.intake.batch import shard
+    from services.trainer.model.actor import PPOActor
+    from services.trainer.model.engine import TrainEngine
     from services.trainer.settings import TrainerSettings
 
     s = TrainerSettings.model_validate({"model_path": model, "dtype": "bfloat16", "zero_stage": 0, "pack_sequences": True,

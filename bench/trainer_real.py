@@ -56,10 +56,11 @@ def worker(model: str, row: dict[str, int], samples: int, tokens: int, steps: in
 
     torch.set_num_threads(row["threads"])
     from services.common.model_path import resolve_model_path
-    from services.trainer import memory
-    from services.trainer.actor import PPOActor
-    from services.trainer.batch import attach_advantages, collate, shard
-    from services.trainer.engine import TrainEngine
+    from services.trainer.intake.batch import collate, shard
+    from services.trainer.model import memory
+    from services.trainer.model.actor import PPOActor
+    from services.trainer.model.engine import TrainEngine
+    from services.trainer.model.ppo import attach_advantages
     from services.trainer.settings import TrainerSettings
 
     path = resolve_model_path(model)

@@ -3,7 +3,7 @@ to one real CPU inference server over the broadcast, two ways, alternating in th
 
 - `full`: what the trainer did before streaming: every rank takes part in gathering the whole float32
   state on rank 0 (`TrainEngine.full_state_dict`), then rank 0 buckets and sends it.
-- `streamed`: the gather bucket by bucket into the sender (`services/trainer/gather.py` into a
+- `streamed`: the gather bucket by bucket into the sender (`services/trainer/model/gather.py` into a
   `BucketStream`): bucket n+1 is gathered while bucket n is on the wire.
 
 Per version: `gather s` (what the training call pays: until the gather returns on rank 0), `loaded s`
@@ -35,7 +35,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 async def rank0(engine: object, url: str, rounds: int, bucket_mb: float, out: Path) -> None:
-    from services.trainer.gather import StreamSpec, gather_stream
+    from services.trainer.model.gather import StreamSpec, gather_stream
     from services.weights.broadcast import WeightBroadcaster
     from services.weights.bucket_stream import BucketStream
 
@@ -78,8 +78,8 @@ def _barrier() -> None:
 
 
 def worker(model: str, url: str, rounds: int, bucket_mb: float, out: Path) -> None:
-    from services.trainer.engine import TrainEngine
-    from services.trainer.gather import StreamSpec, gather_stream
+    from services.trainer.model.engine import TrainEngine
+    from services.trainer.model.gather import StreamSpec, gather_stream
     from services.trainer.settings import TrainerSettings
 
     engine = TrainEngine(TrainerSettings(model_path=model, zero_stage=3, seed=0))

@@ -1,13 +1,14 @@
 """`Trainer`: rank 0's training loop, drivable in-process (tests) or as the service.
 
-One step: collect B accepted groups (from TRAJECTORIES through `consumer.py`, or from a group source
-in a replay), collate and compute advantages, scatter each rank's share, run the algorithm's update
+One step: collect B accepted groups from a group source (`intake/source.py`: TRAJECTORIES through
+`intake/consumer.py`, or a recording in a replay), collate and compute advantages, scatter each rank's share, run the algorithm's update
 (default: decoupled PPO) on every rank, version += 1, acknowledge the step's messages, gather and
-publish the weights, emit metrics, checkpoint every K steps. The feeder (`feeder.py`), a part the
-trainer owns, publishes prompts concurrently.
+publish the weights, emit metrics, checkpoint every K steps. The feeder (`feed/feeder.py`), a part the
+trainer owns, publishes prompts concurrently. The trainer alone moves its version window
+(`versions.py`), which the intake and the feeder read.
 
 Only once a step is applied are its prompt ids `trained` and `last_seq` moved past everything read for
-it (transactional consumption: see `consumer.py`).
+it (transactional consumption: see `intake/consumer.py`).
 
 NATS calls are retried through a server restart (`busretry`); if the bus stays away longer than
 `bus_retry_timeout_s`, `run` checkpoints and raises `BusUnavailable`.
@@ -26,24 +27,27 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
+from schemas.metric_names import REWARD_MEAN
 from schemas.subjects import Subjects
 from services.common.bus import declare_streams
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
-from services.trainer import checkpoint as ckpt
-from services.trainer import fresh
-from services.trainer.actor import PPOActor
-from services.trainer.batch import collate, shard
-from services.trainer.collective import Command, execute, scatter
-from services.trainer.consumer import TrajectoryConsumer
-from services.trainer.engine import TrainEngine
-from services.trainer.feeder import Feeder
-from services.trainer.gather import StreamSpec, streamable
-from services.trainer.intake import Group, Intake, trust_prompts
+from services.trainer.feed import fresh
+from services.trainer.feed.feeder import Feeder
+from services.trainer.intake.batch import collate, shard
+from services.trainer.intake.consumer import TrajectoryConsumer
+from services.trainer.intake.intake import Intake, trust_prompts
+from services.trainer.intake.source import Collected, GroupSource
+from services.trainer.intake.validate import model_limits
+from services.trainer.model import checkpoint as ckpt
+from services.trainer.model.actor import PPOActor
+from services.trainer.model.collective import Command, execute, scatter
+from services.trainer.model.engine import TrainEngine
+from services.trainer.model.gather import StreamSpec, streamable
 from services.trainer.settings import TrainerSettings
 from services.trainer.step_metrics import StepFacts, step_values
-from services.trainer.validate import model_limits
+from services.trainer.versions import VersionWindow
 
 log = get_logger("trainer")
 _LOGGED = ("weights_gather_s", "trim_s", "resident_anon_gib", "resident_file_gib", "resident_shmem_gib")
@@ -54,16 +58,22 @@ Publish = Callable[[int, int, Path], Awaitable[Any]]
 trainer writes a fresh `hf_dir` per version and removes whatever is left of it afterwards, so the
 publisher may take it over."""
 
+SourceFactory = Callable[[Intake], GroupSource]
+"""Makes the group source that replaces the durable consumer (`jetrl replay`: a recording), given the
+trainer's intake, through which it judges every message."""
+
 
 class Trainer:
     def __init__(self, settings: TrainerSettings, engine: TrainEngine | None, *, publish: Publish | None = None,
-                 source: Any = None, broadcast: Any = None) -> None:
+                 source: SourceFactory | None = None, broadcast: Any = None, window: VersionWindow | None = None) -> None:
         """`engine` None: built meanwhile (`jetrl trainer` starts the feeder and the consumer during
-        DeepSpeed's init on a fresh start); `attach_engine` before the first step."""
+        DeepSpeed's init on a fresh start); `attach_engine` before the first step. `source`: groups from
+        elsewhere than the durable consumer (`jetrl replay`), same steps. `window`: the version window
+        (default: from `settings.eta`; a replay turns staleness off with its own)."""
         self.settings = settings
-        # A group source (`jetrl replay`: `collect(trainer, stopping) -> list[Group] | None`) replaces
-        # the durable consumer: same steps, different origin of the groups.
-        self.source = source
+        self.live = source is None
+        """Groups come from the run's TRAJECTORIES (not a recording): the versions on them are ours."""
+        self.window = window or VersionWindow(settings.eta)
         self._engine: TrainEngine | None = None
         self._actor: PPOActor | None = None
         if engine is not None:
@@ -72,22 +82,19 @@ class Trainer:
         self.publish = publish
         self.broadcast = broadcast
         """A `BroadcastPublisher`: weights go to the servers in memory; `publish` is then not used."""
-        self.version = 0
         self.last_seq = 0
         """The stream sequence every trained group's message is at or before (checkpointed)."""
         self.resumed = False
-        self.feeder: Feeder | None = None
-        if settings.feeder.enabled:
-            self.feeder = Feeder(settings, version=lambda: self.version, is_trained=lambda pid: pid in self.intake.trained,
-                                 gate_versions=publish is not None and settings.publish_weights,
-                                 tag=lambda pid: self.intake.tag_for(pid))
-        self.intake = Intake(settings.eta, settings.ppo.dynamic_filtering, self.feeder,
+        self.intake = Intake(self.window, settings.ppo.dynamic_filtering, own_versions=self.live,
                              limits=replace(model_limits(settings.model_path, settings.max_seq_len),
                                             max_abs_reward=settings.max_abs_reward, min_logprob=settings.min_logprob))
-        trust_prompts(self.intake, settings, live=source is None)
-        self.consumer: TrajectoryConsumer | None = None
-        if source is None:
-            self.consumer = TrajectoryConsumer(settings, self.intake, on_judged=self._wake_feeder)
+        trust_prompts(self.intake, settings, live=self.live)
+        self.feeder: Feeder | None = None
+        if settings.feeder.enabled:
+            self.feeder = Feeder(settings, self.window, self.intake, gate_versions=publish is not None and settings.publish_weights)
+            self.intake.feeder = self.feeder  # the intake tells the feeder what became of each prompt
+        self.source: GroupSource = (TrajectoryConsumer(settings, self.intake, on_judged=self._wake_feeder) if source is None
+                                    else source(self.intake))
         self.out = Path(settings.output_dir)
         self.nc: NATS | None = None
         self.metrics: MetricsPublisher | None = None
@@ -95,6 +102,11 @@ class Trainer:
     def attach_engine(self, engine: TrainEngine) -> None:
         self._engine = engine
         self._actor = PPOActor(engine, self.settings.ppo)
+
+    @property
+    def version(self) -> int:
+        """The trainer's weight version now (its version window's)."""
+        return self.window.version
 
     @property
     def engine(self) -> TrainEngine:
@@ -125,13 +137,12 @@ class Trainer:
             self._restore(res.client_state)
             self.resumed = True
             log.info("resumed", checkpoint=str(root / tag), version=self.version, last_seq=self.last_seq)
-        elif self.feeder is not None and self.source is None:
+        elif self.feeder is not None and self.live:
             await self._start_afresh(js)
         self._record({"event": "start", "version": self.version, "last_seq": self.last_seq, "resumed": found is not None})
-        if found is not None and self.source is None:
+        if found is not None and self.live:
             await self._catch_up(js)
-        if self.consumer is not None:
-            await self.consumer.open(nc, self.metrics, self.last_seq)
+        await self.source.open(nc, self.metrics, self.last_seq)
         if self.feeder is not None:  # after the consumer: no answer to one of its prompts can be missed
             await self.feeder.start(nc, self.metrics)
 
@@ -163,18 +174,16 @@ class Trainer:
             await self.publish(first, 0, staged)
         finally:
             await asyncio.to_thread(_remove, staged)
-        self.version = first
-        self.intake.first_version = first
-        self.feeder.continue_versions(first)
+        self.window.continue_from(first)
 
     async def _catch_up(self, js: Any) -> None:
         """Resumed from version C while the run's last announced version is N > C: the trainer was killed
         after publishing N, before checkpointing it. The servers serve N, and versions C+1..N are weights
         nobody has any more: counting on from C would announce those numbers again with other weights (a
         server holding the number keeps what it holds) and train groups generated with the lost ones as
-        if they were ours. So the restored weights are published as N+1, the version and the intake's and
-        feeder's `first_version` move by N+1-C (the step count and `total_steps` go on from the
-        checkpoint's), and what the killed incarnation's prompts produce is set apart (`fresh.py`)."""
+        if they were ours. So the restored weights are published as N+1, the version window's version and
+        `first_version` move by N+1-C (the step count and `total_steps` go on from the checkpoint's), and
+        what the killed incarnation's prompts produce is set apart (`fresh.py`)."""
         announced = await fresh.announced_version(js, self.subjects)
         if announced is None or announced <= self.version:
             return  # a clean restart (SIGTERM checkpoints what it announced), or behind us: the next step publishes past it
@@ -190,17 +199,14 @@ class Trainer:
         res = await asyncio.to_thread(execute, self.engine, self.actor, scatter(self._all(cmd)))
         assert res.weights_dir is not None
         try:
-            await self.publish(version, restored - self.intake.first_version, res.weights_dir)
+            await self.publish(version, restored - self.window.first_version, res.weights_dir)
         finally:
             await asyncio.to_thread(_remove, res.weights_dir)
-        delta = version - restored
-        self.version = version
-        self.intake.first_version += delta
-        self.intake.own_from = version
+        self.window.resume_behind(version)
         if self.feeder is not None:
-            self.feeder.resume_behind(delta, version)
+            self.feeder.resume_behind()
         self._record({"event": "versions_continued", "checkpoint_version": restored, "announced_version": announced,
-                      "version": version, "first_version": self.intake.first_version})
+                      "version": version, "first_version": self.window.first_version})
 
     def _all(self, cmd: Command) -> list[Command]:
         return [cmd] * self.engine.world_size
@@ -211,13 +217,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ the steps
 
-    async def run(self, stopping: asyncio.Event) -> None:
-        """Step until done or `stopping`, then checkpoint. If NATS stays away past
+    async def run(self, stopping: asyncio.Event, on_step: Callable[[dict[str, float]], None] | None = None) -> None:
+        """Step until done (`total_steps`, the feeder's dataset or the source exhausted) or `stopping`,
+        then checkpoint; `on_step(values)` after each step. If NATS stays away past
         `bus_retry_timeout_s`, checkpoint the steps trained since the last one, then raise `BusUnavailable`."""
         saved_at = self.version
         try:
             while not stopping.is_set() and not self.done:
-                if await self.step(stopping) is not None and self.settings.checkpoint_every:
+                values = await self.step(stopping)
+                if values is not None and on_step is not None:
+                    on_step(values)
+                if values is not None and self.settings.checkpoint_every:
                     if self.version % self.settings.checkpoint_every == 0:
                         saved_at = self.version
         except BusUnavailable as exc:
@@ -236,9 +246,10 @@ class Trainer:
         """Collect, train, publish, report, maybe checkpoint. None if stopping before a full batch."""
         t0 = time.monotonic()
         before = Counter(self.intake.counts)
-        groups = await self._collect(stopping)
-        if groups is None:
+        collected = await self.source.collect(self.version, stopping)
+        if collected is None:
             return None
+        groups = collected.groups
         t_data = time.monotonic()
         # In a thread: with ppo.kl_in=reward the advantages need a reference forward pass.
         batch = await asyncio.to_thread(self.actor.compute_advantages, collate([g.tensors for g in groups]))
@@ -260,10 +271,9 @@ class Trainer:
             raise
         if bcast is not None and stream is not None:  # its checkpoint dir, before anything else can fail
             await bcast.hand_over(stream, res.weights_dir)
-        applied = self._commit(groups)
-        self.version += 1
-        if self.consumer is not None:
-            await self.consumer.acknowledge(applied)
+        self._commit(collected)
+        self.window.advance()
+        await self.source.applied()
         self._wake_feeder()
         t_train = time.monotonic()
         if bcast is not None and (res.state is not None or stream is not None):
@@ -283,14 +293,14 @@ class Trainer:
         t_end = time.monotonic()
         facts = StepFacts(self.version, self.intake.counts, before, self.last_seq,
                           self.feeder.metric_values() if self.feeder is not None else {})
-        values = step_values(facts, batch, groups, res.stats, (t0, t_data, t_train, t_end))
+        values = step_values(facts, batch, [g.head_version for g in groups], res.stats, (t0, t_data, t_train, t_end))
         self._record({"version": self.version, "prompt_ids": [g.prompt_id for g in groups],
                       "seqs": [g.seq for g in groups], "last_seq": self.last_seq})
         if self.metrics is not None:
             # the run's step count: the version, less the first one when this run continued an earlier
             # run's numbering (so `jetrl up` shows step k/total_steps, not the version)
-            await self.metrics.emit(values, step=self.version - self.intake.first_version, version=self.version)
-        log.info("step", version=self.version, loss=round(values["loss"], 4), reward=round(values["reward_mean"], 4),
+            await self.metrics.emit(values, step=self.window.steps, version=self.version)
+        log.info("step", version=self.version, loss=round(values["loss"], 4), reward=round(values[REWARD_MEAN], 4),
                  train_s=round(values.get("train_time_s", 0.0), 2), resident_gib=round(res.stats.get("resident_gib", 0.0), 3),
                  peak_resident_gib=round(res.stats.get("peak_resident_gib", 0.0), 3),
                  **{k: round(v, 3) for k, v in res.stats.items() if k in _LOGGED})
@@ -307,20 +317,11 @@ class Trainer:
         b = self.settings.weights_broadcast
         return StreamSpec(dtype=b.dtype, bucket_bytes=self.broadcast.broadcaster.bucket_bytes)
 
-    async def _collect(self, stopping: asyncio.Event | None) -> list[Group] | None:
-        if self.source is not None:
-            return await self.source.collect(self, stopping)
-        assert self.consumer is not None
-        return await self.consumer.collect(self.version, stopping)
-
-    def _commit(self, groups: list[Group]) -> list[Any]:
-        """The step training `groups` was applied: they are trained and `last_seq` covers every
-        message read for it. Returns the held messages to acknowledge."""
-        self.intake.commit([g.prompt_id for g in groups])
-        if self.consumer is None:  # a group source moves `last_seq` itself
-            return []
-        self.last_seq = max(self.last_seq, self.consumer.read_seq)
-        return self.consumer.applied()
+    def _commit(self, collected: Collected) -> None:
+        """The step training the collected groups was applied: they are trained and `last_seq` covers
+        every message read for it."""
+        self.intake.commit([g.prompt_id for g in collected.groups])
+        self.last_seq = max(self.last_seq, collected.last_seq)
 
     async def _publish_weights(self, weights_dir: Path) -> None:
         publish, version = self.publish, self.version
@@ -351,7 +352,7 @@ class Trainer:
         state = {
             "jetrl_version": self.version, "jetrl_last_seq": self.last_seq,
             "jetrl_feeder": self.feeder.state_dict() if self.feeder else None,
-            "jetrl_intake": self.intake.state_dict(), "jetrl_rng": ckpt.rng_state(),
+            "jetrl_intake": {**self.intake.state_dict(), **self.window.state_dict()}, "jetrl_rng": ckpt.rng_state(),
         }
         await asyncio.to_thread(
             lambda: execute(
@@ -366,7 +367,7 @@ class Trainer:
         return root / tag
 
     def _restore(self, state: dict[str, Any]) -> None:
-        self.version = int(state["jetrl_version"])
+        self.window.load_state_dict(int(state["jetrl_version"]), state["jetrl_intake"])
         self.last_seq = int(state["jetrl_last_seq"])
         if self.feeder is not None and state.get("jetrl_feeder"):
             self.feeder.load_state_dict(state["jetrl_feeder"])
@@ -384,8 +385,7 @@ class Trainer:
         Nothing unacked is lost; JetStream redelivers it."""
         if self.feeder is not None:
             await self.feeder.close()
-        if self.consumer is not None:
-            await self.consumer.close()
+        await self.source.close()
 
     async def stop_followers(self) -> None:
         """Release the other ranks (they exit after this)."""
@@ -394,9 +394,9 @@ class Trainer:
 
     @property
     def done(self) -> bool:
-        if self.settings.total_steps and self.version - self.intake.first_version >= self.settings.total_steps:
+        if self.settings.total_steps and self.window.steps >= self.settings.total_steps:
             return True
-        return self.feeder is not None and self.feeder.exhausted
+        return self.source.exhausted or (self.feeder is not None and self.feeder.exhausted)
 
 
 def _remove(path: Path) -> None:

@@ -22,11 +22,11 @@ from services.common.bus import close_connection, connect
 from services.common.logging import bind_context, get_logger
 from services.common.model_path import require_model
 from services.common.runner import Supervisor, supervise
-from services.trainer import checkpoint as ckpt
-from services.trainer.actor import PPOActor
-from services.trainer.collective import follow
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model import checkpoint as ckpt
+from services.trainer.model.actor import PPOActor
+from services.trainer.model.collective import follow
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 
 log = get_logger("trainer")
@@ -75,7 +75,7 @@ def _import_heavy() -> None:
     modules from two threads at once, which fails ("cannot import name 'AutoConfig'")."""
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
 
-    from services.trainer.engine import import_deepspeed
+    from services.trainer.model.engine import import_deepspeed
 
     import_deepspeed()
 

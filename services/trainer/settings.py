@@ -8,8 +8,24 @@ from pydantic import Field, field_validator, model_validator
 
 from services.common.model_path import ModelPath
 from services.common.settings import Section, ServiceSettings, flag
-from services.trainer.dataset import DatasetOptions
 from services.weights.broadcast_settings import BroadcastSettings
+
+
+class DatasetOptions(Section):
+    split: str = "train"
+    """Split of a saved DatasetDict or a hub dataset (ignored for JSONL/Parquet files)."""
+    config: str | None = None
+    """Hub dataset configuration (the second argument of `datasets.load_dataset`), e.g. "main" for gsm8k."""
+    prompt_key: str = "prompt"
+    """The row field that holds the prompt; copied to `prompt` (a row without it is passed on as it is,
+    for workflows that read other fields, unless a key other than "prompt" was asked for)."""
+    answer_key: str = "answer"
+    """The row field that holds the reference answer; copied to `answer` (rows without it keep none)."""
+    id_key: str = "id"
+    """The row field with a stable row id; copied to `id` (rows without one get their index)."""
+    transform: str = ""
+    """A function `row -> row` run on every row before the key mappings ("pkg.module:fn", or
+    "path/to/file.py:fn"); empty = none."""
 
 
 class PPOSettings(Section):
@@ -268,11 +284,11 @@ class TrainerSettings(ServiceSettings):
     max_abs_reward: float = Field(1e6, gt=0)
     """Largest |reward| a trained group may carry; a group beyond it is terminated and counted
     (`terminated_out_of_bounds`): no real reward comes near, and one finite 3e38 would make a step's
-    reward mean (and `stop_at_reward`) meaningless (services/trainer/validate.py)."""
+    reward mean (and `stop_at_reward`) meaningless (services/trainer/intake/validate.py)."""
     min_logprob: float = Field(-1e4, lt=0)
     """Lowest behaviour log-prob a trained token may carry (the highest is 0, plus 1e-3 of rounding); a
     group beyond it is terminated and counted (`terminated_out_of_bounds`). A sampler cannot draw a
-    token below float32's ~-103 (services/trainer/validate.py)."""
+    token below float32's ~-103 (services/trainer/intake/validate.py)."""
     fetch_batch: int = Field(16, ge=1)
     """Trajectory messages per pull request."""
     fetch_timeout_s: float = Field(1.0, gt=0)

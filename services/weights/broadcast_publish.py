@@ -12,7 +12,7 @@ waits for it to be done, so versions still go out one at a time, in order, and a
 away past the retry deadline) is raised there. A version with a disk copy is published in full
 before `publish` returns: the trainer deletes its checkpoint directory right after.
 
-Streamed (the trainer's default, `services/trainer/gather.py`): `open_stream(v)` before the training
+Streamed (the trainer's default, `services/trainer/model/gather.py`): `open_stream(v)` before the training
 call returns the `BucketStream` rank 0's gather fills bucket by bucket inside that call; a task sends
 each bucket as it comes (once the version before is done). Right after the call `hand_over(stream,
 hf_dir)` gives it the checkpoint directory (disk versions; `abandon_stream` instead when the call

@@ -2,7 +2,7 @@
 
 - `ListSource`: every bucket already made (`make_buckets` over a gathered state).
 - `BucketStream`: rank 0's hand-off from the trainer's bucket-by-bucket gather, which runs in the
-  training call's thread on every rank (`services/trainer/gather.py`), to the sender on the event
+  training call's thread on every rank (`services/trainer/model/gather.py`), to the sender on the event
   loop. The gather asks the stream which bucket to gather next (`next_index`) and hands it over
   (`put`); the sender takes it (`next`), sends it and gives it back (`release`). A bucket is gathered
   only while fewer than `held` are out (put, not yet released): the sender's bucket on the wire and

@@ -1,5 +1,5 @@
 """The sender's side of the streamed gather, against two real CPU inference servers: a producer thread
-in place of the trainer's gather (`services/trainer/gather.py` drives a `BucketStream` the same way:
+in place of the trainer's gather (`services/trainer/model/gather.py` drives a `BucketStream` the same way:
 `start`, `next_index`/`put` until -1, `close`). A server SIGKILLed in the middle of a streamed version
 restarts the stream (the version is gathered again from bucket 0) and the survivor gets it whole; a
 gather that fails mid-version leaves every server on its old weights, and the next version lands; a

@@ -15,8 +15,8 @@ from structlog.testing import capture_logs
 from schemas.subjects import Subjects
 from services.common.bus import connect
 from services.status.groups import render_groups, trainer_groups
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from services.weights.publisher import WeightPublisher, latest_published
 from tests.support.trainer import make_group, publish_group, take_prompts, trained_steps, write_dataset
@@ -100,8 +100,8 @@ async def test_a_fresh_start_after_version_n_starts_at_n_plus_1_and_trains_nothi
     try:
         await third.start(nc)
         assert third.resumed and third.version == 3 and not third.done
-        assert third.intake.first_version == 2
-        assert third.feeder is not None and third.feeder.ledger.first_version == 2
+        assert third.window.first_version == 2  # the one window the intake and the feeder read
+        assert third.feeder is not None and third.feeder.ledger.window is third.window is third.intake.window
     finally:
         await third.close()
         await nc.close()

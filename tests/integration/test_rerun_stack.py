@@ -27,8 +27,8 @@ from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
 from services.status.groups import render_groups, trainer_groups
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream, latest_published
 from tests.integration.test_seed_workflows import rows

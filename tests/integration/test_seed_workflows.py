@@ -96,8 +96,8 @@ async def test_seed_workflows_train_past_eta(
 ) -> None:
     """eta=1 and weights loaded into the server after every step: at version 2 a group whose oldest
     token (prompt included) is version 0 would be stale; judged on its trained tokens it is fresh."""
-    from services.trainer.engine import TrainEngine
     from services.trainer.loop import Trainer
+    from services.trainer.model.engine import TrainEngine
     from services.trainer.settings import TrainerSettings
 
     dataset = tmp_path / "d.jsonl"

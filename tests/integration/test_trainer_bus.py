@@ -18,9 +18,9 @@ from schemas.subjects import Subjects
 from services.common.bus import connect
 from services.common.busretry import BusUnavailable
 from services.common.nats_server import NatsServer
-from services.trainer import checkpoint as ckpt
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model import checkpoint as ckpt
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from services.weights.publisher import WeightPublisher, latest_published
 from tests.support.trainer import (

@@ -12,8 +12,8 @@ from structlog.testing import capture_logs
 
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from services.common.bus import connect
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from services.weights.publisher import WeightPublisher
 from tests.support.trainer import make_group, publish_group, read_steps, take_prompts, write_dataset

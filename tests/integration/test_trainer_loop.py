@@ -12,8 +12,8 @@ from safetensors.numpy import load_file
 from schemas.messages import MetricsEvent, PromptTask, decode
 from schemas.subjects import METRICS_STREAM, TRAJECTORIES_STREAM, Subjects
 from services.common.bus import connect
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import (
     make_group,
@@ -122,7 +122,7 @@ async def test_trainer_steps_with_admission_staleness_and_duplicates(nats_url: s
 
 
 async def test_prompts_cli_pushes_a_dataset_onto_the_work_queue(nats_url: str, tmp_path: Path) -> None:
-    from services.trainer.prompts_cli import push
+    from services.trainer.feed.prompts import push
 
     dataset = write_dataset(tmp_path / "d.jsonl", 3)
     assert await push(nats_url, RUN, str(dataset)) == 3

@@ -98,8 +98,8 @@ async def test_an_announcement_lost_in_an_outage_skips_that_version_instead_of_s
     """With a shared directory on the trainer's filesystem the weights are moved there before the
     announcement: when that announcement fails, the version cannot be published again. The trainer
     goes on and publishes the next one."""
-    from services.trainer.engine import TrainEngine
     from services.trainer.loop import Trainer
+    from services.trainer.model.engine import TrainEngine
     from services.trainer.settings import TrainerSettings
     from services.weights.publisher import WeightPublisher, latest_published
 

@@ -17,8 +17,8 @@ from schemas.messages import MetricsEvent, WeightsLoaded, WeightsLoadFailed, Wei
 from schemas.subjects import METRICS_STREAM, WEIGHT_SYNC_STREAM, Subjects
 from services.common.bus import connect
 from services.status.weights import render_weights, weights_status
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.service import _broadcast_publisher
 from services.trainer.settings import TrainerSettings
 from services.weights.publisher import WeightPublisher

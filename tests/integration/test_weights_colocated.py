@@ -17,8 +17,8 @@ import torch
 from schemas.messages import WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode
 from schemas.subjects import WEIGHT_SYNC_STREAM, Subjects
 from services.common.bus import connect
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.service import _broadcast_publisher
 from services.weights.colocated import ColocatedSender
 from services.weights.publisher import WeightPublisher

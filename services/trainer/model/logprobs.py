@@ -1,7 +1,7 @@
 """Lean log-probs and entropy: the chosen token's log-prob and the entropy of each next-token
 distribution, chunked over tokens, without the whole (tokens x vocabulary) float32 log-softmax.
 
-`logp_from_logits` / `entropy_from_logits` (services.trainer.ppo) each build that tensor in full, and
+`logp_from_logits` / `entropy_from_logits` (services.trainer.model.ppo) each build that tensor in full, and
 autograd keeps it (and `exp` of it) for the backward pass: for a Qwen-size vocabulary (152k) and 32k
 tokens that is 20 GB per copy. Here one autograd function computes both outputs a chunk of tokens at
 a time, keeps only the per-token log-sum-exp and entropy for backward, and recomputes each chunk's
@@ -59,7 +59,7 @@ class _LogpEntropy(torch.autograd.Function):
 
 def logp_entropy_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, *,
                              entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`logp_from_logits` and `entropy_from_logits` (services.trainer.ppo), the same values, from one
+    """`logp_from_logits` and `entropy_from_logits` (services.trainer.model.ppo), the same values, from one
     whole-vocabulary float32 log-softmax instead of one each (and one scaled copy of the logits):
     one (tokens x vocabulary) tensor fewer kept for the backward pass. Entropy None unless asked."""
     logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)

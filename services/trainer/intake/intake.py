@@ -10,11 +10,13 @@ in checkpoints, so answers to prompts issued before a restart still check out) o
 and a rollout worker copies it onto its answer. A group or rejection marker without a valid tag is
 terminated as `unissued_prompt` and never touches the feeder (it must not cost a real prompt a try).
 
-A trainer that continued the numbering of a run name used before (`fresh.py`: `first_version` N+1)
-never trains a group generated with older weights: they are the earlier run's. Such a group is judged
-`stale` (its row is re-issued, uncharged), counted as `stale_earlier_run`. A trainer resumed behind the
-version it announced before it was killed (`own_from`, past `first_version`: see `loop.py` `_catch_up`)
-does the same with groups generated with weights older than its restored ones' new number.
+The versions a group is judged against are the trainer's version window (`versions.py`: eta,
+`first_version`, `own_from`), which the intake reads and never writes. A trainer that continued the
+numbering of a run name used before (`feed/fresh.py`: `first_version` N+1) never trains a group
+generated with older weights: they are the earlier run's. Such a group is judged `stale` (its row is
+re-issued, uncharged), counted as `stale_earlier_run`. A trainer resumed behind the version it
+announced before it was killed (`own_from`, past `first_version`: see `loop.py` `_catch_up`) does the
+same with groups generated with weights older than its restored ones' new number.
 
 An accepted group is `pending` until its step is applied (`commit`): only then is its prompt id
 `trained`. The checkpointed state is the state at the last commit, so a stop between judging and
@@ -25,7 +27,7 @@ from __future__ import annotations
 import secrets
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -37,8 +39,8 @@ from schemas.trajectory import DecodedGroup, TrajectoryError, decode_group
 from services.common.logging import get_logger
 from services.common.settings import SettingsError
 from services.common.signing import prompt_tag, prompt_tag_ok
-from services.trainer.feeder import Feeder
-from services.trainer.validate import Limits, check_group
+from services.trainer.intake.validate import Limits, check_group
+from services.trainer.versions import VersionWindow
 
 if TYPE_CHECKING:
     from services.trainer.settings import TrainerSettings
@@ -69,20 +71,26 @@ class Verdict:
     """The rollout worker that sent the group, when its metadata could be read."""
 
 
+class PromptIssuer(Protocol):
+    """Who issued the prompts the intake judges answers to (the feeder, `feed/feeder.py`): which prompt
+    ids are its, and what each answer means for its prompt (tried again, charged, or done)."""
+
+    def owns(self, prompt_id: str) -> bool: ...
+    def on_accepted(self, prompt_id: str) -> bool: ...
+    def on_rejected(self, prompt_id: str, cause: str = "rejected") -> bool: ...
+    def on_stale(self, prompt_id: str) -> bool: ...
+    def on_filtered(self, prompt_id: str) -> bool: ...
+
+
 @dataclass
 class Intake:
-    eta: int
+    window: VersionWindow
+    """The trainer's version window (`versions.py`): eta, `first_version`, `own_from`; read only."""
     dynamic_filtering: bool = False
-    feeder: Feeder | None = None
+    feeder: PromptIssuer | None = None
     own_versions: bool = True
     """Versions on the groups are this trainer's (a live run): one newer than the trainer is an error.
     False for a replay, where they are the recorded run's."""
-    first_version: int = 0
-    """The version of this run's base weights (0, or one past an earlier run's last: `fresh.py`); a group
-    with a trained token older than it is the earlier run's (checkpointed)."""
-    own_from: int = 0
-    """The oldest weight version a group may be generated with to be trained, when above `first_version`:
-    the number a resumed trainer gave its restored weights, past versions it announced and lost (checkpointed)."""
     limits: Limits = field(default_factory=lambda: Limits(None, None))
     """Token ids and row lengths a group must stay within."""
     trained: set[str] = field(default_factory=set)
@@ -101,6 +109,10 @@ class Intake:
     """This run's prompt key: tags the feeder's prompts; saved in checkpoints, restored on resume."""
     issuer_keys: tuple[bytes, ...] = ()
     """Keys of other prompt issuers (`trust.prompt_issuer_key`, for `jetrl prompts push`)."""
+
+    def is_trained(self, prompt_id: str) -> bool:
+        """Whether the group of `prompt_id` was trained (the feeder skips a re-issue of it)."""
+        return prompt_id in self.trained
 
     def tag_for(self, prompt_id: str) -> str:
         """The tag the feeder puts on a prompt it issues."""
@@ -122,7 +134,7 @@ class Intake:
         elif verdict.outcome == "stale" and verdict.cause:
             self.counts[f"stale_{verdict.cause}"] += 1
             log.warning("group generated with an earlier run's weights; not trained, its prompt re-issued",
-                        prompt_id=verdict.prompt_id, worker=verdict.worker, first_version=self.first_version,
+                        prompt_id=verdict.prompt_id, worker=verdict.worker, first_version=self.window.first_version,
                         cause=verdict.cause)
         pid = verdict.prompt_id
         if verdict.cause == UNISSUED:
@@ -185,9 +197,9 @@ class Intake:
             name = group.meta.workflow or "(unnamed workflow)"
             return Verdict("malformed", pid, error=f"workflow {name}: trained tokens carry weight versions {head}..{tail}, "
                            f"but the trainer is at version {version}", cause="impossible_versions", worker=group.meta.worker)
-        if self.own_versions and head < max(self.first_version, self.own_from):
+        if self.own_versions and head < self.window.oldest_own:
             return Verdict("stale", pid, cause=EARLIER_RUN, worker=group.meta.worker)
-        if version - head > self.eta:
+        if version - head > self.window.eta:
             return Verdict("stale", pid)
         rewards = group.tensors["rewards"]
         if self.dynamic_filtering and rewards.size > 0 and np.all(rewards == rewards.flat[0]):
@@ -208,11 +220,9 @@ class Intake:
         self.committed = Counter(self.counts)
 
     def state_dict(self) -> dict[str, Any]:
+        """The trained prompt ids, the verdicts at the last commit, the prompt key (the version window's
+        fields are the trainer's to save beside them: `loop.py`)."""
         state: dict[str, Any] = {"trained": sorted(self.trained), "counts": dict(self.committed)}
-        if self.first_version:
-            state["first_version"] = self.first_version
-        if self.own_from:
-            state["own_from"] = self.own_from
         if self.check_tags:
             state["prompt_key"] = self.run_key.hex()
         return state
@@ -220,8 +230,6 @@ class Intake:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("prompt_key"):  # a checkpoint from before prompt tags keeps this process's key
             self.run_key = bytes.fromhex(state["prompt_key"])
-        self.first_version = int(state.get("first_version", 0))  # a checkpoint from before: versions from 0
-        self.own_from = int(state.get("own_from", 0))
         self.trained = set(state["trained"])
         self.pending = set()
         self.counts = Counter(state["counts"])

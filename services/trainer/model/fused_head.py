@@ -1,7 +1,7 @@
 """The output projection folded into the chunked log-prob function: from the last hidden states
 straight to the chosen token's log-prob and the entropy, a chunk of tokens at a time.
 
-`lean_logp_entropy` (services.trainer.logprobs) already avoids the whole float32 log-softmax, but it
+`lean_logp_entropy` (services.trainer.model.logprobs) already avoids the whole float32 log-softmax, but it
 starts from the logits: the model's output projection builds the whole (tokens x vocabulary) logits,
 autograd hands back their whole gradient, and the projection's weight gradient is a dense (vocabulary
 x hidden) tensor that autograd holds until a tied input embedding's gradient is added to it. Here the

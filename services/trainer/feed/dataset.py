@@ -15,26 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from services.common.refs import resolve_ref
-from services.common.settings import Section
+from services.trainer.settings import DatasetOptions
 
 Row = dict[str, Any]
-
-
-class DatasetOptions(Section):
-    split: str = "train"
-    """Split of a saved DatasetDict or a hub dataset (ignored for JSONL/Parquet files)."""
-    config: str | None = None
-    """Hub dataset configuration (the second argument of `datasets.load_dataset`), e.g. "main" for gsm8k."""
-    prompt_key: str = "prompt"
-    """The row field that holds the prompt; copied to `prompt` (a row without it is passed on as it is,
-    for workflows that read other fields, unless a key other than "prompt" was asked for)."""
-    answer_key: str = "answer"
-    """The row field that holds the reference answer; copied to `answer` (rows without it keep none)."""
-    id_key: str = "id"
-    """The row field with a stable row id; copied to `id` (rows without one get their index)."""
-    transform: str = ""
-    """A function `row -> row` run on every row before the key mappings ("pkg.module:fn", or
-    "path/to/file.py:fn"); empty = none."""
+__all__ = ["DatasetOptions", "Row", "load_rows"]
 
 
 def load_rows(source: str | Path, options: DatasetOptions | None = None) -> list[Row]:

@@ -1,6 +1,5 @@
 """From decoded groups to what each rank trains on: collate the groups of a step into one padded
-batch, attach per-token advantages (group normalisation needs whole groups, so rank 0 does it), and
-cut the batch into each rank's mini-batch pieces with the global counts the loss divides by.
+batch, and cut the batch into each rank's mini-batch pieces with the global counts the loss divides by.
 
 Extra columns a workflow returned (per-sample (n,) or per-token (n, length) arrays beside the contract's)
 travel with their samples into every piece, for the algorithm (`extra_columns`)."""
@@ -10,11 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from services.common.logging import get_logger
-from services.trainer.columns import RESERVED_KEYS, TOKEN_KEYS, extra_columns
-from services.trainer.ppo import group_advantages
+from services.trainer.intake.columns import RESERVED_KEYS, TOKEN_KEYS, extra_columns
 
 log = get_logger("trainer.batch")
 
@@ -74,15 +71,6 @@ def _collate_extras(groups: list[dict[str, np.ndarray]], seqlen: int) -> dict[st
     return out
 
 
-def attach_advantages(batch: dict[str, np.ndarray], mode: str, eps: float) -> dict[str, np.ndarray]:
-    """Per-token advantages: each sample's group-normalised advantage on its loss tokens, 0 elsewhere."""
-    adv = group_advantages(torch.from_numpy(batch["rewards"]), torch.from_numpy(batch["group_index"]), mode, eps).numpy()
-    out = dict(batch)
-    out["sample_advantages"] = adv.astype(np.float32)
-    out["advantages"] = (adv[:, None] * (batch["loss_mask"] != 0)).astype(np.float32)
-    return out
-
-
 def shard(batch: dict[str, np.ndarray], world_size: int, n_minibatches: int) -> list[list[dict[str, Any]]]:
     """`result[rank][i]` is rank's piece of mini-batch i. Samples are split as evenly as possible;
     every rank gets a piece of every mini-batch (ZeRO-3 needs the same number of forward passes on
@@ -109,7 +97,3 @@ def shard(batch: dict[str, np.ndarray], world_size: int, n_minibatches: int) -> 
             piece["total_seqs"] = seqs
             out[rank].append(piece)
     return out
-
-
-def to_tensors(piece: dict[str, Any]) -> dict[str, Any]:
-    return {k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v for k, v in piece.items()}

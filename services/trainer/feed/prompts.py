@@ -44,7 +44,7 @@ async def push(nats_url: str, run: str, path: str, *, is_eval: bool = False, lim
     """`issuer_key`: tags each prompt (empty: untagged, and a trainer will not train its answers);
     `auth`: the NATS credentials; `declare`: False only looks the streams up (a restricted user)."""
     from services.common.bus import connect, declare_streams, publish_acked, set_default_declare
-    from services.trainer.dataset import load_rows
+    from services.trainer.feed.dataset import load_rows
 
     rows = load_rows(path)[: limit or None]
     subjects = Subjects(run)

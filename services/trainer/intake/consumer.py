@@ -2,10 +2,11 @@
 collected through the intake (rejections, stale, zero-variance, duplicate and malformed messages are
 counted and handled on the way).
 
-Consumption is transactional: an accepted group is held, its message unacknowledged, until the step
-that trains it is applied (`applied`); only then is its message acknowledged and `read_seq` taken as
-covered. A stop or a bus loss mid-collect therefore leaves the trainer's `last_seq` at the last
-trained step: a checkpoint taken then makes a resume read the held groups again and train them, once.
+It is the live trainer's `GroupSource` (`source.py`). Consumption is transactional: an accepted group
+is held, its message unacknowledged, until the step that trains it is applied (`applied`); only then
+is its message acknowledged, and the `last_seq` its collect returned taken as covered by the trainer.
+A stop or a bus loss mid-collect therefore leaves the trainer's `last_seq` at the last trained step: a
+checkpoint taken then makes a resume read the held groups again and train them, once.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from services.common.consumers import add_consumer, delete_consumer_if_present
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
-from services.trainer.intake import Group, Intake, Verdict
+from services.trainer.intake.intake import Group, Intake, Verdict
+from services.trainer.intake.source import Collected
 from services.trainer.settings import TrainerSettings
 
 log = get_logger("trainer")
@@ -38,7 +40,7 @@ class TrajectoryConsumer:
         self.subjects = Subjects(settings.run)
         self.on_judged = on_judged
         self.read_seq = 0
-        """Highest stream sequence judged so far; the trainer's `last_seq` catches up with it when a step is applied."""
+        """Highest stream sequence judged so far (each collect returns it as its `last_seq`)."""
         self.nc: NATS | None = None
         self.metrics: MetricsPublisher | None = None
         self._sub: Any = None
@@ -75,7 +77,12 @@ class TrajectoryConsumer:
         sub, self._sub = self._sub, None
         await unsubscribe_quietly(sub, "trajectory")
 
-    async def collect(self, version: int, stopping: asyncio.Event | None = None) -> list[Group] | None:
+    @property
+    def exhausted(self) -> bool:
+        """A live stream never ends."""
+        return False
+
+    async def collect(self, version: int, stopping: asyncio.Event | None = None) -> Collected | None:
         """Pull until `batch_groups` groups are accepted at `version`; None if stopping first (the groups
         accepted so far stay held, untrained and unacknowledged: see the module doc)."""
         s, held = self.settings, self._held
@@ -104,7 +111,7 @@ class TrajectoryConsumer:
                 continue
             backoff.reset()
             self._unjudged = await self._judge_into(held, msgs, version)
-        return [g for g, _ in held]
+        return Collected([g for g, _ in held], self.read_seq)
 
     async def _judge_into(self, held: list[tuple[Group, Any]], msgs: list[Any], version: int) -> list[Any]:
         """Judge messages in order until the batch is full; returns the rest, unjudged. More can come
@@ -123,14 +130,11 @@ class TrajectoryConsumer:
                 self.on_judged()
         return []
 
-    def applied(self) -> list[Any]:
-        """The step training the held groups was applied: returns their messages, to `acknowledge`."""
+    async def applied(self) -> None:
+        """The step training the held groups was applied: acknowledge their messages. If an ack is lost
+        the message comes back after ack_wait and the intake skips it as a duplicate."""
         msgs = [m for _, m in self._held]
         self._held = []
-        return msgs
-
-    async def acknowledge(self, msgs: list[Any]) -> None:
-        """If an ack is lost the message comes back after ack_wait and the intake skips it as a duplicate."""
         for msg in msgs:
             try:
                 await msg.ack()

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from services.trainer import memory
-from services.trainer.actor import PPOActor
-from services.trainer.engine import TrainEngine
-from services.trainer.gather import StreamSpec, gather_stream
+from services.trainer.model import memory
+from services.trainer.model.actor import PPOActor
+from services.trainer.model.engine import TrainEngine
+from services.trainer.model.gather import StreamSpec, gather_stream
 from services.weights.bucket_stream import BucketStream
 
 

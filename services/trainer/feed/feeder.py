@@ -13,8 +13,7 @@ import contextlib
 import functools
 import json
 import secrets
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
@@ -26,10 +25,11 @@ from services.common.bus import publish_acked, unsubscribe_quietly
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
-from services.trainer.dataset import load_rows
-from services.trainer.evaluation import EvalRounds
-from services.trainer.ledger import PromptLedger
+from services.trainer.feed.dataset import load_rows
+from services.trainer.feed.evaluation import EvalRounds
+from services.trainer.feed.ledger import PromptLedger
 from services.trainer.settings import TrainerSettings
+from services.trainer.versions import VersionWindow
 
 log = get_logger("trainer")
 
@@ -39,25 +39,35 @@ STOP_GRACE_S = 2.0
 """One attempt of a prompt publish waits this long for the stream's acknowledgement."""
 
 
+class Answers(Protocol):
+    """What the feeder asks the side that judges the answers (the intake, `intake/intake.py`)."""
+
+    def is_trained(self, prompt_id: str) -> bool:
+        """Whether the group of `prompt_id` was already trained."""
+        ...
+
+    def tag_for(self, prompt_id: str) -> str:
+        """The issuer tag a prompt carries (checked on its answer)."""
+        ...
+
+
 class Feeder:
-    def __init__(self, settings: TrainerSettings, *, version: Callable[[], int], is_trained: Callable[[str], bool],
-                 gate_versions: bool, tag: Callable[[str], str]) -> None:
-        """`version`: the trainer's weight version now; `is_trained(prompt_id)`: whether the trainer
-        already trained that prompt's group; `gate_versions`: whether this trainer publishes weights
-        (prompts wait for their weights only then: otherwise no server ever loads a newer version);
-        `tag(prompt_id)`: the issuer tag a prompt carries (the intake checks it on the answer)."""
+    def __init__(self, settings: TrainerSettings, window: VersionWindow, answers: Answers, *, gate_versions: bool) -> None:
+        """`window`: the trainer's version window (read only: the trainer moves it); `answers`: whether
+        a prompt's group was trained and the tag a prompt carries; `gate_versions`: whether this trainer
+        publishes weights (prompts wait for their weights only then: otherwise no server ever loads a
+        newer version)."""
         self.settings = settings
         f = settings.feeder
+        self.window = window
         self.ledger = PromptLedger(
-            run=settings.run, rows=load_rows(f.dataset_path, f.dataset), batch_groups=settings.batch_groups, eta=settings.eta,
+            run=settings.run, rows=load_rows(f.dataset_path, f.dataset), batch_groups=settings.batch_groups, window=window,
             max_in_flight=f.max_in_flight, seed=settings.seed, epochs=f.epochs, shuffle=f.shuffle,
             eval_rows=load_rows(f.eval_dataset_path, f.eval_dataset) if f.eval_dataset_path else [],
             max_attempts=f.max_attempts, in_flight_timeout_s=f.in_flight_timeout_s, gate_versions=gate_versions,
         )
         self.subjects = Subjects(settings.run)
-        self._version = version
-        self._is_trained = is_trained
-        self._tag = tag
+        self.answers = answers
         self.nonce = secrets.token_hex(3)
         """Tells this trainer process's prompts apart from earlier ones' (eval ids; training ids on a reused run)."""
         self.nc: NATS | None = None
@@ -89,16 +99,10 @@ class Feeder:
         """The run name was used before: set this incarnation's prompt ids apart from the earlier ones'."""
         self.ledger.tag = self.nonce
 
-    def continue_versions(self, first_version: int) -> None:
-        """This run's weight versions start at `first_version` (an earlier run of the name announced the
-        one before): admission counts steps from it and no prompt asks for an older version."""
-        self.ledger.first_version = first_version
-
-    def resume_behind(self, delta: int, own_from: int) -> None:
-        """The trainer resumed behind the version it announced before it was killed: its numbering moved
-        by `delta`, its restored weights are version `own_from` (`PromptLedger.resume_behind`); this
-        process's prompt ids are set apart from the killed one's."""
-        self.ledger.resume_behind(delta, own_from, self.nonce)
+    def resume_behind(self) -> None:
+        """The trainer resumed behind the version it announced before it was killed and moved its version
+        window (`PromptLedger.resume_behind`): this process's prompt ids are set apart from the killed one's."""
+        self.ledger.resume_behind(self.nonce)
 
     def wake(self) -> None:
         """A slot may have freed (an answer was judged, a step applied): admit prompts now, not at the next tick."""
@@ -113,8 +117,8 @@ class Feeder:
         ledger = self.ledger
         ledger.expire()
         tasks: list[PromptTask] = []
-        while (task := ledger.next_task(self._version())) is not None:
-            if self._is_trained(task.prompt_id):
+        while (task := ledger.next_task(self.window.version)) is not None:
+            if self.answers.is_trained(task.prompt_id):
                 # re-issued after a resume, but its answer was already read from the recording
                 ledger.on_accepted(task.prompt_id)
                 continue
@@ -179,7 +183,7 @@ class Feeder:
         """The eval round after the current step; one that cannot be published is logged and skipped."""
         assert self.nc is not None
         js = self.nc.jetstream()
-        version = self._version()
+        version = self.window.version
         tasks = self.ledger.eval_tasks(version, self.settings.feeder.eval_size, version, self.nonce)
         if self.evals is not None:
             self.evals.expect(version, [t.prompt_id for t in tasks])
@@ -189,7 +193,7 @@ class Feeder:
             log.error("eval prompts not published", step=version, error=str(exc))
 
     async def _publish_prompt(self, js: Any, subject: str, task: PromptTask) -> None:
-        headers = prompt_headers(self.settings.run, task.prompt_id, self._tag(task.prompt_id))
+        headers = prompt_headers(self.settings.run, task.prompt_id, self.answers.tag_for(task.prompt_id))
         body = encode(task)
 
         async def publish() -> Any:
@@ -261,7 +265,7 @@ class Feeder:
     def metric_values(self) -> dict[str, float]:
         """The ledger's counters (`feeder_<name>`), the admission bound at this version and the epoch."""
         values = self.ledger.metric_values()
-        values.update({"feeder_bound": float(self.ledger.bound(self._version())), "epoch": float(self.ledger.epoch)})
+        values.update({"feeder_bound": float(self.ledger.bound(self.window.version)), "epoch": float(self.ledger.epoch)})
         return values
 
     def _carry_counters(self) -> None:

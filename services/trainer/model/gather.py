@@ -100,7 +100,7 @@ def _gather(engine: Any, part: list[tuple[str, torch.nn.Parameter]], dtype: torc
         return out
     if not zero3:
         return [_copy(p, dtype) for _, p in part]
-    from services.trainer.engine import import_deepspeed
+    from services.trainer.model.engine import import_deepspeed
 
     with import_deepspeed().zero.GatheredParameters([p for _, p in part], modifier_rank=None):
         return [_copy(p, dtype) for _, p in part] if main else []

@@ -21,11 +21,13 @@ the current version (the admission rule guarantees that) nor below 0.
 Versions count from `first_version`: 0, or N+1 for a fresh start on a run name whose earlier trainer
 announced version N (`fresh.py`). The rules above then read `v - first_version` for `v` (the trainer's
 steps so far), and `min_version` is `first_version` plus the expression above: no prompt of this run
-is ever generated with the earlier run's weights.
+is ever generated with the earlier run's weights. Eta, `first_version` and `own_from` are read from
+the trainer's version window (`versions.py`), which the trainer alone moves.
 
 A trainer resumed behind the version it announced before it was killed moves `first_version` by as
 much as its own version (the step count goes on) and sets `own_from`, the number of its restored
-weights: no prompt asks for older ones (`resume_behind`).
+weights: no prompt asks for older ones; the ledger sets the killed incarnation's prompts apart
+(`resume_behind`).
 
 Prompt ids end in `.<tag>` when the trainer was given a tag (a fresh start on a run name that was used
 before): results of the earlier incarnation's prompts then never match ours, and JetStream's
@@ -42,6 +44,7 @@ from typing import Any
 
 from schemas.messages import PromptTask
 from services.common.logging import get_logger
+from services.trainer.versions import VersionWindow
 
 log = get_logger("trainer.feeder")
 
@@ -81,7 +84,8 @@ class PromptLedger:
     run: str
     rows: list[dict[str, Any]]
     batch_groups: int
-    eta: int
+    window: VersionWindow
+    """The trainer's version window: eta, `first_version`, `own_from` (read only)."""
     max_in_flight: int
     seed: int = 0
     epochs: int = 0
@@ -94,10 +98,6 @@ class PromptLedger:
     gate_versions: bool = True
     """False: every prompt carries `min_version` 0 (a trainer that publishes no weights: no server will
     ever load a newer version, so nothing may wait for one)."""
-    first_version: int = 0
-    """The version of this run's base weights (module doc); saved in checkpoints."""
-    own_from: int = 0
-    """The oldest weights any prompt may ask for, when above what the rule gives (`resume_behind`); saved."""
     counters: FeederCounters = field(default_factory=FeederCounters)
     epoch: int = 0
     index: int = 0
@@ -117,7 +117,8 @@ class PromptLedger:
     # -------------------------------------------------------------------------------- admission
 
     def bound(self, version: int) -> int:
-        return (self.eta + version - self.first_version + 1) * self.batch_groups
+        w = self.window
+        return (w.eta + version - w.first_version + 1) * self.batch_groups
 
     def admissible(self, version: int) -> bool:
         c = self.counters
@@ -177,19 +178,17 @@ class PromptLedger:
         step that is expected to train it, less eta."""
         if not self.gate_versions:
             return 0
-        c = self.counters
+        c, w = self.counters, self.window
         expected_step = (c.issued - c.rejected) // self.batch_groups
-        return max(self.own_from, self.first_version + max(0, min(version - self.first_version, expected_step - self.eta)))
+        return max(w.own_from, w.first_version + max(0, min(version - w.first_version, expected_step - w.eta)))
 
-    def resume_behind(self, delta: int, own_from: int, tag: str) -> None:
+    def resume_behind(self, tag: str) -> None:
         """The trainer resumed behind the version it announced before it was killed, and moved its
-        numbering by `delta` (its restored weights are version `own_from`). Everything the killed
+        version window past the lost versions (`VersionWindow.resume_behind`). Everything the killed
         incarnation's prompts produce is set apart: prompt ids take the new `tag`, so their answers are
         foreign and JetStream's de-duplication cannot drop the new prompts and answers as repeats of
         those, and every prompt in flight is counted stale and goes out again, uncharged (answered, if
         at all, with weights that are gone)."""
-        self.first_version += delta
-        self.own_from = own_from
         for prompt_id in list(self.in_flight):
             self.on_stale(prompt_id)
         self.tag = tag
@@ -298,7 +297,7 @@ class PromptLedger:
     def state_dict(self) -> dict[str, Any]:
         """The state as if every unconfirmed publish had failed: a prompt that may never have reached
         the work queue is not saved as in flight (it would hold its slot forever after a resume)."""
-        saved = PromptLedger(self.run, self.rows, self.batch_groups, self.eta, self.max_in_flight, tag=self.tag)
+        saved = PromptLedger(self.run, self.rows, self.batch_groups, self.window, self.max_in_flight, tag=self.tag)
         saved.counters = FeederCounters(**{**vars(self.counters), "dropped_by_cause": dict(self.counters.dropped_by_cause)})
         saved.in_flight, saved.reissue = dict(self.in_flight), deque(self.reissue)
         for pid in self._unconfirmed:
@@ -310,8 +309,6 @@ class PromptLedger:
             "in_flight": saved.in_flight,
             "reissue": list(saved.reissue),
             "tag": self.tag,
-            "first_version": self.first_version,
-            "own_from": self.own_from,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -320,8 +317,6 @@ class PromptLedger:
         self.in_flight = {k: _entry(v) for k, v in state["in_flight"].items()}
         self.reissue = deque(_entry(x) for x in state["reissue"])
         self.tag = str(state.get("tag", ""))
-        self.first_version = int(state.get("first_version", 0))  # a checkpoint from before: versions from 0
-        self.own_from = int(state.get("own_from", 0))
         now = time.monotonic()
         self._issued_at = dict.fromkeys(self.in_flight, now)
         self._unconfirmed = set()

@@ -24,12 +24,11 @@ from services.common.logging import get_logger
 from services.trainer.algorithms.calls import attach_advantages, checked_loss, loss_input
 from services.trainer.algorithms.kl import kl_estimate
 from services.trainer.algorithms.registry import load_algorithm
-from services.trainer.batch import to_tensors
-from services.trainer.engine import TrainEngine
-from services.trainer.fused_head import head_logp_entropy, output_head
-from services.trainer.logprobs import lean_logp_entropy, logp_entropy_from_logits
-from services.trainer.packing import target_ids, unpack
-from services.trainer.ppo import aggregate
+from services.trainer.model.engine import TrainEngine
+from services.trainer.model.fused_head import head_logp_entropy, output_head
+from services.trainer.model.logprobs import lean_logp_entropy, logp_entropy_from_logits
+from services.trainer.model.packing import target_ids, unpack
+from services.trainer.model.ppo import aggregate
 from services.trainer.settings import PPOSettings
 
 log = get_logger("trainer.actor")
@@ -246,3 +245,7 @@ def _random_config(config: dict[str, Any], prefix: str = "config.") -> str | Non
               and any(word in key.lower() for word in ("dropout", "pdrop", "layerdrop", "drop_path", "jitter"))):
             return f"{prefix}{key}={value}"
     return None
+
+
+def to_tensors(piece: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v for k, v in piece.items()}

@@ -1,6 +1,7 @@
 """The math of the PPO actor as pure tensor functions: log-probs and entropy here; the advantage
 estimators, policy losses, aggregation and KL estimators live in `services.trainer.algorithms` and
-are re-exported for the callers of this module. No engine, no distribution: the unit tests check
+are re-exported for the callers of this module; `attach_advantages` is the seed's GRPO advantages on a
+collated batch (the built-in algorithm's reference). No engine, no distribution: the unit tests check
 these against hand-computed values.
 
 Conventions (the seed API): per-token arrays are aligned with `input_ids`; `logprobs[:, t]` is the
@@ -10,6 +11,7 @@ generated tokens the loss sees.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +20,8 @@ from services.trainer.algorithms.aggregation import aggregate
 from services.trainer.algorithms.kl import kl_k3
 from services.trainer.algorithms.losses import LossParts, ppo_token_loss
 
-__all__ = ["LossParts", "aggregate", "entropy_from_logits", "group_advantages", "kl_k3", "logp_from_logits", "ppo_token_loss"]
+__all__ = ["LossParts", "aggregate", "attach_advantages", "entropy_from_logits", "group_advantages", "kl_k3", "logp_from_logits",
+           "ppo_token_loss"]
 
 
 def logp_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -33,3 +36,12 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     ent = -(logp.exp() * logp).sum(-1)
     return F.pad(ent, (1, 0), value=0.0)
+
+
+def attach_advantages(batch: dict[str, np.ndarray], mode: str, eps: float) -> dict[str, np.ndarray]:
+    """Per-token advantages: each sample's group-normalised advantage on its loss tokens, 0 elsewhere."""
+    adv = group_advantages(torch.from_numpy(batch["rewards"]), torch.from_numpy(batch["group_index"]), mode, eps).numpy()
+    out = dict(batch)
+    out["sample_advantages"] = adv.astype(np.float32)
+    out["advantages"] = (adv[:, None] * (batch["loss_mask"] != 0)).astype(np.float32)
+    return out

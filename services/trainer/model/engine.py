@@ -18,11 +18,11 @@ import torch
 
 from services.common.logging import get_logger
 from services.common.stores import init_default_group
-from services.trainer import checkpoint as ckpt
-from services.trainer import fused_head, lora, micro, packing
-from services.trainer import stage as zero
-from services.trainer.reference import Reference
-from services.trainer.schedule import scheduler
+from services.trainer.model import checkpoint as ckpt
+from services.trainer.model import fused_head, lora, micro, packing
+from services.trainer.model import stage as zero
+from services.trainer.model.reference import Reference
+from services.trainer.model.schedule import scheduler
 from services.trainer.settings import TrainerSettings
 from services.weights.files import shard_bytes
 
@@ -205,7 +205,7 @@ class TrainEngine:
     @torch.no_grad()
     def forward(self, batch: dict[str, Any], *, reference: bool = False, hidden: bool = False) -> torch.Tensor:
         """Logits (float32) for a padded batch, or its packed row when `batch` is packed (see
-        `services.trainer.packing`), without gradients; `reference` uses the frozen reference model;
+        `services.trainer.model.packing`), without gradients; `reference` uses the frozen reference model;
         `hidden`: the last hidden states instead (see `_outputs`)."""
         if reference:
             if self.ref_model is None:
@@ -221,7 +221,7 @@ class TrainEngine:
 
     def _outputs(self, batch: dict[str, Any], hidden: bool) -> torch.Tensor:
         """The model's logits, or with `hidden` its last hidden states, the logits left to the loss
-        (`services.trainer.fused_head`: only the last position's are computed here)."""
+        (`services.trainer.model.fused_head`: only the last position's are computed here)."""
         if hidden:
             return self.engine(**self._inputs(batch), **fused_head.HIDDEN_KWARGS).hidden_states[-1]
         return self.engine(**self._inputs(batch)).logits
