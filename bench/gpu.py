@@ -126,7 +126,7 @@ async def serve_and_update(model: Path, tmp: Path, concurrency: list[int], timeo
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from services.weights.colocated import ColocatedSender
+    from services.weights.sender.colocated import ColocatedSender
     from tests.support.inference import spawn_server, wait_ready
 
     server = wait_ready(spawn_server(model, tmp, "device=cuda", "dtype=bfloat16", "skip_tokenizer_init=true",

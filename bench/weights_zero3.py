@@ -36,8 +36,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 async def rank0(engine: object, url: str, rounds: int, bucket_mb: float, out: Path) -> None:
     from services.trainer.model.gather import StreamSpec, gather_stream
-    from services.weights.broadcast import WeightBroadcaster
-    from services.weights.bucket_stream import BucketStream
+    from services.weights.sender.broadcast import WeightBroadcaster
+    from services.weights.sender.bucket_stream import BucketStream
 
     sender = WeightBroadcaster([url], dtype="float32", bucket_mb=bucket_mb, timeout_s=300)
     spec = StreamSpec("float32", sender.bucket_bytes)
@@ -105,7 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=100, choices=(100, 1000))
     parser.add_argument("--rounds", type=int, default=3, help="versions per mode, alternating")
-    parser.add_argument("--bucket-mb", type=float, default=16.0, help="weights_broadcast.bucket_mb")
+    parser.add_argument("--bucket-mb", type=float, default=16.0, help="weights.bucket_mb")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="jetrl-bench-zero3-"))
     procs: list[subprocess.Popen[bytes]] = []

@@ -3,14 +3,13 @@ or Parquet exports) instead of the live consumer. No feeder, no inference, no we
 
 It ends when the range is exhausted (or after `total_steps`), with a checkpoint; SIGTERM finishes the
 current step, checkpoints and exits. It always connects to NATS, Parquet input included: the trainer
-publishes its metrics there (and its weights, with `publish_weights`). `resume=auto` continues after the checkpoint's last sequence.
+publishes its metrics there (and its weights, with a `weights.transport`). `resume=auto` continues after the checkpoint's last sequence.
 Launch: `jetrl replay ...` (1 rank) or `torchrun --nproc_per_node N -m services.replay ...`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 
 from nats.aio.client import Client as NATS
 
@@ -20,21 +19,22 @@ from services.common.runner import Supervisor, supervise
 from services.replay.settings import ReplaySettings
 from services.replay.source import RecordingSource, replay_window
 from services.trainer.intake.intake import Intake
-from services.trainer.loop import Publish, Trainer
+from services.trainer.loop import Trainer
 from services.trainer.model.engine import TrainEngine
-from services.trainer.service import run_ranks
+from services.trainer.service import run_ranks, weight_sync
+from services.weights.sender.sync import WeightSync
 
 log = get_logger("replay")
 
 
-async def start_replay(settings: ReplaySettings, engine: TrainEngine, nc: NATS, publish: Publish | None = None) -> Trainer:
+async def start_replay(settings: ReplaySettings, engine: TrainEngine, nc: NATS, weights: WeightSync | None = None) -> Trainer:
     """A started Trainer whose groups come from the recording (resumed from a checkpoint if asked: the
     recording is read after the checkpoint's last consumed sequence)."""
 
     def recording(intake: Intake) -> RecordingSource:
         return RecordingSource(settings, intake)
 
-    trainer = Trainer(settings, engine, publish=publish, source=recording, window=replay_window(settings))
+    trainer = Trainer(settings, engine, weights=weights, source=recording, window=replay_window(settings))
     await trainer.start(nc)
     log.info("replay started", source="parquet" if settings.parquet else f"stream:{settings.source_run}",
              after_seq=trainer.last_seq, version=trainer.version, staleness=settings.staleness)
@@ -59,8 +59,6 @@ async def run_service(settings: ReplaySettings) -> None:
 
 
 async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
-    from services.weights.publisher import WeightPublisher
-
     try:
         nc = await connect(settings.nats_url, f"jetrl-replay-{settings.run}", connect_timeout_s=settings.connect_timeout_s)
     except ConnectionError as exc:
@@ -69,18 +67,15 @@ async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
         # the groups come from files, but the trainer's metrics (and published weights) go to NATS
         raise ConnectionError(
             f"{exc}. jetrl replay needs a NATS server even for Parquet input: its step metrics (and its "
-            "weights, with publish_weights) are published there. Start one, e.g. `jetrl nats --store-dir "
+            "weights, with a weights.transport) are published there. Start one, e.g. `jetrl nats --store-dir "
             ".jetrl/nats-offline`, and pass nats_url=nats://127.0.0.1:4222"
         ) from exc
     try:
-        publish = None
-        if settings.publish_weights:
-            publisher = WeightPublisher(nc, settings.run, shared_dir=settings.weights_shared_dir,
-                                        keep_last=settings.weights_keep_last, bus_retry_timeout_s=settings.bus_retry_timeout_s)
-            publish = functools.partial(publisher.publish_dir, consume=True)  # the trainer hands each dir over
+        weights = weight_sync(settings, nc)
 
         async def main(sup: Supervisor) -> None:
-            trainer = await start_replay(settings, engine, nc, publish)
+            sup.stack.push_async_callback(weights.aclose)
+            trainer = await start_replay(settings, engine, nc, weights)
 
             async def run() -> None:
                 try:

@@ -20,7 +20,7 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from nats.aio.client import Client as NATS
 from schemas.metric_names import REWARD_MEAN
 from schemas.subjects import Subjects
 from services.common.bus import declare_streams
-from services.common.busretry import BusUnavailable, with_retries
+from services.common.busretry import BusUnavailable
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.trainer.feed import fresh
@@ -44,19 +44,14 @@ from services.trainer.model import checkpoint as ckpt
 from services.trainer.model.actor import PPOActor
 from services.trainer.model.collective import Command, execute, scatter
 from services.trainer.model.engine import TrainEngine
-from services.trainer.model.gather import StreamSpec, streamable
 from services.trainer.settings import TrainerSettings
 from services.trainer.step_metrics import StepFacts, step_values
 from services.trainer.versions import VersionWindow
+from services.weights.sender.sync import NoWeights, WeightSync
 
 log = get_logger("trainer")
 _LOGGED = ("weights_gather_s", "trim_s", "resident_anon_gib", "resident_file_gib", "resident_shmem_gib")
 """Stats of the training call that each step's log line carries beside loss and reward (where memory and time go)."""
-
-Publish = Callable[[int, int, Path], Awaitable[Any]]
-"""`publish(version, step, hf_dir)`: e.g. `WeightPublisher.publish_dir` with `consume=True`. The
-trainer writes a fresh `hf_dir` per version and removes whatever is left of it afterwards, so the
-publisher may take it over."""
 
 SourceFactory = Callable[[Intake], GroupSource]
 """Makes the group source that replaces the durable consumer (`jetrl replay`: a recording), given the
@@ -64,8 +59,8 @@ trainer's intake, through which it judges every message."""
 
 
 class Trainer:
-    def __init__(self, settings: TrainerSettings, engine: TrainEngine | None, *, publish: Publish | None = None,
-                 source: SourceFactory | None = None, broadcast: Any = None, window: VersionWindow | None = None) -> None:
+    def __init__(self, settings: TrainerSettings, engine: TrainEngine | None, *, weights: WeightSync | None = None,
+                 source: SourceFactory | None = None, window: VersionWindow | None = None) -> None:
         """`engine` None: built meanwhile (`jetrl trainer` starts the feeder and the consumer during
         DeepSpeed's init on a fresh start); `attach_engine` before the first step. `source`: groups from
         elsewhere than the durable consumer (`jetrl replay`), same steps. `window`: the version window
@@ -79,9 +74,8 @@ class Trainer:
         if engine is not None:
             self.attach_engine(engine)
         self.subjects = Subjects(settings.run)
-        self.publish = publish
-        self.broadcast = broadcast
-        """A `BroadcastPublisher`: weights go to the servers in memory; `publish` is then not used."""
+        self.weights: WeightSync = weights if weights is not None else NoWeights()
+        """How each version reaches the servers (`make_weight_sync`; none: nothing is published)."""
         self.last_seq = 0
         """The stream sequence every trained group's message is at or before (checkpointed)."""
         self.resumed = False
@@ -91,7 +85,7 @@ class Trainer:
         trust_prompts(self.intake, settings, live=self.live)
         self.feeder: Feeder | None = None
         if settings.feeder.enabled:
-            self.feeder = Feeder(settings, self.window, self.intake, gate_versions=publish is not None and settings.publish_weights)
+            self.feeder = Feeder(settings, self.window, self.intake, gate_versions=self.weights.publishes)
             self.intake.feeder = self.feeder  # the intake tells the feeder what became of each prompt
         self.source: GroupSource = (TrajectoryConsumer(settings, self.intake, on_judged=self._wake_feeder) if source is None
                                     else source(self.intake))
@@ -165,13 +159,13 @@ class Trainer:
         server loads them), and its versions count from there (`fresh.py`)."""
         assert self.feeder is not None
         first = left.first_version
-        if not first or self.publish is None or not self.settings.publish_weights:
+        if not first or not self.weights.publishes:
             fresh.warn_served(left, self.settings.run)
             return
         fresh.log_continued(left, self.settings.run)
         staged = await asyncio.to_thread(fresh.stage_base_weights, self.settings.model_path, self.out / "weights" / f"v{first}")
         try:
-            await self.publish(first, 0, staged)
+            await self.weights.publish_dir(first, 0, staged)
         finally:
             await asyncio.to_thread(_remove, staged)
         self.window.continue_from(first)
@@ -188,7 +182,7 @@ class Trainer:
         if announced is None or announced <= self.version:
             return  # a clean restart (SIGTERM checkpoints what it announced), or behind us: the next step publishes past it
         restored, version = self.version, announced + 1
-        if self.publish is None or not self.settings.publish_weights:
+        if not self.weights.publishes:
             fresh.warn_behind(self.settings.run, restored, announced)
             return
         # the killed incarnation's feeder's prompts: answers to them would be foreign (pushed prompts stay
@@ -199,7 +193,7 @@ class Trainer:
         res = await asyncio.to_thread(execute, self.engine, self.actor, scatter(self._all(cmd)))
         assert res.weights_dir is not None
         try:
-            await self.publish(version, restored - self.window.first_version, res.weights_dir)
+            await self.weights.publish_dir(version, restored - self.window.first_version, res.weights_dir)
         finally:
             await asyncio.to_thread(_remove, res.weights_dir)
         self.window.resume_behind(version)
@@ -254,42 +248,23 @@ class Trainer:
         # In a thread: with ppo.kl_in=reward the advantages need a reference forward pass.
         batch = await asyncio.to_thread(self.actor.compute_advantages, collate([g.tensors for g in groups]))
         pieces = shard(batch, self.engine.world_size, self.settings.ppo.n_minibatches)
-        bcast = self.broadcast if self.settings.publish_weights else None
-        to_disk = self.publish is not None if bcast is None else bcast.wants_disk(self.version + 1)
-        weights_dir = str(self.out / "weights" / f"v{self.version + 1}") if to_disk and self.settings.publish_weights else None
-        # Streamed: rank 0's gather hands each bucket to the broadcast as it is gathered (bucket n+1
-        # is gathered while bucket n is on the wire), so no full copy of the weights is held.
-        spec = self._stream_spec() if bcast is not None else None
-        cmds = [Command("train", pieces=p, weights_dir=weights_dir, weights_state=bcast is not None and spec is None,
-                        weights_stream=spec) for p in pieces]
-        stream = bcast.open_stream(self.version + 1) if bcast is not None and spec is not None else None
+        # What the training call produces for the weights (a checkpoint dir, the state, or the buckets
+        # streamed to the servers as they are gathered) is the weight sync's choice (`weights.transport`).
+        ship = self.weights.begin(self.version + 1, self.out / "weights")
+        cmds = [Command("train", pieces=p, weights_dir=ship.weights_dir, weights_state=ship.want_state,
+                        weights_stream=ship.stream) for p in pieces]
         try:
-            res = await asyncio.to_thread(lambda: execute(self.engine, self.actor, scatter(cmds), sink=stream))
+            res = await asyncio.to_thread(lambda: execute(self.engine, self.actor, scatter(cmds), sink=ship.sink))
         except BaseException as exc:
-            if bcast is not None and stream is not None:
-                bcast.abandon_stream(stream, exc)
+            ship.abandon(exc)
             raise
-        if bcast is not None and stream is not None:  # its checkpoint dir, before anything else can fail
-            await bcast.hand_over(stream, res.weights_dir)
+        await ship.landed(res.weights_dir, res.state)  # its checkpoint dir, before anything else can fail
         self._commit(collected)
         self.window.advance()
         await self.source.applied()
         self._wake_feeder()
         t_train = time.monotonic()
-        if bcast is not None and (res.state is not None or stream is not None):
-            try:
-                if stream is not None:
-                    await bcast.publish_stream()
-                else:
-                    await bcast.publish(self.version, res.state, res.weights_dir)
-            finally:
-                if res.weights_dir is not None:
-                    _remove(res.weights_dir)
-        elif res.weights_dir is not None and self.publish is not None:
-            try:
-                await self._publish_weights(res.weights_dir)
-            finally:
-                _remove(res.weights_dir)
+        await ship.finish(self.metrics)
         t_end = time.monotonic()
         facts = StepFacts(self.version, self.intake.counts, before, self.last_seq,
                           self.feeder.metric_values() if self.feeder is not None else {})
@@ -310,39 +285,11 @@ class Trainer:
             await self.feeder.issue_eval()
         return values
 
-    def _stream_spec(self) -> StreamSpec | None:
-        """How the training call gathers the weights bucket by bucket for the broadcast, if it can."""
-        if not streamable(self.settings):
-            return None
-        b = self.settings.weights_broadcast
-        return StreamSpec(dtype=b.dtype, bucket_bytes=self.broadcast.broadcaster.bucket_bytes)
-
     def _commit(self, collected: Collected) -> None:
         """The step training the collected groups was applied: they are trained and `last_seq` covers
         every message read for it."""
         self.intake.commit([g.prompt_id for g in collected.groups])
         self.last_seq = max(self.last_seq, collected.last_seq)
-
-    async def _publish_weights(self, weights_dir: Path) -> None:
-        publish, version = self.publish, self.version
-        assert publish is not None
-        taken = False
-
-        async def attempt() -> Any:
-            nonlocal taken
-            if not await asyncio.to_thread(Path(weights_dir).is_dir):
-                taken = True
-                return None
-            return await publish(version, version, weights_dir)
-
-        await with_retries(f"publish weights v{version}", attempt, self.settings.bus_retry_timeout_s)
-        if taken:
-            # A shared directory on our filesystem: the failed attempt moved the weights there before
-            # its announcement failed, so this version cannot be published again. Skipping it costs
-            # the servers one version; exiting would stop the run over a bus that is merely away.
-            log.warning("weights version not announced; the next step publishes the next one", version=version)
-            if self.metrics is not None:
-                self.metrics.count("weights_versions_skipped")
 
     # ------------------------------------------------------------------------------ checkpoints
 

@@ -93,7 +93,7 @@ def test_the_server_generates_on_cuda_with_the_models_own_logprobs(tiny_model: P
 def test_a_colocated_update_by_cuda_ipc_is_bit_exact_in_bf16(tiny_model: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from services.weights.colocated import ColocatedSender
+    from services.weights.sender.colocated import ColocatedSender
     from tests.support.inference import running_servers
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)

@@ -15,6 +15,7 @@ from services.common.bus import connect
 from services.trainer.loop import Trainer
 from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
+from services.weights.sender.sync import DiskWeights
 from tests.support.trainer import (
     make_group,
     publish_group,
@@ -45,7 +46,7 @@ async def test_trainer_steps_with_admission_staleness_and_duplicates(nats_url: s
         published.append((version, hf_dir, sorted(weights)))
 
     nc = await connect(nats_url, "test")
-    trainer = Trainer(settings, TrainEngine(settings), publish=publish)
+    trainer = Trainer(settings, TrainEngine(settings), weights=DiskWeights(publish))
     await trainer.start(nc)
     js = nc.jetstream()
     assert trainer.feeder is not None

@@ -39,7 +39,7 @@ from services.status.groups import render_groups, trainer_groups
 from services.trainer.feed.ledger import PromptLedger
 from services.trainer.intake.intake import Intake
 from services.trainer.versions import VersionWindow
-from services.weights.publisher import ensure_weight_sync_stream, latest_published
+from services.weights.sender.publisher import ensure_weight_sync_stream, latest_published
 from tests.integration.test_seed_workflows import rows
 from tests.seed_workflows.rewards import copy3_reward_fn
 from tests.support.rollout import running_worker

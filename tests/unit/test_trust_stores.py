@@ -15,7 +15,7 @@ import psutil
 import torch.distributed as dist
 
 from services.common.stores import listening_store
-from services.weights.broadcast import WeightBroadcaster
+from services.weights.sender.broadcast import WeightBroadcaster
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = datetime.timedelta(seconds=20)

@@ -15,7 +15,7 @@ from services.trainer.model import memory
 from services.trainer.model.actor import PPOActor
 from services.trainer.model.engine import TrainEngine
 from services.trainer.model.gather import StreamSpec, gather_stream
-from services.weights.bucket_stream import BucketStream
+from services.weights.sender.bucket_stream import BucketStream
 
 
 @dataclass

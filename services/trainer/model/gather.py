@@ -12,23 +12,13 @@ not involved.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from services.weights.bucket_stream import BucketStream
-from services.weights.buckets import Bucket, plan_buckets
-
-
-@dataclass
-class StreamSpec:
-    """What the gather needs to know (pickled with the train command to every rank)."""
-
-    dtype: str
-    """The served dtype (`weights_broadcast.dtype`)."""
-    bucket_bytes: int
+from services.weights.sender.bucket_stream import BucketStream, StreamSpec
+from services.weights.sender.buckets import Bucket, plan_buckets
 
 
 def streamable(settings: Any) -> bool:

@@ -34,10 +34,10 @@ from schemas.subjects import Subjects
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
-from services.weights.broadcast import VersionResult
-from services.weights.bucket_stream import BucketStream, StreamClosed
-from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream, next_epoch
-from services.weights.sender import VersionSender
+from services.weights.sender.bucket_stream import BucketStream, StreamClosed
+from services.weights.sender.publisher import WeightPublisher, ensure_weight_sync_stream, next_epoch
+from services.weights.sender.results import VersionResult
+from services.weights.sender.version_sender import VersionSender
 from services.weights.trust import sign
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.weights.bucket_checksum import bucket_checksum
+from schemas.bucket_checksum import bucket_checksum
 
 
 @dataclass

@@ -17,7 +17,6 @@ import asyncio
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
@@ -25,9 +24,10 @@ import torch
 
 from services.common.logging import get_logger
 from services.common.trust import InferenceAuth
-from services.weights.bucket_stream import BucketSource, ListSource
-from services.weights.buckets import Bucket, ensure_checksum, make_buckets
-from services.weights.update_group import BROKEN_GRACE_S, UpdateGroup, outcome, short_error
+from services.weights.sender.bucket_stream import BucketSource, ListSource
+from services.weights.sender.buckets import Bucket, ensure_checksum
+from services.weights.sender.results import VersionResult, send_gathered
+from services.weights.sender.update_group import BROKEN_GRACE_S, UpdateGroup, outcome, short_error
 
 log = get_logger("weights.broadcast")
 
@@ -35,25 +35,6 @@ ATTEMPTS = 2
 """Sends of one version: the first, and one more on a group rebuilt without the members that failed."""
 WINDOW = 4
 """Buckets sent whose answers are not yet in (the members check one while receiving the next)."""
-
-
-@dataclass
-class VersionResult:
-    version: int
-    loaded: list[str] = field(default_factory=list)
-    """Servers that now serve the version."""
-    failed: dict[str, str] = field(default_factory=dict)
-    """Servers that do not, and why."""
-    buckets: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    rebuilds: int = 0
-    stages: dict[str, float] = field(default_factory=dict)
-    """Where the sender's time went: `bucketing_s` (cast and cut), `checksum_s` (all buckets,
-    overlapped with sending), `send_s` (the broadcasts themselves, in the sending thread)."""
-    held_peak_bytes: int = 0
-    """The most gathered bytes rank 0 held at once for this version: the whole version when it was
-    gathered in full, at most two buckets when streamed (`BucketStream`)."""
 
 
 class GroupBroken(RuntimeError):
@@ -105,13 +86,7 @@ class WeightBroadcaster:
 
     async def send_version(self, version: int, state: dict[str, torch.Tensor]) -> VersionResult:
         """Send a version gathered in full (`state`)."""
-        t0 = time.perf_counter()
-        buckets = await asyncio.to_thread(make_buckets, state, self.dtype, self.bucket_bytes, checksum=False)
-        bucketing_s = time.perf_counter() - t0
-        result = await self.send(version, ListSource(buckets))
-        result.stages["bucketing_s"] = bucketing_s
-        result.seconds += bucketing_s
-        return result
+        return await send_gathered(self, version, state, self.dtype)
 
     async def build_ahead(self, wait_s: float, poll_s: float = 0.5) -> list[str]:
         """Build the group before the first version, so that the first version does not wait for the
@@ -179,8 +154,7 @@ class WeightBroadcaster:
                     # group makes them drop it
                     await self.group.destroy()
                     raise
-                result.loaded = [s for s in self.members if s not in refused]
-                result.failed.update(refused)
+                result.settle(self.members, refused)
                 if refused:
                     # A member that refused a bucket may not have taken its bytes off the wire (a request
                     # it could not parse): the group may be out of step, so the next version builds anew.
@@ -190,10 +164,8 @@ class WeightBroadcaster:
             source.finish()
         # from the first bucket there to send: a streamed version's source opens with the training call
         # that gathers it, and the wait for that call's gather is training time, not broadcast time
-        result.seconds = time.perf_counter() - max(t0, source.ready_at or t0)
         result.stages.update(send_s=self._send_s)
-        result.held_peak_bytes = source.peak_bytes
-        return result
+        return result.timed(t0, source)
 
     async def _send_buckets(self, source: BucketSource | list[Bucket], version: int,
                             result: VersionResult | None = None) -> dict[str, str]:

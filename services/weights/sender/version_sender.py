@@ -1,7 +1,7 @@
 """`VersionSender`: how a weight version reaches the inference servers in memory.
 
 `BroadcastPublisher` (reports, announcement, disk copy every `disk_every` versions, the background
-and streamed publish) drives one of these per trainer, chosen by `weights_broadcast.transport`:
+and streamed publish) drives one of these per trainer, chosen by `weights.transport`:
 - `WeightBroadcaster` (`broadcast.py`, transport `broadcast`): a torch.distributed group (gloo)
   spanning the trainer's sending rank and every server, SGLang's `/update_weights_from_distributed`;
   for servers on other hosts.
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from services.weights.broadcast import VersionResult
-    from services.weights.bucket_stream import BucketSource
+    from services.weights.sender.bucket_stream import BucketSource
+    from services.weights.sender.results import VersionResult
 
 
 class VersionSender(Protocol):

@@ -23,13 +23,24 @@ import asyncio
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
-from services.weights.buckets import Bucket
+from services.weights.sender.buckets import Bucket
 
 HELD = 2
 """Gathered buckets rank 0 holds at most: the one on the wire and the next (its checksum is computed
 meanwhile). One more would not make the wire busier: gathering a bucket is faster than sending it."""
+
+
+@dataclass
+class StreamSpec:
+    """How the training call gathers a version bucket by bucket into rank 0's stream (pickled with
+    the train command to every rank)."""
+
+    dtype: str
+    """The served dtype (`weights.dtype`)."""
+    bucket_bytes: int
 
 
 class StreamClosed(RuntimeError):

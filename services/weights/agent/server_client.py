@@ -14,8 +14,7 @@ from typing import Any
 
 import httpx
 
-from services.common.trust import InferenceAuth
-from services.rollout.sglang_protocol import (
+from schemas.sglang_protocol import (
     MODEL_INFO,
     READY_POLL_TIMEOUT_S,
     ProtocolError,
@@ -23,6 +22,7 @@ from services.rollout.sglang_protocol import (
     parse_server_version,
     readiness_urls,
 )
+from services.common.trust import InferenceAuth
 
 __all__ = ["READY_POLL_TIMEOUT_S", "ServerClient", "ServerError", "readiness_urls"]
 

@@ -43,11 +43,11 @@ from services.common.health import http_check, register_check
 from services.common.logging import bind_context, get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.runner import Supervisor, supervise
-from services.weights.fetch import FetchError, Retry, fetch_version
+from services.weights.agent.fetch import FetchError, Retry, fetch_version
+from services.weights.agent.listen import AnnouncementFeed
+from services.weights.agent.server_client import READY_POLL_TIMEOUT_S, ServerClient, ServerError, readiness_urls
+from services.weights.announcements import ensure_weight_sync_stream
 from services.weights.files import remove_tree, version_dirs, versions_to_drop
-from services.weights.listen import AnnouncementFeed
-from services.weights.publisher import ensure_weight_sync_stream
-from services.weights.server_client import READY_POLL_TIMEOUT_S, ServerClient, ServerError, readiness_urls
 from services.weights.settings import WeightsSettings
 from services.weights.trust import Freshness, Refused, check, default_roots
 

@@ -21,7 +21,8 @@ from nats.js.errors import ObjectNotFoundError
 
 from schemas.messages import WeightFile, WeightsPublished
 from services.common.busretry import BusUnavailable
-from services.weights import objread, objstore
+from services.weights import objstore
+from services.weights.agent import objread
 from services.weights.files import ChecksumError, parallel, parse_uri, remove_tree, safe_name, verify_file
 
 

@@ -26,13 +26,12 @@ from typing import Any, Literal
 import httpx
 import torch
 
+from schemas.tensor_payload import serialize
 from services.common.logging import get_logger
 from services.common.trust import InferenceAuth
-from services.weights.broadcast import VersionResult
-from services.weights.bucket_stream import BucketSource, ListSource
-from services.weights.buckets import make_buckets
-from services.weights.shm_pool import COPY_THREADS, BufferPool, BufferSet
-from services.weights.tensor_payload import serialize
+from services.weights.sender.bucket_stream import BucketSource
+from services.weights.sender.results import VersionResult, send_gathered
+from services.weights.sender.shm_pool import COPY_THREADS, BufferPool, BufferSet
 
 log = get_logger("weights.colocated")
 
@@ -79,13 +78,7 @@ class ColocatedSender:
         self._copier.shutdown(wait=False, cancel_futures=True)
 
     async def send_version(self, version: int, state: dict[str, torch.Tensor]) -> VersionResult:
-        t0 = time.perf_counter()
-        buckets = await asyncio.to_thread(make_buckets, state, self.dtype, self.bucket_bytes, checksum=False)
-        bucketing_s = time.perf_counter() - t0
-        result = await self.send(version, ListSource(buckets))
-        result.stages["bucketing_s"] = bucketing_s
-        result.seconds += bucketing_s
-        return result
+        return await send_gathered(self, version, state, self.dtype)
 
     async def send(self, version: int, source: BucketSource) -> VersionResult:
         t0 = time.perf_counter()
@@ -103,22 +96,20 @@ class ColocatedSender:
         finally:
             source.finish()
             self.pool.release(bset)
+        refused: dict[str, str] = {}
         for server, (kind, why) in zip(self.servers, outcomes, strict=True):
             if kind == "loaded":
                 self.pool.loaded(server, bset, self.adopt and bset.buffers[0].device.type == "cpu")
-                result.loaded.append(server)
                 continue
             if kind == "gone":
                 self.pool.gone(server)
             elif kind == "unsure":
                 self.pool.unsure(server, bset)
-            result.failed[server] = why
+            refused[server] = why
             log.warning("colocated weights update failed", server=server, version=version, reason=why)
+        result.settle(self.servers, refused)
         self._members = result.loaded
-        # the broadcast's time, not the training call's: counted from the first bucket ready to send
-        result.seconds = time.perf_counter() - max(t0, source.ready_at or t0)
-        result.held_peak_bytes = source.peak_bytes
-        return result
+        return result.timed(t0, source)
 
     async def _copy_in(self, bset: BufferSet, source: BucketSource, result: VersionResult) -> list[tuple[str, torch.Tensor]]:
         """Every bucket copied into `bset` as the source gives it (and given back at once)."""
