@@ -103,6 +103,10 @@ def service_main(
     # how every NATS connection of this service authenticates, and what it declares: one object, handed over
     bus = Bus.of(settings) if uses_bus else None
 
+    from services.common.storefull import ALARM
+
+    ALARM.monitor_url = settings.nats_monitor_url  # a timed-out write asks it whether the store is full
+
     async def body() -> None:
         # The side port (/healthz, /readyz, /metrics) lives as long as the service, when health_port is set.
         try:

@@ -14,6 +14,7 @@ from services.common.ports import free_port
 from services.common.settings import deep_merge
 from services.up import SERVICE_SECTIONS
 from services.up.credentials import RunCredentials
+from services.up.grammar import skip_tokenizer_init
 from services.up.layout import Layout
 from services.up.plan import HttpReady, Step
 from services.up.presets import preset_for
@@ -37,10 +38,12 @@ class Composed:
 
 
 def compose(s: UpSettings, sections: dict[str, dict[str, Any]], creds: RunCredentials, run_dir: Path, url: str, shape: Layout,
-            dataset: str, eval_set: Path | None) -> Composed:
-    """The stack plan of a run on the bus at `url`. `eval_set`: the demo's or a generated task's held-out prompts."""
+            dataset: str, eval_set: Path | None, monitor_url: str | None = None) -> Composed:
+    """The stack plan of a run on the bus at `url`. `eval_set`: the demo's or a generated task's held-out
+    prompts; `monitor_url`: the embedded server's monitoring port (a timed-out write asks whether the store is full)."""
     threads = {"OMP_NUM_THREADS": str(shape.torch_threads)}  # the trainer's and the servers' tensor work
-    common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json"}
+    common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json",
+              **({"nats_monitor_url": monitor_url} if monitor_url is not None else {})}
     preset = preset_for(s.dataset_path)  # the copy3 demo's settings, for the demo only (presets.py)
     # the run's credentials under the preset under the user's own section (theirs win)
     sec: Callable[[str], dict[str, Any]] = lambda name: deep_merge(  # noqa: E731
@@ -68,12 +71,13 @@ def compose(s: UpSettings, sections: dict[str, dict[str, Any]], creds: RunCreden
     # prompts wait in the PROMPTS stream until a rollout worker is up.
     plan = [Step("trainer", "services.trainer", to_env("trainer", trainer) | threads),
             Step("reward", "services.reward", to_env("reward", deep_merge(common, sec("reward"))))]
+    skip_tokenizer = skip_tokenizer_init(sec("rollout"))
     for i, server in enumerate(servers):
         port = int(server.rsplit(":", 1)[1])
-        # skip_tokenizer_init: ids only, as jetrl starts real SGLang (the rollout client decodes and
-        # applies stop strings itself): no detokenizing per reply
+        # skip_tokenizer_init: ids only (the rollout client decodes and applies stop strings itself),
+        # unless the workflow may send grammars, which need the tokenizer (grammar.py)
         inference = {**common, "model_path": s.model_path, "port": port, "seed": i, "torch_threads": shape.torch_threads,
-                     "skip_tokenizer_init": True}
+                     "skip_tokenizer_init": skip_tokenizer}
         # ready: a server that dies or never loads is reported, with its log, before the live display
         plan.append(Step(f"inference-{i}", "services.inference", to_env("inference", deep_merge(inference, sec("inference"))) | threads,
                          ready=HttpReady(server)))

@@ -13,13 +13,15 @@ from nats.aio.msg import Msg
 from schemas import metric_names as names
 from schemas.messages import MessageError, MetricsEvent, WeightsLoaded, decode
 from schemas.subjects import Subjects
+from services.up.store import StoreState
 
 # What the display reads from the trainer's events: the one spelling the trainer emits.
 REWARD_KEYS = (names.REWARD_MEAN,)
 ACCURACY_KEYS = (names.ACCURACY,)
 STALENESS_KEYS = (names.STALENESS_MEAN,)
 WAIT_KEYS = (names.DATA_WAIT_FRACTION,)
-OUTCOME_KEYS = ("episodes_failed_total", "rejected_total", "groups_shrunk_total", "groups_not_accepted_total")
+OUTCOME_KEYS = ("episodes_failed_total", "rejected_total", "groups_shrunk_total", "groups_not_accepted_total",
+                *names.CONSTRAINT_COUNTERS)
 
 
 def pick(values: dict[str, float], keys: tuple[str, ...]) -> float | None:
@@ -53,6 +55,8 @@ class RunView:
     """The workflows' own statistics (AReaL's `stats_tracker`, keys `<scope>/<name>`): one dict per
     rollout metrics event that carried any, with its time and worker."""
     malformed: int = 0
+    store: StoreState = field(default_factory=StoreState)
+    """The embedded store's streams that cannot be written (store.py)."""
     target: float | None = None
     """A 10-step mean reward to watch for (`stop_at_reward`); None: none."""
     reached_at: int | None = None
@@ -92,7 +96,8 @@ class RunView:
     def episode_outcomes(self) -> dict[str, float]:
         """What went wrong in the rollout workers, summed over them (their latest totals): episode
         attempts failed (`failed_by_<Type>`, and `episodes_failed_total`), prompts rejected, groups
-        shrunk by episodes that returned None."""
+        shrunk by episodes that returned None, constrained generations restarted and agent replies that
+        missed their constraint."""
         out: dict[str, float] = {}
         for key, event in self.latest.items():
             if not key.startswith("rollout/"):

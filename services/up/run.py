@@ -20,9 +20,9 @@ from services.common.logging import configure_logging, get_logger
 from services.common.model_dirs import NotOurs, check_model_dir
 from services.common.model_path import ModelNotFound, require_model
 from services.common.settings import SettingsError, deep_merge
-from services.runs import URL_FILE
+from services.runs import MONITOR_URL_FILE, URL_FILE
 from services.up.compose import compose
-from services.up.credentials import ADMIN, RunCredentials, declare_as_admin, make_credentials
+from services.up.credentials import ADMIN, RunCredentials, adopt_issuer_key, declare_as_admin, make_credentials
 from services.up.display import Display
 from services.up.layout import layout, priorities
 from services.up.monitor import RunView, watch
@@ -33,6 +33,7 @@ from services.up.report import summary_lines as report_lines
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
 from services.up.stack import Proc, Stack, settings_class
+from services.up.store import StoreWatch
 
 log = get_logger("up")
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,14 +98,21 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     started = time.time()
     # the run's NATS users and inference admin key (credentials.py); an open bus only when asked
     creds = make_credentials(run_dir, s.run, locked=s.bus == "embedded" and not s.open_bus)
+    if (var := adopt_issuer_key(creds, os.environ)) is not None:  # the user's key, not a second one beside it
+        log.info("the trainer checks pushed prompts with your prompt issuer key; jetrl prompts push --run finds it",
+                 set_by=var, kept_as=str(creds.dir / "prompt-issuer-key"))
     nats = creds.nats_server(run_dir / "nats", run_dir / "nats-server.log") if s.bus == "embedded" else None
     stack = Stack(run_dir, _base_env(s, run_dir))
     view = RunView(started=started, target=stop_at_reward(s) or None)
     display = Display(s, view, stack)
     outcome = "failed"
     used: dict[str, Any] = {}
+    store: StoreWatch | None = None
     try:
         url = _bus_url(s, nats, creds)
+        if nats is not None:
+            store = StoreWatch(nats, view.store, s.store_restart_free_bytes)  # a full disk: shown, and recovered from
+            (run_dir / MONITOR_URL_FILE).write_text(store.monitor_url)
         (run_dir / URL_FILE).write_text(url)  # lets `jetrl status` / `plot` find the live run
         await asyncio.to_thread(_make_model, s.model_path)
         dataset, task_eval = await asyncio.to_thread(_dataset, s, run_dir)
@@ -114,11 +122,11 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         log.info("process layout", cores=shape.cores, rollout_workers=shape.rollout_workers, torch_threads=shape.torch_threads)
         # the demo: a fixed eval set of 32 prompts, every 10 steps; a generated task: its held-out rows
         eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1) if not s.dataset_path else task_eval
-        composed = compose(s, sections, creds, run_dir, url, shape, dataset, eval_set)
+        composed = compose(s, sections, creds, run_dir, url, shape, dataset, eval_set, store.monitor_url if store else None)
         stack.nice = priorities(s, broadcast=composed.broadcast)
         used = _print_settings(s, composed.learning)
         procs = await execute(composed.plan, stack, s.ready_timeout_s, stop)
-        outcome = await _follow(display, stack, view, procs["trainer"], stop)
+        outcome = await _follow(display, stack, view, procs["trainer"], stop, store)
         if interrupted:
             outcome = f"interrupted ({interrupted[0]})"
         # the last metrics events: a round trip brings every one the server routed here, then the
@@ -130,6 +138,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         if nats is not None:
             nats.stop()
         (run_dir / URL_FILE).unlink(missing_ok=True)
+        (run_dir / MONITOR_URL_FILE).unlink(missing_ok=True)
     return _report(s, run_dir, kept, view, outcome, started, used, interrupted)
 
 
@@ -173,11 +182,14 @@ async def _monitor(s: UpSettings, creds: RunCredentials, url: str, view: RunView
     return nc
 
 
-async def _follow(display: Display, stack: Stack, view: RunView, trainer: Proc, stop: asyncio.Event) -> str:
+async def _follow(display: Display, stack: Stack, view: RunView, trainer: Proc, stop: asyncio.Event,
+                  store: StoreWatch | None) -> str:
     """The live display until the trainer finishes, the reward target is reached, a required service
     fails (its log tail printed) or `stop` is set; returns the outcome."""
     with display:
         while not stop.is_set():
+            if store is not None:
+                await store.check()
             display.refresh()
             if trainer.poll() == 0:
                 return "finished"
@@ -204,7 +216,8 @@ def _report(s: UpSettings, run_dir: Path, kept: Path | None, view: RunView, outc
     wall = time.time() - started
     extra = {"outcome": outcome, "reached_at_step": view.reached_at, "wall_s": wall, "started_at": started,
              "servers": view.servers, "evals": view.evals, "settings": used, "workflow_stats": view.workflow_stats,
-             "rollout_outcomes": view.episode_outcomes()}
+             "rollout_outcomes": view.episode_outcomes(),
+             "store": {"times_full": view.store.times_full, "nats_restarts": view.store.restarts, "full_at_end": view.store.full}}
     write_metrics(run_dir, view.steps, extra)
     from services.up.curves import plot_curves  # numpy: imported when the run is over, not before its start
 
@@ -213,6 +226,9 @@ def _report(s: UpSettings, run_dir: Path, kept: Path | None, view: RunView, outc
     if view.reached_at is not None:
         at = next(st for st in view.steps if st["step"] == view.reached_at)
         summary.insert(1, f"reached a 10-step mean reward of {view.target} at step {view.reached_at}, {at['time']:.1f} s after the start")
+    if view.store.times_full:
+        summary.append(f"store: full {sum(view.store.times_full.values())} time(s) ({', '.join(sorted(view.store.times_full))}); "
+                       f"nats-server restarted {view.store.restarts} time(s) after space returned")
     if kept is not None:
         summary.append(f"previous run {s.run}: {kept}")
     print("\n".join([*summary, f"metrics: {run_dir / 'metrics.json'}", f"curve: {png}", f"logs: {run_dir / 'logs'}"]))
