@@ -14,7 +14,6 @@ from services.common.ports import free_port
 from services.common.settings import deep_merge
 from services.up import SERVICE_SECTIONS
 from services.up.credentials import RunCredentials
-from services.up.grammar import skip_tokenizer_init
 from services.up.layout import Layout
 from services.up.plan import HttpReady, Step
 from services.up.presets import preset_for
@@ -71,6 +70,8 @@ def compose(s: UpSettings, sections: dict[str, dict[str, Any]], creds: RunCreden
     # prompts wait in the PROMPTS stream until a rollout worker is up.
     plan = [Step("trainer", "services.trainer", to_env("trainer", trainer) | threads),
             Step("reward", "services.reward", to_env("reward", deep_merge(common, sec("reward"))))]
+    from services.up.grammar import skip_tokenizer_init  # the rollout's workflow module (numpy): once settings are read
+
     skip_tokenizer = skip_tokenizer_init(sec("rollout"))
     for i, server in enumerate(servers):
         port = int(server.rsplit(":", 1)[1])

@@ -140,7 +140,11 @@ def test_a_default_up_admits_only_its_own_services_and_stops_within_its_deadline
         ended: dict[str, float] = {}
         while len(ended) < len(procs) and time.monotonic() - t0 < 60:
             for name, p in procs.items():
-                if name not in ended and (not p.is_running() or p.status() == psutil.STATUS_ZOMBIE):
+                try:  # it may end between the two questions
+                    gone = not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+                except psutil.NoSuchProcess:
+                    gone = True
+                if name not in ended and gone:
                     ended[name] = time.monotonic() - t0
             time.sleep(0.1)  # polling the processes' state, not waiting blindly
         late = {name: round(ended.get(name, 99.0), 1) for name in procs if ended.get(name, 99.0) > SHUTDOWN_S + EXIT_SLACK_S}
