@@ -245,16 +245,18 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
              "servers": view.servers, "evals": view.evals, "settings": used, "workflow_stats": view.workflow_stats,
              "rollout_outcomes": view.episode_outcomes()}
     write_metrics(run_dir, view.steps, extra)
-    from services.up.curves import plot_curves  # numpy: imported when the run is over, not before its start
+    from services.up.curves import plot_curves, plot_workflow_stats  # numpy: imported when the run is over
 
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
+    stats_png = plot_workflow_stats(run_dir, view.workflow_stats, f"jetrl up: workflow statistics of run {s.run}")
     summary = [f"run {s.run}: {outcome}", *report_lines(view.steps, view.servers, wall, view.episode_outcomes())]
     if view.reached_at is not None:
         at = next(st for st in view.steps if st["step"] == view.reached_at)
         summary.insert(1, f"reached a 10-step mean reward of {view.target} at step {view.reached_at}, {at['time']:.1f} s after the start")
     if kept is not None:
         summary.append(f"previous run {s.run}: {kept}")
-    print("\n".join([*summary, f"metrics: {run_dir / 'metrics.json'}", f"curve: {png}", f"logs: {run_dir / 'logs'}"]))
+    stats_line = [f"workflow statistics: {stats_png}"] if stats_png else []
+    print("\n".join([*summary, f"metrics: {run_dir / 'metrics.json'}", f"curve: {png}", *stats_line, f"logs: {run_dir / 'logs'}"]))
     if outcome in ("finished", "converged"):
         return 0
     return 130 if interrupted else 1
