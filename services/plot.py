@@ -22,7 +22,7 @@ from services.common.streaminfo import leader_stream_info
 from services.runs import run_auth, run_directory, run_nats
 from services.up.curves import plot_curves, plot_workflow_stats
 from services.up.monitor import RunView
-from services.up.report import summary_lines, write_metrics
+from services.up.report import summary_lines, workflow_stats_line, write_metrics
 
 
 async def read_metrics(url: str, run: str, auth: NatsAuth | None = None) -> RunView:
@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     png = plot_curves(out, steps, f"jetrl run {path.name}", view.evals)
     wall = steps[-1]["time"] if steps else 0.0
     print("\n".join(summary_lines(steps, view.servers, wall)))
+    if stats_text := workflow_stats_line(view.workflow_stats):
+        print(stats_text)
     print(f"curve: {png}" if png else "no trainer steps in the METRICS stream")
     stats_png = plot_workflow_stats(out, view.workflow_stats, f"workflow statistics of run {path.name}")
     if stats_png:

@@ -29,7 +29,7 @@ from services.up.layout import layout, priorities
 from services.up.monitor import RunView, watch
 from services.up.presets import preset_for, preset_name, summarize, summary_lines
 from services.up.presets import section as preset_section
-from services.up.report import last_error, write_metrics
+from services.up.report import last_error, workflow_stats_line, write_metrics
 from services.up.report import summary_lines as report_lines
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
@@ -249,7 +249,9 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
 
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
     stats_png = plot_workflow_stats(run_dir, view.workflow_stats, f"jetrl up: workflow statistics of run {s.run}")
-    summary = [f"run {s.run}: {outcome}", *report_lines(view.steps, view.servers, wall, view.episode_outcomes())]
+    stats_text = workflow_stats_line(view.workflow_stats)
+    summary = [f"run {s.run}: {outcome}", *report_lines(view.steps, view.servers, wall, view.episode_outcomes()),
+               *([stats_text] if stats_text else [])]
     if view.reached_at is not None:
         at = next(st for st in view.steps if st["step"] == view.reached_at)
         summary.insert(1, f"reached a 10-step mean reward of {view.target} at step {view.reached_at}, {at['time']:.1f} s after the start")

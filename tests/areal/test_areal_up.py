@@ -63,8 +63,9 @@ def test_areal_piece_trains_20_steps_in_jetrl_up(piece: str, tmp_path: Path) -> 
     metrics = json.loads((tmp_path / "areal" / "metrics.json").read_text())
     assert metrics["steps"][-1]["step"] == STEPS, out[-3000:]
     assert metrics["rollout_outcomes"].get("episodes_failed_total", 0) == 0, metrics["rollout_outcomes"]
-    if piece in STATS:
-        assert any(STATS[piece] in s for s in metrics["workflow_stats"]), metrics["workflow_stats"][:3]
+    assert any(STATS[piece] in s for s in metrics["workflow_stats"]), metrics["workflow_stats"][:3]
+    summary = [line for line in out.splitlines() if line.startswith("workflow statistics (mean of the last 10 reports): ")]
+    assert summary and f"{STATS[piece]} " in summary[-1], out[-3000:]  # the run summary names the workflow's scalars
     print(f"{piece}: {metrics['steps'][-1]['step']} steps, rollout outcomes {metrics['rollout_outcomes']}, "
           f"workflow stats {sorted({k for s in metrics['workflow_stats'] for k in s})}")
     assert not processes_of(tmp_path)

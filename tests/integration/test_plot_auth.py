@@ -72,6 +72,7 @@ def test_plot_reads_a_secured_bus_as_the_observer(tmp_path: Path) -> None:
         stats = json.loads((out / "metrics.json").read_text())["workflow_stats"]
         assert [s["rollout/reward"] for s in stats] == [0.0, 0.25, 0.5, 0.75]
         assert f"workflow statistics: {out / 'workflow_stats.png'}" in drawn.stdout, drawn.stdout
+        assert "workflow statistics (mean of the last 10 reports): rollout/num_turns 1.5, rollout/reward 0.375" in drawn.stdout
         assert (out / "workflow_stats.png").stat().st_size > 10_000
 
         refused = plot(str(run_dir), "--nats-url", server.url, "--out", str(out))
