@@ -85,9 +85,9 @@ def trainer_worker(model: str, samples: int, seq_len: int, result: str) -> None:
     import torch
 
     from bench.trainer_memory import batch
-    from services.trainer.actor import PPOActor
-    from services.trainer.batch import shard
-    from services.trainer.engine import TrainEngine
+    from services.trainer.intake.batch import shard
+    from services.trainer.model.actor import PPOActor
+    from services.trainer.model.engine import TrainEngine
     from services.trainer.settings import TrainerSettings
 
     s = TrainerSettings.model_validate({"model_path": model, "dtype": "bfloat16", "zero_stage": 0, "pack_sequences": True,
@@ -126,7 +126,7 @@ async def serve_and_update(model: Path, tmp: Path, concurrency: list[int], timeo
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from services.weights.colocated import ColocatedSender
+    from services.weights.sender.colocated import ColocatedSender
     from tests.support.inference import spawn_server, wait_ready
 
     server = wait_ready(spawn_server(model, tmp, "device=cuda", "dtype=bfloat16", "skip_tokenizer_init=true",

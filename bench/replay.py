@@ -33,8 +33,8 @@ from services.common.bus import connect, declare_streams
 from services.common.nats_server import NatsServer
 from services.replay.reader import StreamReader
 from services.replay.settings import RangeSettings, ReplaySettings
-from services.replay.source import RecordingSource, open_records
-from services.trainer.intake import Intake
+from services.replay.source import RecordingSource, open_records, replay_window
+from services.trainer.intake.intake import Intake
 
 RUN = "bench"
 
@@ -89,13 +89,11 @@ async def raw_fetch(js: Any, n: int, fetch_batch: int) -> float:
 async def replay_read(js: Any, n: int, fetch_batch: int) -> float:
     """Seconds for replay's read path over the same messages: reader + decoding + filters + the intake."""
     settings = ReplaySettings(run=f"{RUN}-offline", source_run=RUN, fetch_batch=fetch_batch)
-    intake = Intake(eta=0)
-    source = RecordingSource(None, settings.range)
-    source.bind(intake)
+    source = RecordingSource(settings, Intake(replay_window(settings), own_versions=False))
     t0 = time.perf_counter()
     accepted = 0
     async for record in open_records(settings, js, 0):
-        if source.judge(record, intake, 0) is not None:
+        if source.judge(record, 0) is not None:
             accepted += 1
     elapsed = time.perf_counter() - t0
     if accepted != n:

@@ -27,7 +27,8 @@ WARMUP = 3
 def batches(model_path: str, n: int, groups: int, group_size: int) -> list[dict]:
     import numpy as np
 
-    from services.trainer.batch import attach_advantages, collate
+    from services.trainer.intake.batch import collate
+    from services.trainer.model.ppo import attach_advantages
 
     rng = np.random.default_rng(0)
     out = []
@@ -48,9 +49,9 @@ def batches(model_path: str, n: int, groups: int, group_size: int) -> list[dict]
 def ds_worker(stage: int, model_path: str, steps: int, groups: int, group_size: int, result: str) -> None:
     import torch.distributed as dist
 
-    from services.trainer.actor import PPOActor
-    from services.trainer.batch import shard
-    from services.trainer.engine import TrainEngine
+    from services.trainer.intake.batch import shard
+    from services.trainer.model.actor import PPOActor
+    from services.trainer.model.engine import TrainEngine
     from services.trainer.settings import TrainerSettings
 
     s = TrainerSettings(model_path=model_path, zero_stage=stage, ppo={"decoupled": False})
@@ -78,7 +79,7 @@ def plain_loop(model_path: str, steps: int, groups: int, group_size: int) -> dic
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.trainer.ppo import aggregate, entropy_from_logits, logp_from_logits, ppo_token_loss
+    from services.trainer.model.ppo import aggregate, entropy_from_logits, logp_from_logits, ppo_token_loss
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()

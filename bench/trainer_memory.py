@@ -90,7 +90,8 @@ def batch(samples: int, seq_len: int, vocab: int, lengths: str) -> dict:
     it with `lengths` varied): a prompt of a quarter of `seq_len`, the rest generated."""
     import numpy as np
 
-    from services.trainer.batch import attach_advantages, collate
+    from services.trainer.intake.batch import collate
+    from services.trainer.model.ppo import attach_advantages
 
     rng = np.random.default_rng(0)
     ids = rng.integers(0, vocab, size=(samples, seq_len))
@@ -209,9 +210,9 @@ class Traced:
 
 def worker(name: str, model_path: str, samples: int, seq_len: int, vocab: int, steps: int, lengths: str, budget: int,
            result: str, traced: bool = False) -> None:
-    from services.trainer.actor import PPOActor
-    from services.trainer.batch import shard
-    from services.trainer.engine import TrainEngine, import_deepspeed
+    from services.trainer.intake.batch import shard
+    from services.trainer.model.actor import PPOActor
+    from services.trainer.model.engine import TrainEngine, import_deepspeed
     from services.trainer.settings import TrainerSettings
 
     extra: dict[str, Any] = dict(PATHS[name])

@@ -11,13 +11,13 @@ The checkpoint is written as the trainer writes it: safetensors shards of at mos
 version that is handed over to the publisher (`consume=True`). Making that directory (the trainer's
 own save) is not timed.
 
-The broadcast (`services/weights/broadcast.py`): the trainer's sending side holds the parameters in
+The broadcast (`services/weights/sender/broadcast.py`): the trainer's sending side holds the parameters in
 memory (as it does after a step; loading them from the checkpoint is not timed) and sends them over a
 gloo group to the server, in float32, 64 MB buckets, each checksummed; publish-to-loaded is until the
 server answered that the version is swapped in. The group is built by an untimed first version.
 `pause ms` is the swap-in: the only time decoding waits (read from the server's log).
 
-Colocated (`services/weights/colocated.py`, `jetrl up`'s default): the same parameters copied once
+Colocated (`services/weights/sender/colocated.py`, `jetrl up`'s default): the same parameters copied once
 into shared memory and handed to the server by handle with `/update_weights_from_tensor` (float32,
 64 MB buckets, the server adopting the buffers); publish-to-loaded is until the server answered. The
 two buffer sets are made by two untimed first versions (their time is printed as `first s`).
@@ -56,9 +56,9 @@ from nats.aio.msg import Msg  # noqa: E402
 
 from schemas.messages import WeightsLoaded, WeightsLoadFailed, decode  # noqa: E402
 from services.common.nats_server import NatsServer, free_port  # noqa: E402
-from services.weights.broadcast import WeightBroadcaster  # noqa: E402
-from services.weights.colocated import ColocatedSender  # noqa: E402
-from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream  # noqa: E402
+from services.weights.sender.broadcast import WeightBroadcaster  # noqa: E402
+from services.weights.sender.colocated import ColocatedSender  # noqa: E402
+from services.weights.sender.publisher import WeightPublisher, ensure_weight_sync_stream  # noqa: E402
 
 CORES = os.cpu_count() or 1
 # (hidden, ffn, layers) of a Llama with the tiny char vocabulary: fp32 bytes ~ 4 * layers * (4h^2 + 3h*ffn).

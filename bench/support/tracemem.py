@@ -131,8 +131,8 @@ def _batch_cut_for_real(stack: ExitStack) -> None:
     run's. The model's forward takes them in as fake."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from services.trainer import actor
-    from services.trainer.engine import TrainEngine
+    from services.trainer.model import actor
+    from services.trainer.model.engine import TrainEngine
 
     tensors = actor.to_tensors
 

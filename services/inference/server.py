@@ -67,8 +67,8 @@ class InferenceServer:
         self.stopping = False
         self.generate_calls = 0
         """`/generate` HTTP requests received (a batch is one), in `/server_info`."""
-        self.dist_weights = DistWeights(self, settings.weights_group_timeout_s)
-        self.tensor_update = TensorUpdate(self)
+        self.dist_weights = DistWeights(lambda: self.sched, settings.weights_group_timeout_s)
+        self.tensor_update = TensorUpdate(lambda: self.sched)
 
     @property
     def ready(self) -> bool:

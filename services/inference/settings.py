@@ -73,7 +73,7 @@ class InferenceSettings(ServiceSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """The dtype the model is served in (the weights are cast on load and on every update): bfloat16
     on a GPU; float32 on the CPU, where bf16 matmuls are slow. With `engine: sglang`, anything but
-    float32 is passed as `--dtype`. The trainer's `weights_broadcast.dtype` should match it."""
+    float32 is passed as `--dtype`. The trainer's `weights.dtype` should match it."""
     memory_fraction: float = Field(0.0, ge=0.0, le=1.0)
     """device cuda: the most of the GPU's memory this server's torch allocator may take
     (`torch.cuda.set_per_process_memory_fraction`), e.g. 0.3 when it shares one GPU with the trainer;

@@ -1,5 +1,5 @@
 """SGLang's `/update_weights_from_tensor` on jetrl's server: weights handed over by a process on the
-same host, by handle (`services/weights/tensor_payload.py`: shared-memory files on the CPU, CUDA IPC
+same host, by handle (`schemas/tensor_payload.py`: shared-memory files on the CPU, CUDA IPC
 handles on a GPU), never through the HTTP body.
 
 A request is SGLang's `UpdateWeightsFromTensorReqInput`: `serialized_named_tensors` (one entry per
@@ -11,7 +11,7 @@ pointing each parameter at its new tensor, and the version set: no token is made
 versions and generation is not paused. A refused request leaves the old weights serving.
 
 jetrl's extra field `adopt: true` says the sender will not write the tensors' memory again until this
-server reports a newer version (`services/weights/shm_pool.py`): a CPU tensor of the model's dtype is
+server reports a newer version (`services/weights/sender/shm_pool.py`): a CPU tensor of the model's dtype is
 then served straight from the shared memory, with no copy. Without it (SGLang's meaning: the sender
 may reuse its memory once answered), or when device or dtype differ, each tensor is copied into this
 server's own memory first. `/begin_weight_update` and `/end_weight_update` (SGLang 0.5.23's session
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -31,7 +32,7 @@ from services.common.logging import get_logger
 if TYPE_CHECKING:
     import torch
 
-    from services.inference.server import InferenceServer
+    from services.inference.scheduler import Scheduler
 
 log = get_logger("inference.tensor_update")
 
@@ -43,8 +44,9 @@ class TensorUpdateError(ValueError):
 
 
 class TensorUpdate:
-    def __init__(self, server: InferenceServer) -> None:
-        self.server = server
+    def __init__(self, scheduler: Callable[[], Scheduler]) -> None:
+        self._scheduler = scheduler
+        """The server's scheduler once it runs (the server builds it at start)."""
         self.updates = 0
         self.refused = 0
         self.kept: dict[str, torch.Tensor] = {}
@@ -76,7 +78,7 @@ class TensorUpdate:
             return _fail(f"load_format {load_format!r}: this server takes named tensors (null or 'direct') only")
         version = body.get("weight_version")
         if body.get("abort_all_requests"):
-            await self.server.sched.abort(None)
+            await self._scheduler().abort(None)
         t0 = time.perf_counter()
         try:
             ready = await asyncio.to_thread(self._prepare, entries[0], bool(body.get("adopt", False)))
@@ -85,7 +87,7 @@ class TensorUpdate:
             log.warning("tensor weight update refused; old weights keep serving", error=str(exc)[:300], version=version)
             return _fail(str(exc)[:500])
         prepare_s = time.perf_counter() - t0
-        seconds, old = await self.server.sched.in_model_thread(self._swap, ready, None if version is None else str(version))
+        seconds, old = await self._scheduler().in_model_thread(self._swap, ready, None if version is None else str(version))
         self.kept = {n: t for n, t in old.items() if _cpu_shared(t)}
         self.updates += 1
         adopted = sum(1 for t in ready.values() if _cpu_shared(t))
@@ -98,7 +100,7 @@ class TensorUpdate:
         """The request's tensors checked and ready to swap in (in a worker thread)."""
         import torch
 
-        from services.weights.tensor_payload import deserialize
+        from schemas.tensor_payload import deserialize
 
         named = deserialize(entry)
         if not named:
@@ -133,7 +135,7 @@ class TensorUpdate:
         self._mapped.add(ptr)
 
     def _targets(self) -> dict[str, torch.Tensor]:
-        model = getattr(self.server.sched.backend, "model", None)
+        model = getattr(self._scheduler().backend, "model", None)
         if model is None:
             raise TensorUpdateError("this server has no model (simulate mode) to update")
         return {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
@@ -147,7 +149,7 @@ class TensorUpdate:
         for n, t in tensors.items():
             targets[n].data = t
         if version is not None:
-            self.server.sched.backend.version = version
+            self._scheduler().backend.version = version
         live = {t.untyped_storage().data_ptr() for t in tensors.values()} | {
             t.untyped_storage().data_ptr() for t in old.values()}
         self._mapped &= live  # a mapping released is mapped (and faulted) anew if it comes back

@@ -3,56 +3,53 @@ or Parquet exports) instead of the live consumer. No feeder, no inference, no we
 
 It ends when the range is exhausted (or after `total_steps`), with a checkpoint; SIGTERM finishes the
 current step, checkpoints and exits. It always connects to NATS, Parquet input included: the trainer
-publishes its metrics there (and its weights, with `publish_weights`). `resume=auto` continues after the checkpoint's last sequence.
+publishes its metrics there (and its weights, with a `weights.transport`). `resume=auto` continues after the checkpoint's last sequence.
 Launch: `jetrl replay ...` (1 rank) or `torchrun --nproc_per_node N -m services.replay ...`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+
+from nats.aio.client import Client as NATS
 
 from services.common.bus import connect
 from services.common.logging import get_logger
 from services.common.runner import Supervisor, supervise
 from services.replay.settings import ReplaySettings
-from services.replay.source import RecordingSource, open_records
-from services.trainer.engine import TrainEngine
+from services.replay.source import RecordingSource, replay_window
+from services.trainer.intake.intake import Intake
 from services.trainer.loop import Trainer
-from services.trainer.service import run_ranks
+from services.trainer.model.engine import TrainEngine
+from services.trainer.service import run_ranks, weight_sync
+from services.weights.sender.sync import WeightSync
 
 log = get_logger("replay")
 
 
-async def start_replay(settings: ReplaySettings, engine: TrainEngine, nc: object, publish: object = None) -> Trainer:
-    """A started Trainer whose groups come from the recording (resumed from a checkpoint if asked)."""
-    source = RecordingSource(None, settings.range, staleness=settings.staleness, drop_last=settings.drop_last)
-    trainer = Trainer(settings, engine, publish=publish, source=source)  # type: ignore[arg-type]
-    source.bind(trainer.intake)
-    await trainer.start(nc)  # type: ignore[arg-type]
-    # Only now is the resume point known: read after the checkpoint's last consumed sequence.
-    source.records = open_records(settings, nc.jetstream(), trainer.last_seq)  # type: ignore[attr-defined]
+async def start_replay(settings: ReplaySettings, engine: TrainEngine, nc: NATS, weights: WeightSync | None = None) -> Trainer:
+    """A started Trainer whose groups come from the recording (resumed from a checkpoint if asked: the
+    recording is read after the checkpoint's last consumed sequence)."""
+
+    def recording(intake: Intake) -> RecordingSource:
+        return RecordingSource(settings, intake)
+
+    trainer = Trainer(settings, engine, weights=weights, source=recording, window=replay_window(settings))
+    await trainer.start(nc)
     log.info("replay started", source="parquet" if settings.parquet else f"stream:{settings.source_run}",
              after_seq=trainer.last_seq, version=trainer.version, staleness=settings.staleness)
     return trainer
 
 
 async def replay(trainer: Trainer, stopping: asyncio.Event) -> None:
-    """Train until the range is exhausted, total_steps, or a stop; then checkpoint."""
+    """Train until the range is exhausted, total_steps, or a stop; then checkpoint (`Trainer.run`)."""
     from services.common.progress import Progress
 
-    saved_at = trainer.version
+    src = trainer.source
+    assert isinstance(src, RecordingSource), "replay: a trainer started by start_replay"
     total = trainer.settings.total_steps - trainer.version if trainer.settings.total_steps else None
     progress = Progress("replay", "steps", total, version=trainer.version)
-    while not stopping.is_set() and not trainer.done:
-        if await trainer.step(stopping) is None:
-            break
-        progress.advance(version=trainer.version, last_seq=trainer.last_seq, read=trainer.source.read)
-        if trainer.settings.checkpoint_every and trainer.version % trainer.settings.checkpoint_every == 0:
-            saved_at = trainer.version
-    if trainer.version != saved_at:
-        await trainer.checkpoint()
-    src = trainer.source
+    await trainer.run(stopping, lambda _: progress.advance(version=trainer.version, last_seq=trainer.last_seq, read=src.read))
     log.info("replay finished" if src.exhausted or trainer.done else "replay stopped", version=trainer.version,
              last_seq=trainer.last_seq, read=src.read, malformed=src.malformed, skipped=src.skipped)
 
@@ -62,8 +59,6 @@ async def run_service(settings: ReplaySettings) -> None:
 
 
 async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
-    from services.weights.publisher import WeightPublisher
-
     try:
         nc = await connect(settings.nats_url, f"jetrl-replay-{settings.run}", connect_timeout_s=settings.connect_timeout_s)
     except ConnectionError as exc:
@@ -72,18 +67,15 @@ async def _run_rank0(settings: ReplaySettings, engine: TrainEngine) -> None:
         # the groups come from files, but the trainer's metrics (and published weights) go to NATS
         raise ConnectionError(
             f"{exc}. jetrl replay needs a NATS server even for Parquet input: its step metrics (and its "
-            "weights, with publish_weights) are published there. Start one, e.g. `jetrl nats --store-dir "
+            "weights, with a weights.transport) are published there. Start one, e.g. `jetrl nats --store-dir "
             ".jetrl/nats-offline`, and pass nats_url=nats://127.0.0.1:4222"
         ) from exc
     try:
-        publish = None
-        if settings.publish_weights:
-            publisher = WeightPublisher(nc, settings.run, shared_dir=settings.weights_shared_dir,
-                                        keep_last=settings.weights_keep_last, bus_retry_timeout_s=settings.bus_retry_timeout_s)
-            publish = functools.partial(publisher.publish_dir, consume=True)  # the trainer hands each dir over
+        weights = weight_sync(settings, nc)
 
         async def main(sup: Supervisor) -> None:
-            trainer = await start_replay(settings, engine, nc, publish)
+            sup.stack.push_async_callback(weights.aclose)
+            trainer = await start_replay(settings, engine, nc, weights)
 
             async def run() -> None:
                 try:

@@ -7,13 +7,14 @@ same engine, same checkpoints; a trainer config file works unchanged) plus where
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from schemas.subjects import check_run
 from services.common.settings import Section, ServiceSettings, flag
 from services.trainer.settings import FeederSettings, TrainerSettings
+from services.weights.sender.settings import NoSync, WeightSyncSettings
 
 
 class RangeSettings(Section):
@@ -74,8 +75,10 @@ class ReplaySettings(TrainerSettings):
     """A final batch with fewer than batch_groups groups is trained (False) or dropped (True)."""
     output_dir: str = ".jetrl/replay"
     """Checkpoints, staged weight dirs and the step record (steps.jsonl) of this offline run."""
-    publish_weights: bool = False
-    """Publish the weights after every step under this run's name (off by default: nobody serves them)."""
+    publish_default: ClassVar[bool] = False
+    weights: WeightSyncSettings = NoSync()
+    """Publish the weights after every step under this run's name (`weights.transport`; none by
+    default: nobody serves them)."""
     feeder: FeederSettings = FeederSettings(enabled=False)
     """Unused: replay has no feeder."""
 

@@ -1,4 +1,5 @@
-"""The replay's group source: recorded messages -> the trainer's batches.
+"""The replay's group source (`GroupSource`, `services/trainer/intake/source.py`): recorded messages ->
+the trainer's batches.
 
 Every message goes through the trainer's own `Intake.judge` (same duplicate rule, same counters,
 checkpointed with the trainer; the group decoded ahead, several at a time, to exactly what the codec
@@ -16,25 +17,34 @@ import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from schemas.headers import is_rejection
 from schemas.subjects import HDR_HEAD_VERSION, HDR_TAIL_VERSION
 from schemas.trajectory import DecodedGroup, TrajectoryError, decode_group
 from services.common.logging import get_logger
+from services.common.metrics import MetricsPublisher
 from services.replay.decode import decode_ahead
 from services.replay.parquet import iter_records
 from services.replay.reader import Record, StreamReader
 from services.replay.settings import RangeSettings, ReplaySettings
+from services.trainer.intake.source import Collected
+from services.trainer.versions import VersionWindow
 
 if TYPE_CHECKING:
-    from services.trainer.intake import Group, Intake
-    from services.trainer.loop import Trainer
+    from services.trainer.intake.intake import Group, Intake
 
 log = get_logger("replay")
 
 #: staleness "off": an eta no version gap reaches
 ETA_OFF = sys.maxsize // 2
+
+
+def replay_window(settings: ReplaySettings) -> VersionWindow:
+    """The replay trainer's version window: staleness "off" takes an eta nothing in the recording is too
+    old for; "live" and "recorded" judge with the trainer's eta."""
+    return VersionWindow(ETA_OFF if settings.staleness == "off" else settings.eta)
 
 
 def _int_header(headers: dict[str, str] | None, name: str) -> int | None:
@@ -93,16 +103,23 @@ async def as_batches(records: Iterable[Record], size: int) -> AsyncGenerator[lis
 
 
 class RecordingSource:
-    """`Trainer(..., source=RecordingSource(...))`: batches from recorded messages instead of the
-    trainer's durable consumer. `collect` returns None once the range is exhausted."""
+    """`Trainer(..., source=lambda intake: RecordingSource(settings, intake))`: batches from recorded
+    messages instead of the trainer's durable consumer, judged through the trainer's intake (whose
+    versions are the recorded run's: the trainer is not live). `collect` returns None once the range
+    is exhausted."""
 
-    def __init__(self, records: AsyncIterator[Record] | None, rng: RangeSettings, *, staleness: str = "off",
-                 drop_last: bool = False) -> None:
+    def __init__(self, settings: ReplaySettings, intake: Intake, *, records: AsyncIterator[Record] | None = None) -> None:
+        """`records`: already open (a bench); None: `open` reads the range from the resume point on."""
+        self.settings = settings
+        self.intake = intake
         self.records = records
-        """Set before the first step (`jetrl replay` opens it once the resume point is known)."""
-        self.rng = rng
-        self.staleness = staleness
-        self.drop_last = drop_last
+        self.rng = settings.range
+        self.staleness = settings.staleness
+        self.drop_last = settings.drop_last
+        self.batch_groups = settings.batch_groups
+        self.metrics: MetricsPublisher | None = None
+        self.read_seq = 0
+        """The highest sequence read (each collect returns it as its `last_seq`)."""
         self.recorded_version = 0
         """Newest weight version seen in the recording so far (the live trainer was at least there)."""
         self.exhausted = False
@@ -110,14 +127,19 @@ class RecordingSource:
         self.malformed = 0
         self.read = 0
 
-    def bind(self, intake: Intake) -> None:
-        """The recording's versions are the recorded run's, not this trainer's; staleness off: nothing
-        in the recording is too old to train on."""
-        intake.own_versions = False
-        if self.staleness == "off":
-            intake.eta = ETA_OFF
+    async def open(self, nc: NATS, metrics: MetricsPublisher | None, after_seq: int) -> None:
+        """Read the range after the checkpoint's last consumed sequence (0: from its start)."""
+        self.metrics, self.read_seq = metrics, after_seq
+        if self.records is None:
+            self.records = open_records(self.settings, nc.jetstream(), after_seq)
 
-    def judge(self, record: Record, intake: Intake, version: int) -> Group | None:
+    async def applied(self) -> None:
+        """Nothing to acknowledge: a recording is read, not consumed."""
+
+    async def close(self) -> None:
+        """Nothing held open between steps."""
+
+    def judge(self, record: Record, version: int) -> Group | None:
         """One record through the range filters and the intake: its group, or None (counted)."""
         self.read += 1
         reason = skip_reason(record, self.rng)
@@ -128,19 +150,18 @@ class RecordingSource:
         if tail is not None:
             self.recorded_version = max(self.recorded_version, tail)
         reference = self.recorded_version if self.staleness == "recorded" else version
-        verdict = intake.judge(record.data, record.headers, record.seq, reference, decoded=record.decoded)
+        verdict = self.intake.judge(record.data, record.headers, record.seq, reference, decoded=record.decoded)
         if verdict.outcome == "malformed":
             self.malformed += 1
             log.error("corrupted message in the recording skipped", subject=record.subject, stream_seq=record.seq,
                       prompt_id=verdict.prompt_id, error=verdict.error)
         return verdict.group
 
-    async def collect(self, trainer: Trainer, stopping: asyncio.Event | None = None) -> list[Group] | None:
+    async def collect(self, version: int, stopping: asyncio.Event | None = None) -> Collected | None:
         """The next batch of `batch_groups` accepted groups; a shorter last one unless drop_last; None at the end."""
         groups: list[Group] = []
-        last_seq = trainer.last_seq
         before = self.malformed
-        while len(groups) < trainer.settings.batch_groups and not self.exhausted:
+        while len(groups) < self.batch_groups and not self.exhausted:
             if stopping is not None and stopping.is_set():
                 return None  # last_seq stays at the last trained batch: a resume re-reads these
             if self.records is None:
@@ -149,13 +170,12 @@ class RecordingSource:
             if record is None:
                 self.exhausted = True
                 break
-            group = self.judge(record, trainer.intake, trainer.version)
-            last_seq = max(last_seq, record.seq)
+            group = self.judge(record, version)
+            self.read_seq = max(self.read_seq, record.seq)
             if group is not None:
                 groups.append(group)
-        if trainer.metrics is not None:
-            trainer.metrics.count("malformed_messages", self.malformed - before)
-        if not groups or (self.drop_last and len(groups) < trainer.settings.batch_groups):
+        if self.metrics is not None:
+            self.metrics.count("malformed_messages", self.malformed - before)
+        if not groups or (self.drop_last and len(groups) < self.batch_groups):
             return None
-        trainer.last_seq = last_seq
-        return groups
+        return Collected(groups, self.read_seq)

@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.sglang_protocol import ProtocolError, batch_key, build_batch_payload, split_batch_reply
 from services.common.logging import get_logger
 from services.rollout.io_struct import BadRequestError, InferenceError
-from services.rollout.sglang_protocol import ProtocolError, batch_key, build_batch_payload, split_batch_reply
 
 log = get_logger("inference-client")
 

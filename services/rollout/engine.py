@@ -25,6 +25,17 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from schemas.sglang_protocol import (
+    MODEL_INFO,
+    ProtocolError,
+    build_generate_payload,
+    check_server_version,
+    cut_at_stop,
+    error_message,
+    parse_generate_reply,
+    parse_server_version,
+    parse_version,
+)
 from services.common.logging import get_logger
 from services.common.trust import bearer_for
 from services.rollout.batching import GenerateBatcher
@@ -36,17 +47,6 @@ from services.rollout.io_struct import (
     ModelResponse,
     ServersUnavailableError,
     WeightUpdateMeta,
-)
-from services.rollout.sglang_protocol import (
-    MODEL_INFO,
-    ProtocolError,
-    build_generate_payload,
-    check_server_version,
-    cut_at_stop,
-    error_message,
-    parse_generate_reply,
-    parse_server_version,
-    parse_version,
 )
 
 log = get_logger("inference-client")

@@ -24,6 +24,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from schemas.sglang_protocol import READY_POLL_TIMEOUT_S, readiness_urls
 from services.common.bus import close_connection, connect
 from services.common.health import http_check, nats_responder_check, register_check
 from services.common.logging import bind_context, get_logger
@@ -34,7 +35,6 @@ from services.rollout.kwargs import resolve_callable_kwargs
 from services.rollout.resolve import is_agent, resolve_workflow
 from services.rollout.selection import Accepting, EvalOrTrain
 from services.rollout.settings import RolloutSettings
-from services.rollout.sglang_protocol import READY_POLL_TIMEOUT_S, readiness_urls
 from services.rollout.tokenizer import load_pretrained_tokenizer
 from services.rollout.versions import CheckedWorkflow
 from services.rollout.worker import RolloutWorker, WorkerConfig

@@ -1,5 +1,9 @@
 """`jetrl trainer`: DeepSpeed ZeRO trainer (decoupled PPO / GRPO) with the prompt feeder.
 
+The shell (`loop.py` the step, `service.py` the process, `versions.py` the version window,
+`settings.py`) over three rooms: `feed/` (prompts out), `intake/` (trajectories in), `model/` (the
+engine and the update); `algorithms/` holds the advantages and losses (docs/trainer.md).
+
 This module stays light so `--help` is instant; torch and DeepSpeed are imported by `service.py`.
 """
 

@@ -1,13 +1,14 @@
 """`Trainer`: rank 0's training loop, drivable in-process (tests) or as the service.
 
-One step: collect B accepted groups (from TRAJECTORIES through `consumer.py`, or from a group source
-in a replay), collate and compute advantages, scatter each rank's share, run the algorithm's update
+One step: collect B accepted groups from a group source (`intake/source.py`: TRAJECTORIES through
+`intake/consumer.py`, or a recording in a replay), collate and compute advantages, scatter each rank's share, run the algorithm's update
 (default: decoupled PPO) on every rank, version += 1, acknowledge the step's messages, gather and
-publish the weights, emit metrics, checkpoint every K steps. The feeder (`feeder.py`), a part the
-trainer owns, publishes prompts concurrently.
+publish the weights, emit metrics, checkpoint every K steps. The feeder (`feed/feeder.py`), a part the
+trainer owns, publishes prompts concurrently. The trainer alone moves its version window
+(`versions.py`), which the intake and the feeder read.
 
 Only once a step is applied are its prompt ids `trained` and `last_seq` moved past everything read for
-it (transactional consumption: see `consumer.py`).
+it (transactional consumption: see `intake/consumer.py`).
 
 NATS calls are retried through a server restart (`busretry`); if the bus stays away longer than
 `bus_retry_timeout_s`, `run` checkpoints and raises `BusUnavailable`.
@@ -19,73 +20,73 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NATS
 
+from schemas.metric_names import REWARD_MEAN
 from schemas.subjects import Subjects
 from services.common.bus import declare_streams
-from services.common.busretry import BusUnavailable, with_retries
+from services.common.busretry import BusUnavailable
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
-from services.trainer import checkpoint as ckpt
-from services.trainer import fresh
-from services.trainer.actor import PPOActor
-from services.trainer.batch import collate, shard
-from services.trainer.collective import Command, execute, scatter
-from services.trainer.consumer import TrajectoryConsumer
-from services.trainer.engine import TrainEngine
-from services.trainer.feeder import Feeder
-from services.trainer.gather import StreamSpec, streamable
-from services.trainer.intake import Group, Intake, trust_prompts
+from services.trainer.feed import fresh
+from services.trainer.feed.feeder import Feeder
+from services.trainer.intake.batch import collate, shard
+from services.trainer.intake.consumer import TrajectoryConsumer
+from services.trainer.intake.intake import Intake, trust_prompts
+from services.trainer.intake.source import Collected, GroupSource
+from services.trainer.intake.validate import model_limits
+from services.trainer.model import checkpoint as ckpt
+from services.trainer.model.actor import PPOActor
+from services.trainer.model.collective import Command, execute, scatter
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from services.trainer.step_metrics import StepFacts, step_values
-from services.trainer.validate import model_limits
+from services.trainer.versions import VersionWindow
+from services.weights.sender.sync import NoWeights, WeightSync
 
 log = get_logger("trainer")
 
-Publish = Callable[[int, int, Path], Awaitable[Any]]
-"""`publish(version, step, hf_dir)`: e.g. `WeightPublisher.publish_dir` with `consume=True`. The
-trainer writes a fresh `hf_dir` per version and removes whatever is left of it afterwards, so the
-publisher may take it over."""
+SourceFactory = Callable[[Intake], GroupSource]
+"""Makes the group source that replaces the durable consumer (`jetrl replay`: a recording), given the
+trainer's intake, through which it judges every message."""
 
 
 class Trainer:
-    def __init__(self, settings: TrainerSettings, engine: TrainEngine | None, *, publish: Publish | None = None,
-                 source: Any = None, broadcast: Any = None) -> None:
+    def __init__(self, settings: TrainerSettings, engine: TrainEngine | None, *, weights: WeightSync | None = None,
+                 source: SourceFactory | None = None, window: VersionWindow | None = None) -> None:
         """`engine` None: built meanwhile (`jetrl trainer` starts the feeder and the consumer during
-        DeepSpeed's init on a fresh start); `attach_engine` before the first step."""
+        DeepSpeed's init on a fresh start); `attach_engine` before the first step. `source`: groups from
+        elsewhere than the durable consumer (`jetrl replay`), same steps. `window`: the version window
+        (default: from `settings.eta`; a replay turns staleness off with its own)."""
         self.settings = settings
-        # A group source (`jetrl replay`: `collect(trainer, stopping) -> list[Group] | None`) replaces
-        # the durable consumer: same steps, different origin of the groups.
-        self.source = source
+        self.live = source is None
+        """Groups come from the run's TRAJECTORIES (not a recording): the versions on them are ours."""
+        self.window = window or VersionWindow(settings.eta)
         self._engine: TrainEngine | None = None
         self._actor: PPOActor | None = None
         if engine is not None:
             self.attach_engine(engine)
         self.subjects = Subjects(settings.run)
-        self.publish = publish
-        self.broadcast = broadcast
-        """A `BroadcastPublisher`: weights go to the servers in memory; `publish` is then not used."""
-        self.version = 0
+        self.weights: WeightSync = weights if weights is not None else NoWeights()
+        """How each version reaches the servers (`make_weight_sync`; none: nothing is published)."""
         self.last_seq = 0
         """The stream sequence every trained group's message is at or before (checkpointed)."""
         self.resumed = False
-        self.feeder: Feeder | None = None
-        if settings.feeder.enabled:
-            self.feeder = Feeder(settings, version=lambda: self.version, is_trained=lambda pid: pid in self.intake.trained,
-                                 gate_versions=publish is not None and settings.publish_weights,
-                                 tag=lambda pid: self.intake.tag_for(pid))
-        self.intake = Intake(settings.eta, settings.ppo.dynamic_filtering, self.feeder,
+        self.intake = Intake(self.window, settings.ppo.dynamic_filtering, own_versions=self.live,
                              limits=replace(model_limits(settings.model_path, settings.max_seq_len),
                                             max_abs_reward=settings.max_abs_reward, min_logprob=settings.min_logprob))
-        trust_prompts(self.intake, settings, live=source is None)
-        self.consumer: TrajectoryConsumer | None = None
-        if source is None:
-            self.consumer = TrajectoryConsumer(settings, self.intake, on_judged=self._wake_feeder)
+        trust_prompts(self.intake, settings, live=self.live)
+        self.feeder: Feeder | None = None
+        if settings.feeder.enabled:
+            self.feeder = Feeder(settings, self.window, self.intake, gate_versions=self.weights.publishes)
+            self.intake.feeder = self.feeder  # the intake tells the feeder what became of each prompt
+        self.source: GroupSource = (TrajectoryConsumer(settings, self.intake, on_judged=self._wake_feeder) if source is None
+                                    else source(self.intake))
         self.out = Path(settings.output_dir)
         self.nc: NATS | None = None
         self.metrics: MetricsPublisher | None = None
@@ -93,6 +94,11 @@ class Trainer:
     def attach_engine(self, engine: TrainEngine) -> None:
         self._engine = engine
         self._actor = PPOActor(engine, self.settings.ppo)
+
+    @property
+    def version(self) -> int:
+        """The trainer's weight version now (its version window's)."""
+        return self.window.version
 
     @property
     def engine(self) -> TrainEngine:
@@ -123,13 +129,12 @@ class Trainer:
             self._restore(res.client_state)
             self.resumed = True
             log.info("resumed", checkpoint=str(root / tag), version=self.version, last_seq=self.last_seq)
-        elif self.feeder is not None and self.source is None:
+        elif self.feeder is not None and self.live:
             await self._start_afresh(js)
         self._record({"event": "start", "version": self.version, "last_seq": self.last_seq, "resumed": found is not None})
-        if found is not None and self.source is None:
+        if found is not None and self.live:
             await self._catch_up(js)
-        if self.consumer is not None:
-            await self.consumer.open(nc, self.metrics, self.last_seq)
+        await self.source.open(nc, self.metrics, self.last_seq)
         if self.feeder is not None:  # after the consumer: no answer to one of its prompts can be missed
             await self.feeder.start(nc, self.metrics)
 
@@ -152,32 +157,30 @@ class Trainer:
         server loads them), and its versions count from there (`fresh.py`)."""
         assert self.feeder is not None
         first = left.first_version
-        if not first or self.publish is None or not self.settings.publish_weights:
+        if not first or not self.weights.publishes:
             fresh.warn_served(left, self.settings.run)
             return
         fresh.log_continued(left, self.settings.run)
         staged = await asyncio.to_thread(fresh.stage_base_weights, self.settings.model_path, self.out / "weights" / f"v{first}")
         try:
-            await self.publish(first, 0, staged)
+            await self.weights.publish_dir(first, 0, staged)
         finally:
             await asyncio.to_thread(_remove, staged)
-        self.version = first
-        self.intake.first_version = first
-        self.feeder.continue_versions(first)
+        self.window.continue_from(first)
 
     async def _catch_up(self, js: Any) -> None:
         """Resumed from version C while the run's last announced version is N > C: the trainer was killed
         after publishing N, before checkpointing it. The servers serve N, and versions C+1..N are weights
         nobody has any more: counting on from C would announce those numbers again with other weights (a
         server holding the number keeps what it holds) and train groups generated with the lost ones as
-        if they were ours. So the restored weights are published as N+1, the version and the intake's and
-        feeder's `first_version` move by N+1-C (the step count and `total_steps` go on from the
-        checkpoint's), and what the killed incarnation's prompts produce is set apart (`fresh.py`)."""
+        if they were ours. So the restored weights are published as N+1, the version window's version and
+        `first_version` move by N+1-C (the step count and `total_steps` go on from the checkpoint's), and
+        what the killed incarnation's prompts produce is set apart (`fresh.py`)."""
         announced = await fresh.announced_version(js, self.subjects)
         if announced is None or announced <= self.version:
             return  # a clean restart (SIGTERM checkpoints what it announced), or behind us: the next step publishes past it
         restored, version = self.version, announced + 1
-        if self.publish is None or not self.settings.publish_weights:
+        if not self.weights.publishes:
             fresh.warn_behind(self.settings.run, restored, announced)
             return
         # the killed incarnation's feeder's prompts: answers to them would be foreign (pushed prompts stay
@@ -188,17 +191,14 @@ class Trainer:
         res = await asyncio.to_thread(execute, self.engine, self.actor, scatter(self._all(cmd)))
         assert res.weights_dir is not None
         try:
-            await self.publish(version, restored - self.intake.first_version, res.weights_dir)
+            await self.weights.publish_dir(version, restored - self.window.first_version, res.weights_dir)
         finally:
             await asyncio.to_thread(_remove, res.weights_dir)
-        delta = version - restored
-        self.version = version
-        self.intake.first_version += delta
-        self.intake.own_from = version
+        self.window.resume_behind(version)
         if self.feeder is not None:
-            self.feeder.resume_behind(delta, version)
+            self.feeder.resume_behind()
         self._record({"event": "versions_continued", "checkpoint_version": restored, "announced_version": announced,
-                      "version": version, "first_version": self.intake.first_version})
+                      "version": version, "first_version": self.window.first_version})
 
     def _all(self, cmd: Command) -> list[Command]:
         return [cmd] * self.engine.world_size
@@ -209,13 +209,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ the steps
 
-    async def run(self, stopping: asyncio.Event) -> None:
-        """Step until done or `stopping`, then checkpoint. If NATS stays away past
+    async def run(self, stopping: asyncio.Event, on_step: Callable[[dict[str, float]], None] | None = None) -> None:
+        """Step until done (`total_steps`, the feeder's dataset or the source exhausted) or `stopping`,
+        then checkpoint; `on_step(values)` after each step. If NATS stays away past
         `bus_retry_timeout_s`, checkpoint the steps trained since the last one, then raise `BusUnavailable`."""
         saved_at = self.version
         try:
             while not stopping.is_set() and not self.done:
-                if await self.step(stopping) is not None and self.settings.checkpoint_every:
+                values = await self.step(stopping)
+                if values is not None and on_step is not None:
+                    on_step(values)
+                if values is not None and self.settings.checkpoint_every:
                     if self.version % self.settings.checkpoint_every == 0:
                         saved_at = self.version
         except BusUnavailable as exc:
@@ -234,109 +238,53 @@ class Trainer:
         """Collect, train, publish, report, maybe checkpoint. None if stopping before a full batch."""
         t0 = time.monotonic()
         before = Counter(self.intake.counts)
-        groups = await self._collect(stopping)
-        if groups is None:
+        collected = await self.source.collect(self.version, stopping)
+        if collected is None:
             return None
+        groups = collected.groups
         t_data = time.monotonic()
         # In a thread: with ppo.kl_in=reward the advantages need a reference forward pass.
         batch = await asyncio.to_thread(self.actor.compute_advantages, collate([g.tensors for g in groups]))
         pieces = shard(batch, self.engine.world_size, self.settings.ppo.n_minibatches)
-        bcast = self.broadcast if self.settings.publish_weights else None
-        to_disk = self.publish is not None if bcast is None else bcast.wants_disk(self.version + 1)
-        weights_dir = str(self.out / "weights" / f"v{self.version + 1}") if to_disk and self.settings.publish_weights else None
-        # Streamed: rank 0's gather hands each bucket to the broadcast as it is gathered (bucket n+1
-        # is gathered while bucket n is on the wire), so no full copy of the weights is held.
-        spec = self._stream_spec() if bcast is not None else None
-        cmds = [Command("train", pieces=p, weights_dir=weights_dir, weights_state=bcast is not None and spec is None,
-                        weights_stream=spec) for p in pieces]
-        stream = bcast.open_stream(self.version + 1) if bcast is not None and spec is not None else None
+        # What the training call produces for the weights (a checkpoint dir, the state, or the buckets
+        # streamed to the servers as they are gathered) is the weight sync's choice (`weights.transport`).
+        ship = self.weights.begin(self.version + 1, self.out / "weights")
+        cmds = [Command("train", pieces=p, weights_dir=ship.weights_dir, weights_state=ship.want_state,
+                        weights_stream=ship.stream) for p in pieces]
         try:
-            res = await asyncio.to_thread(lambda: execute(self.engine, self.actor, scatter(cmds), sink=stream))
+            res = await asyncio.to_thread(lambda: execute(self.engine, self.actor, scatter(cmds), sink=ship.sink))
         except BaseException as exc:
-            if bcast is not None and stream is not None:
-                bcast.abandon_stream(stream, exc)
+            ship.abandon(exc)
             raise
-        if bcast is not None and stream is not None:  # its checkpoint dir, before anything else can fail
-            await bcast.hand_over(stream, res.weights_dir)
-        applied = self._commit(groups)
-        self.version += 1
-        if self.consumer is not None:
-            await self.consumer.acknowledge(applied)
+        await ship.landed(res.weights_dir, res.state)  # its checkpoint dir, before anything else can fail
+        self._commit(collected)
+        self.window.advance()
+        await self.source.applied()
         self._wake_feeder()
         t_train = time.monotonic()
-        if bcast is not None and (res.state is not None or stream is not None):
-            try:
-                if stream is not None:
-                    await bcast.publish_stream()
-                else:
-                    await bcast.publish(self.version, res.state, res.weights_dir)
-            finally:
-                if res.weights_dir is not None:
-                    _remove(res.weights_dir)
-        elif res.weights_dir is not None and self.publish is not None:
-            try:
-                await self._publish_weights(res.weights_dir)
-            finally:
-                _remove(res.weights_dir)
+        await ship.finish(self.metrics)
         t_end = time.monotonic()
         facts = StepFacts(self.version, self.intake.counts, before, self.last_seq,
                           self.feeder.metric_values() if self.feeder is not None else {})
-        values = step_values(facts, batch, groups, res.stats, (t0, t_data, t_train, t_end))
+        values = step_values(facts, batch, [g.head_version for g in groups], res.stats, (t0, t_data, t_train, t_end))
         self._record({"version": self.version, "prompt_ids": [g.prompt_id for g in groups],
                       "seqs": [g.seq for g in groups], "last_seq": self.last_seq})
         if self.metrics is not None:
             # the run's step count: the version, less the first one when this run continued an earlier
             # run's numbering (so `jetrl up` shows step k/total_steps, not the version)
-            await self.metrics.emit(values, step=self.version - self.intake.first_version, version=self.version)
-        log.info("step", version=self.version, loss=round(values["loss"], 4), reward=round(values["reward_mean"], 4))
+            await self.metrics.emit(values, step=self.window.steps, version=self.version)
+        log.info("step", version=self.version, loss=round(values["loss"], 4), reward=round(values[REWARD_MEAN], 4))
         if self.settings.checkpoint_every and self.version % self.settings.checkpoint_every == 0:
             await self.checkpoint()
         if self.feeder is not None and self.settings.feeder.eval_every and self.version % self.settings.feeder.eval_every == 0:
             await self.feeder.issue_eval()
         return values
 
-    def _stream_spec(self) -> StreamSpec | None:
-        """How the training call gathers the weights bucket by bucket for the broadcast, if it can."""
-        if not streamable(self.settings):
-            return None
-        b = self.settings.weights_broadcast
-        return StreamSpec(dtype=b.dtype, bucket_bytes=self.broadcast.broadcaster.bucket_bytes)
-
-    async def _collect(self, stopping: asyncio.Event | None) -> list[Group] | None:
-        if self.source is not None:
-            return await self.source.collect(self, stopping)
-        assert self.consumer is not None
-        return await self.consumer.collect(self.version, stopping)
-
-    def _commit(self, groups: list[Group]) -> list[Any]:
-        """The step training `groups` was applied: they are trained and `last_seq` covers every
-        message read for it. Returns the held messages to acknowledge."""
-        self.intake.commit([g.prompt_id for g in groups])
-        if self.consumer is None:  # a group source moves `last_seq` itself
-            return []
-        self.last_seq = max(self.last_seq, self.consumer.read_seq)
-        return self.consumer.applied()
-
-    async def _publish_weights(self, weights_dir: Path) -> None:
-        publish, version = self.publish, self.version
-        assert publish is not None
-        taken = False
-
-        async def attempt() -> Any:
-            nonlocal taken
-            if not await asyncio.to_thread(Path(weights_dir).is_dir):
-                taken = True
-                return None
-            return await publish(version, version, weights_dir)
-
-        await with_retries(f"publish weights v{version}", attempt, self.settings.bus_retry_timeout_s)
-        if taken:
-            # A shared directory on our filesystem: the failed attempt moved the weights there before
-            # its announcement failed, so this version cannot be published again. Skipping it costs
-            # the servers one version; exiting would stop the run over a bus that is merely away.
-            log.warning("weights version not announced; the next step publishes the next one", version=version)
-            if self.metrics is not None:
-                self.metrics.count("weights_versions_skipped")
+    def _commit(self, collected: Collected) -> None:
+        """The step training the collected groups was applied: they are trained and `last_seq` covers
+        every message read for it."""
+        self.intake.commit([g.prompt_id for g in collected.groups])
+        self.last_seq = max(self.last_seq, collected.last_seq)
 
     # ------------------------------------------------------------------------------ checkpoints
 
@@ -346,7 +294,7 @@ class Trainer:
         state = {
             "jetrl_version": self.version, "jetrl_last_seq": self.last_seq,
             "jetrl_feeder": self.feeder.state_dict() if self.feeder else None,
-            "jetrl_intake": self.intake.state_dict(), "jetrl_rng": ckpt.rng_state(),
+            "jetrl_intake": {**self.intake.state_dict(), **self.window.state_dict()}, "jetrl_rng": ckpt.rng_state(),
         }
         await asyncio.to_thread(
             lambda: execute(
@@ -361,7 +309,7 @@ class Trainer:
         return root / tag
 
     def _restore(self, state: dict[str, Any]) -> None:
-        self.version = int(state["jetrl_version"])
+        self.window.load_state_dict(int(state["jetrl_version"]), state["jetrl_intake"])
         self.last_seq = int(state["jetrl_last_seq"])
         if self.feeder is not None and state.get("jetrl_feeder"):
             self.feeder.load_state_dict(state["jetrl_feeder"])
@@ -379,8 +327,7 @@ class Trainer:
         Nothing unacked is lost; JetStream redelivers it."""
         if self.feeder is not None:
             await self.feeder.close()
-        if self.consumer is not None:
-            await self.consumer.close()
+        await self.source.close()
 
     async def stop_followers(self) -> None:
         """Release the other ranks (they exit after this)."""
@@ -389,9 +336,9 @@ class Trainer:
 
     @property
     def done(self) -> bool:
-        if self.settings.total_steps and self.version - self.intake.first_version >= self.settings.total_steps:
+        if self.settings.total_steps and self.window.steps >= self.settings.total_steps:
             return True
-        return self.feeder is not None and self.feeder.exhausted
+        return self.source.exhausted or (self.feeder is not None and self.feeder.exhausted)
 
 
 def _remove(path: Path) -> None:

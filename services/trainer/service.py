@@ -8,7 +8,6 @@ Launch: `jetrl trainer ...` (1 rank) or `torchrun --nproc_per_node N -m services
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import sys
 import time
@@ -17,17 +16,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from nats.aio.client import Client as NATS
 
 from services.common.bus import close_connection, connect
 from services.common.logging import bind_context, get_logger
 from services.common.model_path import require_model
 from services.common.runner import Supervisor, supervise
-from services.trainer import checkpoint as ckpt
-from services.trainer.actor import PPOActor
-from services.trainer.collective import follow
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model import checkpoint as ckpt
+from services.trainer.model.actor import PPOActor
+from services.trainer.model.collective import follow
+from services.trainer.model.engine import TrainEngine
+from services.trainer.model.gather import streamable
 from services.trainer.settings import TrainerSettings
+from services.weights.sender.factory import make_weight_sync
+from services.weights.sender.sync import WeightSync
 
 log = get_logger("trainer")
 
@@ -75,7 +78,7 @@ def _import_heavy() -> None:
     modules from two threads at once, which fails ("cannot import name 'AutoConfig'")."""
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
 
-    from services.trainer.engine import import_deepspeed
+    from services.trainer.model.engine import import_deepspeed
 
     import_deepspeed()
 
@@ -106,22 +109,15 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Fu
     """`engine` still being built (a fresh start): the trainer starts (leftovers cleared, consumer and
     feeder open, the first prompts issued) while DeepSpeed initialises, so the rollout workers generate
     the first batch meanwhile; training starts once the engine is there."""
-    from services.weights.publisher import WeightPublisher
-
     nc = await connect(settings.nats_url, f"jetrl-trainer-{settings.run}")
     try:
-        publisher = WeightPublisher(nc, settings.run, shared_dir=settings.weights_shared_dir, keep_last=settings.weights_keep_last,
-                                    bus_retry_timeout_s=settings.bus_retry_timeout_s, announce_key=settings.trust.announce())
-        publish = functools.partial(publisher.publish_dir, consume=True)  # the trainer hands each dir over
-        broadcast = _broadcast_publisher(settings, nc, publisher)
+        weights = weight_sync(settings, nc)
         ready = engine if isinstance(engine, TrainEngine) else None
-        trainer = Trainer(settings, ready, publish=publish if settings.publish_weights else None, broadcast=broadcast)
+        trainer = Trainer(settings, ready, weights=weights)
 
         async def main(sup: Supervisor) -> None:
-            if broadcast is not None:
-                sup.stack.push_async_callback(broadcast.aclose)
-                if settings.weights_broadcast.build_ahead_s > 0:  # the rendezvous overlaps the engine's build
-                    sup.spawn("weights-group", broadcast.build_ahead(settings.weights_broadcast.build_ahead_s))
+            sup.stack.push_async_callback(weights.aclose)
+            sup.spawn("weights-prepare", weights.prepare())  # e.g. the broadcast's group, during the engine's build
             await trainer.start(nc)
             sup.stack.push_async_callback(trainer.close)
             if trainer.feeder is not None:
@@ -133,26 +129,11 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Fu
         await close_connection(nc)  # the bus may be gone: then closed at once, exiting matters more
 
 
-def _broadcast_publisher(settings: TrainerSettings, nc: Any, disk: Any) -> Any:
-    """The in-memory weight path, if `weights_broadcast.enabled` (see services/weights/broadcast*.py)."""
-    b = settings.weights_broadcast
-    if not (b.enabled and settings.publish_weights):
-        return None
-    from services.weights.broadcast import WeightBroadcaster
-    from services.weights.broadcast_publish import BroadcastPublisher
-    from services.weights.colocated import ColocatedSender
-    from services.weights.sender import VersionSender
-
-    sender: VersionSender
-    if b.transport == "colocated":
-        sender = ColocatedSender(b.servers, dtype=b.dtype, bucket_mb=b.bucket_mb, timeout_s=b.timeout_s, adopt=b.adopt,
-                                 keys=settings.trust.inference_keys())
-    else:
-        sender = WeightBroadcaster(b.servers, master_address=b.master_address, dtype=b.dtype, bucket_mb=b.bucket_mb,
-                                   timeout_s=b.timeout_s, group_name=b.group_name, checksum=b.checksum,
-                                   keys=settings.trust.inference_keys())
-    return BroadcastPublisher(nc, settings.run, sender, disk, b.disk_every, retry_s=settings.bus_retry_timeout_s,
-                              background=b.background)
+def weight_sync(settings: TrainerSettings, nc: NATS) -> WeightSync:
+    """The trainer's `WeightSync`, as `weights.transport` names it (`jetrl trainer`, `jetrl replay`)."""
+    return make_weight_sync(settings.weights, nc, settings.run, retry_s=settings.bus_retry_timeout_s,
+                            announce_key=settings.trust.announce(), inference_keys=settings.trust.inference_keys,
+                            streamed=streamable(settings))
 
 
 async def _train(trainer: Trainer, sup: Supervisor, building: asyncio.Future[TrainEngine] | None = None) -> None:

@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from services.common.model_path import ModelPath
 from services.common.settings import Section, ServiceSettings, flag
-from services.trainer.dataset import DatasetOptions
-from services.weights.broadcast_settings import BroadcastSettings
+from services.weights.sender.settings import StoreSync, WeightSyncSettings, legacy_weights
+
+
+class DatasetOptions(Section):
+    split: str = "train"
+    """Split of a saved DatasetDict or a hub dataset (ignored for JSONL/Parquet files)."""
+    config: str | None = None
+    """Hub dataset configuration (the second argument of `datasets.load_dataset`), e.g. "main" for gsm8k."""
+    prompt_key: str = "prompt"
+    """The row field that holds the prompt; copied to `prompt` (a row without it is passed on as it is,
+    for workflows that read other fields, unless a key other than "prompt" was asked for)."""
+    answer_key: str = "answer"
+    """The row field that holds the reference answer; copied to `answer` (rows without it keep none)."""
+    id_key: str = "id"
+    """The row field with a stable row id; copied to `id` (rows without one get their index)."""
+    transform: str = ""
+    """A function `row -> row` run on every row before the key mappings ("pkg.module:fn", or
+    "path/to/file.py:fn"); empty = none."""
 
 
 class PPOSettings(Section):
@@ -161,6 +177,8 @@ class LoRASettings(Section):
 
 class TrainerSettings(ServiceSettings):
     service = "trainer"
+    publish_default: ClassVar[bool] = True
+    """What the old `publish_weights` was when not given (for reading the old flat weight settings)."""
 
     model_path: ModelPath = ".jetrl/models/tiny"
     """HF model directory (config, safetensors, tokenizer): version 0 of the weights; also a name `jetrl
@@ -249,17 +267,14 @@ class TrainerSettings(ServiceSettings):
     """Checkpoints kept on disk; older ones are deleted."""
     resume: str = Field("never", json_schema_extra=flag("--resume", bare="auto"))
     """auto: restart from the latest checkpoint in output_dir if there is one; never; or a checkpoint dir."""
-    publish_weights: bool = True
-    """Publish the weights after every step (WEIGHTS object store, or weights_shared_dir)."""
-    weights_shared_dir: str | None = None
-    """Publish into this shared directory instead of the WEIGHTS object store."""
-    weights_keep_last: int = Field(3, ge=1)
-    """Published versions kept; older ones are deleted."""
+    weights: WeightSyncSettings = StoreSync()
+    """How each version reaches the inference servers: `weights.transport` is store (the WEIGHTS
+    object store, the default), shared_dir, colocated, broadcast or none, each with its own settings
+    beside it (docs/weights.md). The old flat settings (publish_weights, weights_shared_dir,
+    weights_keep_last, weights_broadcast.*) are still read, with a warning."""
     weights_shard_mb: float | None = Field(None, gt=0)
     """Largest safetensors file of published weights (MB): a model in several files is hashed,
     copied and verified on every core. Unset: an eighth of the model, within 32-512 MB."""
-    weights_broadcast: BroadcastSettings = BroadcastSettings()
-    """The in-memory weight path: each version broadcast to the servers (see docs/weights.md)."""
     record_steps: bool = True
     """Append each step's prompt ids, version and last stream sequence to output_dir/steps.jsonl (an audit log)."""
     max_seq_len: int | None = Field(None, ge=1)
@@ -268,11 +283,11 @@ class TrainerSettings(ServiceSettings):
     max_abs_reward: float = Field(1e6, gt=0)
     """Largest |reward| a trained group may carry; a group beyond it is terminated and counted
     (`terminated_out_of_bounds`): no real reward comes near, and one finite 3e38 would make a step's
-    reward mean (and `stop_at_reward`) meaningless (services/trainer/validate.py)."""
+    reward mean (and `stop_at_reward`) meaningless (services/trainer/intake/validate.py)."""
     min_logprob: float = Field(-1e4, lt=0)
     """Lowest behaviour log-prob a trained token may carry (the highest is 0, plus 1e-3 of rounding); a
     group beyond it is terminated and counted (`terminated_out_of_bounds`). A sampler cannot draw a
-    token below float32's ~-103 (services/trainer/validate.py)."""
+    token below float32's ~-103 (services/trainer/intake/validate.py)."""
     fetch_batch: int = Field(16, ge=1)
     """Trajectory messages per pull request."""
     fetch_timeout_s: float = Field(1.0, gt=0)
@@ -284,6 +299,12 @@ class TrainerSettings(ServiceSettings):
     ppo: PPOSettings = PPOSettings()
     feeder: FeederSettings = FeederSettings()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_weights(cls, data: Any) -> Any:
+        """The flat weight settings of earlier releases, read as `weights` (with a warning)."""
+        return legacy_weights(data, cls.publish_default)
+
     @field_validator("zero_stage", mode="before")
     @classmethod
     def _stage_number(cls, value: object) -> object:
@@ -294,8 +315,6 @@ class TrainerSettings(ServiceSettings):
     def _check(self) -> TrainerSettings:
         if self.resume not in ("auto", "never") and not self.resume.strip():
             raise ValueError("resume: expected auto, never or a checkpoint directory")
-        if self.weights_broadcast.enabled and not self.weights_broadcast.servers:
-            raise ValueError("weights_broadcast.enabled is set but weights_broadcast.servers is empty")
         if self.feeder.enabled and self.feeder.eval_every and not self.feeder.eval_dataset_path:
             raise ValueError("feeder.eval_every is set but feeder.eval_dataset_path is not")
         if self.lr_schedule != "constant" and not (self.lr_decay_steps or self.total_steps):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from schemas.metric_names import (
     ACCURACY,
@@ -25,9 +25,6 @@ from schemas.metric_names import (
     TRAIN_TIME_S,
 )
 
-if TYPE_CHECKING:
-    from services.trainer.intake import Group
-
 
 @dataclass(frozen=True)
 class StepFacts:
@@ -42,21 +39,22 @@ class StepFacts:
     feeder: Mapping[str, float] = field(default_factory=dict)
 
 
-def step_values(facts: StepFacts, batch: dict[str, Any], groups: list[Group], stats: dict[str, float],
+def step_values(facts: StepFacts, batch: dict[str, Any], heads: list[int], stats: dict[str, float],
                 times: tuple[float, float, float, float]) -> dict[str, float]:
-    """`times`: the step's start, data ready, training done, end (monotonic seconds)."""
+    """`heads`: the oldest weight version of each group's trained tokens; `stats`: what the training call
+    measured; `times`: the step's start, data ready, training done, end (monotonic seconds)."""
     t0, t_data, t_train, t_end = times
     counts = facts.counts - facts.before
     rewards = batch["rewards"]
     values = dict(stats)
-    stale_hist = Counter(facts.version - 1 - g.head_version for g in groups)
+    stale_hist = Counter(facts.version - 1 - head for head in heads)
     values.update({f"{STALENESS_HIST_PREFIX}{k}": float(v) for k, v in sorted(stale_hist.items())})
     tokens = float(batch["attention_mask"].sum())
     values.update({
         REWARD_MEAN: float(rewards.mean()),
         ACCURACY: float((rewards >= 1.0).mean()),
         STALENESS_MAX: float(max(stale_hist)),
-        GROUPS: float(len(groups)),
+        GROUPS: float(len(heads)),
         SAMPLES: float(rewards.size),
         **{f"{outcome}_groups": float(counts[outcome])
            for outcome in GROUP_OUTCOMES if outcome != "accepted"},

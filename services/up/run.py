@@ -35,6 +35,7 @@ from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
 from services.up.stack import Stack, settings_class, to_env
 from services.up.trust import announce_trust
+from services.up.weights import in_memory, trainer_weights
 
 log = get_logger("up")
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,23 +157,21 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
             "output_dir": str(run_dir / "trainer"),
             "total_steps": s.total_steps,
             "feeder": {"dataset_path": dataset},
-            # Weights travel in memory to the servers it started (docs/weights.md): on this host, through
-            # shared memory (`colocated`), unless they are simulated (no model to receive into: then the
-            # disk path, as `trainer.weights_broadcast.enabled: false` selects).
-            "weights_broadcast": {"enabled": not _simulated(sec("inference")), "servers": servers, "transport": "colocated"},
         }
-        stack.nice = priorities(s, broadcast=bool(deep_merge(trainer, sec("trainer"))["weights_broadcast"].get("enabled")))
+        # Weights travel in memory to the servers it started, unless simulated (weights.py, docs/weights.md)
+        tsec = trainer_weights(sec("trainer"), servers, _simulated(sec("inference")))
+        stack.nice = priorities(s, broadcast=in_memory(tsec))
         if not s.dataset_path:  # the demo: a fixed eval set of 32 prompts, every 10 steps
             eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1)
             trainer["feeder"] |= {"eval_dataset_path": str(eval_set), "eval_every": 10, "eval_size": 32}
         elif task_eval is not None:  # a generated task's held-out rows, for a trainer section's `feeder.eval_every`
             trainer["feeder"]["eval_dataset_path"] = str(task_eval)
-        used = _print_settings(s, {"trainer": deep_merge(trainer, sec("trainer")), "rollout": sec("rollout"),
+        used = _print_settings(s, {"trainer": deep_merge(trainer, tsec), "rollout": sec("rollout"),
                                    "inference": sec("inference")})
         # The trainer first: its start (DeepSpeed's import and init, the model) is the longest of all and
         # needs no inference server, so it overlaps the servers' start instead of following it. Its
         # prompts wait in the PROMPTS stream until a rollout worker is up.
-        trainer_proc = stack.start("trainer", "services.trainer", to_env("trainer", deep_merge(trainer, sec("trainer"))) | threads)
+        trainer_proc = stack.start("trainer", "services.trainer", to_env("trainer", deep_merge(trainer, tsec)) | threads)
         stack.start("reward", "services.reward", to_env("reward", deep_merge(common, sec("reward"))))
         for i, url in enumerate(servers):
             port = int(url.rsplit(":", 1)[1])

@@ -1,5 +1,7 @@
-"""Weight sync: `WeightPublisher` (trainer side) and `jetrl weights`, the agent that loads each
-announced version into its inference server without stopping generation."""
+"""Weight sync. `sender/`: the trainer's side (`WeightSync`, built by `make_weight_sync` from
+`weights.transport`); `agent/`: `jetrl weights`, the agent that loads each announced version into its
+inference server without stopping generation; here: what both sides read (files and hashes, the
+object store, signing, the run's announcements)."""
 
 from __future__ import annotations
 
@@ -14,4 +16,4 @@ DESCRIPTION = (
 def main(argv: list[str] | None = None) -> int:
     from services.common.entry import service_main
 
-    return service_main(WeightsSettings, "services.weights.agent:run_agent", argv, DESCRIPTION)
+    return service_main(WeightsSettings, "services.weights.agent.agent:run_agent", argv, DESCRIPTION)

@@ -39,7 +39,7 @@ class WeightsSettings(ServiceSettings):
     """Where announced weights may live: `file:///dir` (versions anywhere under that directory) or
     `nats-os://BUCKET[/prefix]`. An announcement naming anything else is refused before a file is read
     or the server paused (`refused_outside_roots`). Empty: this run's versions in the WEIGHTS bucket,
-    where the trainer publishes unless it has a `weights_shared_dir` (then list that directory)."""
+    where the trainer publishes unless its `weights` go to a shared directory (`weights.dir`, `weights.disk_dir`: then list it)."""
 
     @field_validator("keep_local")
     @classmethod

@@ -48,8 +48,8 @@ def test_a_bf16_trainer_step_on_cuda_has_the_loss_of_the_cpu_fp32_step(tiny_mode
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_fused_head_and_chunked_logprobs_on_cuda_match_the_plain_computation(dtype: torch.dtype) -> None:
-    from services.trainer.fused_head import head_logp_entropy
-    from services.trainer.logprobs import lean_logp_entropy, logp_entropy_from_logits
+    from services.trainer.model.fused_head import head_logp_entropy
+    from services.trainer.model.logprobs import lean_logp_entropy, logp_entropy_from_logits
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, t, d, v = 2, 300, 256, 5000
@@ -93,7 +93,7 @@ def test_the_server_generates_on_cuda_with_the_models_own_logprobs(tiny_model: P
 def test_a_colocated_update_by_cuda_ipc_is_bit_exact_in_bf16(tiny_model: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from services.weights.colocated import ColocatedSender
+    from services.weights.sender.colocated import ColocatedSender
     from tests.support.inference import running_servers
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)

@@ -28,7 +28,7 @@ def _served_version(url: str) -> str:
 
 @pytest.mark.timeout(240)
 async def test_the_group_is_built_once_the_server_is_up_and_the_first_version_uses_it(tiny_model: Path, tmp_path: Path) -> None:
-    from services.weights.broadcast import WeightBroadcaster
+    from services.weights.sender.broadcast import WeightBroadcaster
 
     server = spawn_server(tiny_model, tmp_path)  # still loading: build_ahead waits for its /health
     try:
@@ -47,7 +47,7 @@ async def test_the_group_is_built_once_the_server_is_up_and_the_first_version_us
 
 @pytest.mark.timeout(240)
 async def test_a_server_still_down_at_the_deadline_is_left_out_and_joins_at_a_later_version(tiny_model: Path, tmp_path: Path) -> None:
-    from services.weights.broadcast import WeightBroadcaster
+    from services.weights.sender.broadcast import WeightBroadcaster
 
     absent = f"http://127.0.0.1:{free_port()}"  # nobody listens there
     with running_servers(tiny_model, tmp_path, 1) as (real,):
@@ -63,7 +63,7 @@ async def test_a_server_still_down_at_the_deadline_is_left_out_and_joins_at_a_la
 
 @pytest.mark.timeout(120)
 async def test_nothing_is_built_ahead_once_a_version_is_being_sent(tiny_model: Path, tmp_path: Path) -> None:
-    from services.weights.broadcast import WeightBroadcaster
+    from services.weights.sender.broadcast import WeightBroadcaster
 
     with running_servers(tiny_model, tmp_path, 1) as (real,):
         sender = WeightBroadcaster([real.url], bucket_mb=0.05, timeout_s=20)

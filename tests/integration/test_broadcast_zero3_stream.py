@@ -1,5 +1,5 @@
 """The sender's side of the streamed gather, against two real CPU inference servers: a producer thread
-in place of the trainer's gather (`services/trainer/gather.py` drives a `BucketStream` the same way:
+in place of the trainer's gather (`services/trainer/model/gather.py` drives a `BucketStream` the same way:
 `start`, `next_index`/`put` until -1, `close`). A server SIGKILLed in the middle of a streamed version
 restarts the stream (the version is gathered again from bucket 0) and the survivor gets it whole; a
 gather that fails mid-version leaves every server on its old weights, and the next version lands; a
@@ -17,9 +17,9 @@ import httpx
 import pytest
 import torch
 
-from services.weights.broadcast import WeightBroadcaster
-from services.weights.bucket_stream import BucketStream, StreamClosed
-from services.weights.buckets import Bucket, make_buckets
+from services.weights.sender.broadcast import WeightBroadcaster
+from services.weights.sender.bucket_stream import BucketStream, StreamClosed
+from services.weights.sender.buckets import Bucket, make_buckets
 from tests.support.inference import running_servers
 
 
@@ -125,7 +125,7 @@ async def test_broadcast_seconds_count_from_the_first_bucket_not_from_the_traini
                                                                                          kind: str) -> None:
     # The trainer opens the stream when its training call starts; the gather puts the first bucket only
     # once the step is done. `broadcast_seconds` used to count that whole wait (it equalled train_time_s).
-    from services.weights.colocated import ColocatedSender
+    from services.weights.sender.colocated import ColocatedSender
 
     with running_servers(tiny_model, tmp_path, 1) as [server]:
         sender: WeightBroadcaster | ColocatedSender = (

@@ -101,8 +101,8 @@ async def test_a_batch_fails_over_to_the_next_server(server: ServerProcess) -> N
 async def test_samples_aborted_by_a_weight_update_are_continued_together(
     server: ServerProcess, engine: InferenceEngine, tiny_model: Path
 ) -> None:
+    from schemas.sglang_protocol import parse_version
     from services.rollout.engine import WeightUpdateMeta
-    from services.rollout.sglang_protocol import parse_version
 
     async with httpx.AsyncClient() as http:
         v0 = parse_version((await http.get(server.url + "/model_info")).json()["weight_version"])

@@ -15,7 +15,7 @@ import pytest
 from services.common.health import http_check
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine, InferenceError, ModelRequest
-from services.weights.server_client import READY_POLL_TIMEOUT_S, ServerClient, ServerError, readiness_urls
+from services.weights.agent.server_client import READY_POLL_TIMEOUT_S, ServerClient, ServerError, readiness_urls
 from tests.support.inference import ServerProcess, running_servers
 
 PROMPT = [1, 5, 6, 7, 13]

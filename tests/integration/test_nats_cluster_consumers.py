@@ -25,9 +25,10 @@ from services.replay.settings import RangeSettings
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine
 from services.rollout.worker import RolloutWorker, WorkerConfig
-from services.trainer.consumer import TrajectoryConsumer
-from services.trainer.intake import Intake
+from services.trainer.intake.consumer import TrajectoryConsumer
+from services.trainer.intake.intake import Intake
 from services.trainer.settings import TrainerSettings
+from services.trainer.versions import VersionWindow
 from tests.integration.test_rollout_version_gate import OneSample
 
 T = TypeVar("T")
@@ -116,7 +117,7 @@ async def test_the_trainer_opens_its_consumer_through_the_outage(cluster: NatsCl
     settings = TrainerSettings(run=RUN, nats_url=cluster.url)
 
     async def start(nc: NATS) -> Any:
-        consumer = TrajectoryConsumer(settings, Intake(eta=0, run=RUN))
+        consumer = TrajectoryConsumer(settings, Intake(VersionWindow(0), run=RUN))
         await consumer.open(nc, None, after_seq=1)  # a resume after sequence 1: the stale consumer is replaced
         info = await nc.jetstream().consumer_info(TRAJECTORIES_STREAM, S.trainer_consumer)
         await consumer.close()

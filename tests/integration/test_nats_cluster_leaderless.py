@@ -24,7 +24,7 @@ from services.common.busretry import with_retries
 from services.common.nats_cluster import NatsCluster
 from services.replay.reader import StreamReader
 from services.replay.settings import RangeSettings
-from services.trainer import fresh
+from services.trainer.feed import fresh
 
 RUN = "leaderless"
 S = Subjects(RUN)

@@ -86,9 +86,9 @@ def _group(prompt: list[int], outputs: list[list[int]], logprobs: list[list[floa
 async def test_generate_train_one_step_and_serve_the_new_weights(smollm2: Path, tmp_path: Path) -> None:
     from services.rollout.tokenizer import load_pretrained_tokenizer
     from services.rollout.workflows.common import encode_chat
-    from services.trainer.actor import PPOActor
-    from services.trainer.batch import collate, shard
-    from services.trainer.engine import TrainEngine
+    from services.trainer.intake.batch import collate, shard
+    from services.trainer.model.actor import PPOActor
+    from services.trainer.model.engine import TrainEngine
     from services.trainer.settings import TrainerSettings
 
     tok = load_pretrained_tokenizer(str(smollm2))

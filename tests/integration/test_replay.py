@@ -28,7 +28,7 @@ from services.common.bus import connect, declare_streams
 from services.replay.export import export_range
 from services.replay.service import replay, start_replay
 from services.replay.settings import ExportSettings, ReplaySettings
-from services.trainer.engine import TrainEngine
+from services.trainer.model.engine import TrainEngine
 from tests.support.trainer import make_group, publish_group, publish_rejection, read_steps
 
 LIVE = "live"

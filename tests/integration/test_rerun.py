@@ -15,10 +15,11 @@ from structlog.testing import capture_logs
 from schemas.subjects import Subjects
 from services.common.bus import connect
 from services.status.groups import render_groups, trainer_groups
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
-from services.weights.publisher import WeightPublisher, latest_published
+from services.weights.sender.publisher import WeightPublisher, latest_published
+from services.weights.sender.sync import DiskWeights
 from tests.support.trainer import make_group, publish_group, take_prompts, trained_steps, write_dataset
 
 RUN = "again2"
@@ -47,7 +48,7 @@ async def test_a_fresh_start_after_version_n_starts_at_n_plus_1_and_trains_nothi
         )
 
     # the earlier run: one step, version 1 announced
-    first = Trainer(settings("first"), TrainEngine(settings("first")), publish=publish)
+    first = Trainer(settings("first"), TrainEngine(settings("first")), weights=DiskWeights(publish))
     try:
         await first.start(nc)
         assert first.feeder is not None and await first.feeder.feed_once() == 4
@@ -58,7 +59,7 @@ async def test_a_fresh_start_after_version_n_starts_at_n_plus_1_and_trains_nothi
         await first.close()
 
     model_sha = _sha256(tiny_model / "model.safetensors")
-    second = Trainer(settings("second", total_steps=1), TrainEngine(settings("second", total_steps=1)), publish=publish)
+    second = Trainer(settings("second", total_steps=1), TrainEngine(settings("second", total_steps=1)), weights=DiskWeights(publish))
     try:
         with capture_logs() as logs:
             await second.start(nc)
@@ -96,12 +97,13 @@ async def test_a_fresh_start_after_version_n_starts_at_n_plus_1_and_trains_nothi
         await second.close()
 
     # a resume keeps the numbering and the floor
-    third = Trainer(settings("second", total_steps=2, resume="auto"), TrainEngine(settings("second", total_steps=2)), publish=publish)
+    third = Trainer(settings("second", total_steps=2, resume="auto"), TrainEngine(settings("second", total_steps=2)),
+                    weights=DiskWeights(publish))
     try:
         await third.start(nc)
         assert third.resumed and third.version == 3 and not third.done
-        assert third.intake.first_version == 2
-        assert third.feeder is not None and third.feeder.ledger.first_version == 2
+        assert third.window.first_version == 2  # the one window the intake and the feeder read
+        assert third.feeder is not None and third.feeder.ledger.window is third.window is third.intake.window
     finally:
         await third.close()
         await nc.close()

@@ -27,10 +27,11 @@ from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
 from services.status.groups import render_groups, trainer_groups
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
-from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream, latest_published
+from services.weights.sender.publisher import WeightPublisher, ensure_weight_sync_stream, latest_published
+from services.weights.sender.sync import DiskWeights
 from tests.integration.test_seed_workflows import rows
 from tests.seed_workflows.rewards import copy3_reward_fn
 from tests.support.rollout import running_worker
@@ -63,7 +64,7 @@ async def train(nc: NATS, settings: TrainerSettings, shared: Path, steps: int,
     """A trainer as `jetrl trainer` runs it (feeder, disk weights through the publisher), `steps` steps;
     returns it and each step's figures."""
     publisher = WeightPublisher(nc, RUN, shared_dir=shared)
-    trainer = Trainer(settings, TrainEngine(settings), publish=functools.partial(publisher.publish_dir, consume=True))
+    trainer = Trainer(settings, TrainEngine(settings), weights=DiskWeights(functools.partial(publisher.publish_dir, consume=True)))
     with capture_logs() as captured:
         await trainer.start(nc)
     if logs is not None:

@@ -16,7 +16,7 @@ from schemas.subjects import Subjects
 from services.common.nats_server import free_port
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine, ModelRequest, WeightUpdateMeta
-from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
+from services.weights.sender.publisher import WeightPublisher, ensure_weight_sync_stream
 from tests.support.weights import Stack, make_version, process, server_version, wait_healthy
 
 RUN = "down"

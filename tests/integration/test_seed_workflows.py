@@ -96,9 +96,10 @@ async def test_seed_workflows_train_past_eta(
 ) -> None:
     """eta=1 and weights loaded into the server after every step: at version 2 a group whose oldest
     token (prompt included) is version 0 would be stale; judged on its trained tokens it is fresh."""
-    from services.trainer.engine import TrainEngine
     from services.trainer.loop import Trainer
+    from services.trainer.model.engine import TrainEngine
     from services.trainer.settings import TrainerSettings
+    from services.weights.sender.sync import DiskWeights
 
     dataset = tmp_path / "d.jsonl"
     ref, kwargs, chat = SEEDS[seed]
@@ -114,7 +115,7 @@ async def test_seed_workflows_train_past_eta(
         await engine.update_weights(WeightUpdateMeta(path=str(hf_dir), version=version))
 
     workflow = seed_workflow(ref, tiny_model, **kwargs)
-    trainer = Trainer(settings, TrainEngine(settings), publish=publish)
+    trainer = Trainer(settings, TrainEngine(settings), weights=DiskWeights(publish))
     await trainer.start(nc)
     stopping = asyncio.Event()
     feeding = asyncio.create_task(trainer.feeder.feed_forever(stopping))

@@ -16,8 +16,8 @@ import pytest
 
 from schemas.subjects import Subjects
 from services.common.bus import connect
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import make_group, publish_group, publish_rejection, take_prompts, write_dataset
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer.actor import PPOActor
-from services.trainer.batch import collate, shard
-from services.trainer.collective import Command, execute
-from services.trainer.engine import TrainEngine
+from services.trainer.intake.batch import collate, shard
+from services.trainer.model.actor import PPOActor
+from services.trainer.model.collective import Command, execute
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import make_group
 from tests.support.up import finish, processes_of, start_up

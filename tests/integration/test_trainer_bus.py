@@ -18,11 +18,12 @@ from schemas.subjects import Subjects
 from services.common.bus import connect
 from services.common.busretry import BusUnavailable
 from services.common.nats_server import NatsServer
-from services.trainer import checkpoint as ckpt
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model import checkpoint as ckpt
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
-from services.weights.publisher import WeightPublisher, latest_published
+from services.weights.sender.publisher import WeightPublisher, latest_published
+from services.weights.sender.sync import DiskWeights
 from tests.support.trainer import (
     SERVICE_RUN,
     kill_group,
@@ -99,7 +100,7 @@ async def test_prompts_trajectories_and_weights_go_through_server_restarts(
     js = nc.jetstream()
     publisher = WeightPublisher(nc, RUN)
     publish = _publish_with_outage(publisher, nats_server, OUTAGE_S)
-    trainer = Trainer(settings, TrainEngine(settings), publish=publish)
+    trainer = Trainer(settings, TrainEngine(settings), weights=DiskWeights(publish, retry_s=settings.bus_retry_timeout_s))
     try:
         await trainer.start(nc)
         assert trainer.feeder is not None
@@ -140,7 +141,7 @@ async def test_when_the_server_stays_away_the_trainer_checkpoints_and_gives_up(
     js = nc.jetstream()
     publisher = WeightPublisher(nc, RUN, bus_retry_timeout_s=settings.bus_retry_timeout_s)  # as the service builds it
     publish = _publish_with_outage(publisher, nats_server, None)
-    trainer = Trainer(settings, TrainEngine(settings), publish=publish)
+    trainer = Trainer(settings, TrainEngine(settings), weights=DiskWeights(publish, retry_s=settings.bus_retry_timeout_s))
     try:
         await trainer.start(nc)
         assert trainer.feeder is not None

@@ -15,9 +15,9 @@ from schemas.messages import MetricsEvent, RejectionMarker, decode, encode
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import encode_group_with_meta
 from services.common.bus import connect, declare_streams
-from services.trainer.engine import TrainEngine
-from services.trainer.evaluation import EvalRounds
+from services.trainer.feed.evaluation import EvalRounds
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import make_group, publish_group, take_prompts, write_dataset
 

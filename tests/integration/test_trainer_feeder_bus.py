@@ -16,8 +16,10 @@ from schemas.subjects import PROMPTS_STREAM, Subjects
 from services.common.bus import connect, declare_streams
 from services.common.metrics import MetricsPublisher
 from services.common.nats_cluster import NatsCluster
-from services.trainer.feeder import Feeder
+from services.trainer.feed.feeder import Feeder
+from services.trainer.intake.intake import Intake
 from services.trainer.settings import TrainerSettings
+from services.trainer.versions import VersionWindow
 from tests.support.trainer import until, write_dataset
 
 RUN = "fb"
@@ -30,7 +32,7 @@ async def test_the_feeder_owns_its_subscriptions_and_reissues_a_dead_letter(nats
         feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1, "eval_every": 5,
                 "eval_dataset_path": str(write_dataset(tmp_path / "e.jsonl", 3))},
     )
-    feeder = Feeder(settings, version=lambda: 0, is_trained=lambda _: False, gate_versions=False, tag=lambda _: "")
+    feeder = Feeder(settings, window := VersionWindow(settings.eta), Intake(window), gate_versions=False)
     nc = await connect(nats_url, "test")
     try:
         js = nc.jetstream()
@@ -73,7 +75,7 @@ async def test_a_dead_letter_advised_while_the_stream_has_no_leader_is_still_rei
     survivor, downed = cluster.nodes[0], cluster.nodes[1:]
     settings = TrainerSettings(run=RUN, nats_url=survivor.url, batch_groups=2, eta=0, bus_retry_timeout_s=120,
                                feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1})
-    feeder = Feeder(settings, version=lambda: 0, is_trained=lambda _: False, gate_versions=False, tag=lambda _: "")
+    feeder = Feeder(settings, window := VersionWindow(settings.eta), Intake(window), gate_versions=False)
     admin = await connect(cluster.url, "admin")
     await declare_streams(admin.jetstream(), replicas=3)
     await admin.close()

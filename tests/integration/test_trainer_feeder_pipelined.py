@@ -16,8 +16,10 @@ from schemas.subjects import PROMPTS_STREAM
 from services.common.bus import connect, declare_streams
 from services.common.busretry import BusUnavailable
 from services.common.nats_server import NatsServer
-from services.trainer.feeder import Feeder
+from services.trainer.feed.feeder import Feeder
+from services.trainer.intake.intake import Intake
 from services.trainer.settings import TrainerSettings
+from services.trainer.versions import VersionWindow
 from tests.support.trainer import until, write_dataset
 
 RUN = "fp"
@@ -27,7 +29,7 @@ N = 8
 def _feeder(nats_url: str, tmp_path: Path) -> Feeder:
     settings = TrainerSettings(run=RUN, nats_url=nats_url, batch_groups=N, eta=0, bus_retry_timeout_s=2,
                                feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 20)), "max_in_flight": N})
-    return Feeder(settings, version=lambda: 0, is_trained=lambda _: False, gate_versions=False, tag=lambda _: "")
+    return Feeder(settings, window := VersionWindow(settings.eta), Intake(window), gate_versions=False)
 
 
 async def _queued(js: Any) -> list[str]:

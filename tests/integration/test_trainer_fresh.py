@@ -12,10 +12,11 @@ from structlog.testing import capture_logs
 
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from services.common.bus import connect
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
-from services.weights.publisher import WeightPublisher
+from services.weights.sender.publisher import WeightPublisher
+from services.weights.sender.sync import DiskWeights
 from tests.support.trainer import make_group, publish_group, read_steps, take_prompts, write_dataset
 
 RUN = "again"
@@ -42,7 +43,7 @@ async def test_a_fresh_start_on_a_used_run_name_trains_only_on_its_own_prompts(n
 
     # the earlier incarnation: trains one step on two answers, announces version 1, leaves prompts queued
     # and one episode still running
-    first = Trainer(settings("first"), TrainEngine(settings("first")), publish=publisher.publish_dir)
+    first = Trainer(settings("first"), TrainEngine(settings("first")), weights=DiskWeights(publisher.publish_dir))
     try:
         await first.start(nc)
         assert await first.feeder.feed_once() == 6

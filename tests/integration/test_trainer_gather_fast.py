@@ -14,10 +14,10 @@ def test_the_fast_gather_equals_the_fp32_master_copy_after_a_step(tiny_model: Pa
     import torch
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from services.trainer.actor import PPOActor
-    from services.trainer.batch import shard
-    from services.trainer.collective import Command, execute
-    from services.trainer.engine import TrainEngine
+    from services.trainer.intake.batch import shard
+    from services.trainer.model.actor import PPOActor
+    from services.trainer.model.collective import Command, execute
+    from services.trainer.model.engine import TrainEngine
     from services.trainer.settings import TrainerSettings
     from tests.integration.test_trainer_zero import _batch
 

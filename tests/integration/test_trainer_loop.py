@@ -12,9 +12,10 @@ from safetensors.numpy import load_file
 from schemas.messages import MetricsEvent, PromptTask, decode
 from schemas.subjects import METRICS_STREAM, TRAJECTORIES_STREAM, Subjects
 from services.common.bus import connect
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
+from services.weights.sender.sync import DiskWeights
 from tests.support.trainer import (
     make_group,
     publish_group,
@@ -45,7 +46,7 @@ async def test_trainer_steps_with_admission_staleness_and_duplicates(nats_url: s
         published.append((version, hf_dir, sorted(weights)))
 
     nc = await connect(nats_url, "test")
-    trainer = Trainer(settings, TrainEngine(settings), publish=publish)
+    trainer = Trainer(settings, TrainEngine(settings), weights=DiskWeights(publish))
     await trainer.start(nc)
     js = nc.jetstream()
     assert trainer.feeder is not None
@@ -122,7 +123,7 @@ async def test_trainer_steps_with_admission_staleness_and_duplicates(nats_url: s
 
 
 async def test_prompts_cli_pushes_a_dataset_onto_the_work_queue(nats_url: str, tmp_path: Path) -> None:
-    from services.trainer.prompts_cli import push
+    from services.trainer.feed.prompts import push
 
     dataset = write_dataset(tmp_path / "d.jsonl", 3)
     assert await push(nats_url, RUN, str(dataset)) == 3

@@ -16,9 +16,9 @@ import torch
 from schemas.messages import PromptTask, WeightsLoaded, decode
 from schemas.subjects import WEIGHT_SYNC_STREAM, Subjects
 from services.common.bus import connect
-from services.trainer.actor import PPOActor
-from services.trainer.batch import collate, shard
-from services.trainer.engine import TrainEngine
+from services.trainer.intake.batch import collate, shard
+from services.trainer.model.actor import PPOActor
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.support.inference import free_port
 from tests.support.trainer import (

@@ -29,7 +29,7 @@ def _hwm_and_rss() -> tuple[int, int]:
 def worker(model_path: str, out: Path) -> None:
     import torch
 
-    from services.trainer.engine import TrainEngine
+    from services.trainer.model.engine import TrainEngine
     from services.trainer.settings import TrainerSettings
 
     engine = TrainEngine(TrainerSettings(model_path=model_path, zero_stage=2, seed=0))

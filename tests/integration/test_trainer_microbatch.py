@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.actor import PPOActor
-from services.trainer.batch import collate, shard
-from services.trainer.engine import TrainEngine
-from services.trainer.schedule import lr_factor
+from services.trainer.intake.batch import collate, shard
+from services.trainer.model.actor import PPOActor
+from services.trainer.model.engine import TrainEngine
+from services.trainer.model.schedule import lr_factor
 from services.trainer.settings import TrainerSettings
 from tests.support.updates import assert_same_update, one_update, uneven_groups
 

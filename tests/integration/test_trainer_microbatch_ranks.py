@@ -19,10 +19,10 @@ def worker(out: Path, model_path: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from services.trainer.actor import PPOActor
-    from services.trainer.batch import collate, shard
-    from services.trainer.engine import TrainEngine
-    from services.trainer.micro import plan
+    from services.trainer.intake.batch import collate, shard
+    from services.trainer.model.actor import PPOActor
+    from services.trainer.model.engine import TrainEngine
+    from services.trainer.model.micro import plan
     from services.trainer.settings import TrainerSettings
     from tests.support.trainer import make_group
 

@@ -98,10 +98,11 @@ async def test_an_announcement_lost_in_an_outage_skips_that_version_instead_of_s
     """With a shared directory on the trainer's filesystem the weights are moved there before the
     announcement: when that announcement fails, the version cannot be published again. The trainer
     goes on and publishes the next one."""
-    from services.trainer.engine import TrainEngine
     from services.trainer.loop import Trainer
+    from services.trainer.model.engine import TrainEngine
     from services.trainer.settings import TrainerSettings
-    from services.weights.publisher import WeightPublisher, latest_published
+    from services.weights.sender.publisher import WeightPublisher, latest_published
+    from services.weights.sender.sync import DiskWeights
 
     run, shared = "shared-outage", tmp_path / "shared"
     settings = TrainerSettings(run=run, nats_url=nats_server.url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"),
@@ -123,7 +124,7 @@ async def test_an_announcement_lost_in_an_outage_skips_that_version_instead_of_s
             restarts.append(asyncio.create_task(restart_after(8.0)))
         return await publisher.publish_dir(version, step, hf_dir, consume=True)
 
-    trainer = Trainer(settings, TrainEngine(settings), publish=publish)
+    trainer = Trainer(settings, TrainEngine(settings), weights=DiskWeights(publish, retry_s=settings.bus_retry_timeout_s))
     try:
         await trainer.start(nc)
         for i in range(4):

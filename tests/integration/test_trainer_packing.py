@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from services.trainer.actor import PPOActor
-from services.trainer.batch import collate, shard, to_tensors
-from services.trainer.engine import TrainEngine
+from services.trainer.intake.batch import collate, shard
+from services.trainer.model.actor import PPOActor, to_tensors
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.support.updates import assert_same_update, one_update, uneven_groups
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.actor import PPOActor
-from services.trainer.batch import collate, shard, to_tensors
-from services.trainer.engine import TrainEngine
-from services.trainer.ppo import entropy_from_logits, logp_from_logits, ppo_token_loss
+from services.trainer.intake.batch import collate, shard
+from services.trainer.model.actor import PPOActor, to_tensors
+from services.trainer.model.engine import TrainEngine
+from services.trainer.model.ppo import entropy_from_logits, logp_from_logits, ppo_token_loss
 from services.trainer.settings import TrainerSettings
 from tests.support.updates import uneven_groups
 

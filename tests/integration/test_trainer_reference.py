@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.actor import PPOActor
-from services.trainer.batch import collate, shard
-from services.trainer.engine import TrainEngine
+from services.trainer.intake.batch import collate, shard
+from services.trainer.model.actor import PPOActor
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.support.updates import uneven_groups
 
@@ -58,7 +58,7 @@ def test_a_zero3_reference_starts_partitioned(tiny_model: Path) -> None:
 
 
 def test_a_sharded_reference_with_kl_in_reward_on_several_ranks_is_refused() -> None:
-    from services.trainer.reference import Reference
+    from services.trainer.model.reference import Reference
 
     s = TrainerSettings(reference_placement="zero3", ppo={"kl_coef": 0.1, "kl_in": "reward"})
     with pytest.raises(ValueError, match="kl_in reward"):

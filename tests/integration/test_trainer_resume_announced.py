@@ -36,9 +36,10 @@ from services.rollout.engine import InferenceEngine
 from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.status.groups import render_groups, trainer_groups
-from services.trainer.intake import Intake
-from services.trainer.ledger import PromptLedger
-from services.weights.publisher import ensure_weight_sync_stream, latest_published
+from services.trainer.feed.ledger import PromptLedger
+from services.trainer.intake.intake import Intake
+from services.trainer.versions import VersionWindow
+from services.weights.sender.publisher import ensure_weight_sync_stream, latest_published
 from tests.integration.test_seed_workflows import rows
 from tests.seed_workflows.rewards import copy3_reward_fn
 from tests.support.rollout import running_worker
@@ -169,7 +170,8 @@ async def test_a_trainer_killed_past_its_checkpoint_continues_past_the_version_i
 
 
 def test_a_ledger_resumed_behind_counts_on_and_sets_the_killed_incarnations_prompts_apart() -> None:
-    ledger = PromptLedger(run="r", rows=[{"prompt": f"{i:03d}="} for i in range(10)], batch_groups=2, eta=1,
+    window = VersionWindow(1, version=2)  # the checkpoint's state at version 2
+    ledger = PromptLedger(run="r", rows=[{"prompt": f"{i:03d}="} for i in range(10)], batch_groups=2, window=window,
                           max_in_flight=100, seed=3)
     issued = []
     while (task := ledger.next_task(2)) is not None:  # the checkpoint's state at version 2
@@ -177,7 +179,8 @@ def test_a_ledger_resumed_behind_counts_on_and_sets_the_killed_incarnations_prom
         issued.append(task.prompt_id)
     bound, failures = ledger.bound(2), [e[2] for e in ledger.in_flight.values()]
 
-    ledger.resume_behind(4, 6, "t2")  # announced 5: the restored weights are version 6
+    assert window.resume_behind(6) == 4  # announced 5: the restored weights are version 6, the numbering moves by 4
+    ledger.resume_behind("t2")
     assert ledger.bound(6) == bound  # the same step, numbered 4 further
     assert not ledger.in_flight and ledger.counters.stale == len(issued)
     again = []
@@ -187,13 +190,15 @@ def test_a_ledger_resumed_behind_counts_on_and_sets_the_killed_incarnations_prom
     assert all(t.prompt_id.endswith(".t2") for t in again)
     assert all(t.min_version >= 6 for t in again)  # nothing asks for the lost weights
     assert [ledger.in_flight[t.prompt_id][2] for t in again[:len(issued)]] == failures  # uncharged
-    restored = PromptLedger(run="r", rows=ledger.rows, batch_groups=2, eta=1, max_in_flight=100)
+    restored = PromptLedger(run="r", rows=ledger.rows, batch_groups=2, window=VersionWindow(1), max_in_flight=100)
     restored.load_state_dict(ledger.state_dict())
-    assert (restored.first_version, restored.own_from, restored.tag) == (4, 6, "t2")
+    restored.window.load_state_dict(6, window.state_dict())  # the trainer restores its window from the checkpoint
+    assert (restored.window.first_version, restored.window.own_from, restored.tag) == (4, 6, "t2")
 
 
 def test_an_intake_resumed_behind_trains_no_group_generated_with_older_weights() -> None:
-    intake = Intake(eta=1, first_version=4, own_from=6)
+    window = VersionWindow(1, version=6, first_version=4, own_from=6)
+    intake = Intake(window)
 
     def group(pid: str, version: int) -> tuple[bytes, dict[str, str]]:
         ids = np.tile(np.arange(1, 7, dtype=np.int64), (2, 1))
@@ -209,6 +214,7 @@ def test_an_intake_resumed_behind_trains_no_group_generated_with_older_weights()
     old = intake.judge(*group("a", 5), seq=1, version=6)  # the killed trainer's version 5: within eta, but lost
     assert (old.outcome, old.cause) == ("stale", "earlier_run")
     assert intake.judge(*group("b", 6), seq=2, version=6).outcome == "accepted"
-    again = Intake(eta=1)
-    again.load_state_dict(intake.state_dict())
+    saved = {**intake.state_dict(), **window.state_dict()}  # what the trainer checkpoints as `jetrl_intake`
+    again = VersionWindow(1)
+    again.load_state_dict(6, saved)
     assert (again.first_version, again.own_from) == (4, 6)

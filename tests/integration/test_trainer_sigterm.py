@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.common.bus import connect, declare_streams
-from services.trainer import checkpoint as ckpt
+from services.trainer.model import checkpoint as ckpt
 from tests.support.trainer import SERVICE_RUN as RUN
 from tests.support.trainer import kill_group as _kill
 from tests.support.trainer import make_group, publish_group, read_steps, trained_steps

@@ -16,8 +16,8 @@ import pytest
 from services.common.bus import connect, declare_streams
 from services.common.busretry import BusUnavailable
 from services.common.nats_server import NatsServer
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import SERVICE_RUN as RUN
 from tests.support.trainer import (

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _batch(model_path: str) -> dict:
-    from services.trainer.batch import collate
+    from services.trainer.intake.batch import collate
     from tests.support.trainer import make_group
 
     groups = [make_group(model_path, d, group_size=4, seed=i) for i, d in enumerate(["123", "405", "777"])]
@@ -30,10 +30,10 @@ def worker(out: Path, stages: list[int], model_path: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from services.trainer.actor import PPOActor
-    from services.trainer.batch import shard
-    from services.trainer.collective import Command, execute
-    from services.trainer.engine import TrainEngine
+    from services.trainer.intake.batch import shard
+    from services.trainer.model.actor import PPOActor
+    from services.trainer.model.collective import Command, execute
+    from services.trainer.model.engine import TrainEngine
     from services.trainer.settings import TrainerSettings
 
     for stage in stages:

@@ -108,9 +108,9 @@ def test_one_update_on_the_same_batch_moves_the_weights_as_trl_does(tiny_model: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.trainer.actor import PPOActor
-    from services.trainer.batch import collate, shard
-    from services.trainer.engine import TrainEngine
+    from services.trainer.intake.batch import collate, shard
+    from services.trainer.model.actor import PPOActor
+    from services.trainer.model.engine import TrainEngine
     from services.trainer.settings import TrainerSettings
 
     tok = AutoTokenizer.from_pretrained(tiny_model)

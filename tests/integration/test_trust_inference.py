@@ -16,7 +16,7 @@ import pytest
 from services.common.nats_server import free_port
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import InferenceEngine, ModelRequest
-from services.weights.server_client import ServerClient, ServerError
+from services.weights.agent.server_client import ServerClient, ServerError
 from tests.support.weights import ROOT, make_version, process, wait_healthy
 
 ADMIN = "admin-secret-1"

@@ -18,8 +18,8 @@ from schemas.trajectory import encode_group, group_to_table
 from services.common.bus import connect
 from services.common.signing import prompt_tag
 from services.status.groups import render_groups, trainer_groups
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import make_group, until, write_dataset
 
@@ -119,7 +119,7 @@ async def test_forged_groups_and_prompts_are_refused_and_counted(nats_url: str, 
 async def test_pushed_prompts_are_trained_only_when_tagged_by_the_configured_issuer(
         nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
     from services.common.settings import SettingsError
-    from services.trainer.prompts_cli import push
+    from services.trainer.feed.prompts import push
 
     def settings(issuer: str) -> TrainerSettings:
         return TrainerSettings(

@@ -16,7 +16,7 @@ from schemas.messages import WeightFile, WeightsLoaded, WeightsLoadFailed, Weigh
 from schemas.subjects import Subjects
 from services.common.nats_server import free_port
 from services.status.weights import weights_status
-from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
+from services.weights.sender.publisher import WeightPublisher, ensure_weight_sync_stream
 from services.weights.trust import sign
 from tests.support.weights import Stack, make_version, process, server_version, wait_healthy
 

@@ -20,7 +20,7 @@ from services.rollout.engine import InferenceEngine, ModelRequest
 from services.status.weights import weights_status
 from services.weights import objstore
 from services.weights.files import object_uri
-from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream, latest_published
+from services.weights.sender.publisher import WeightPublisher, ensure_weight_sync_stream, latest_published
 from tests.support.weights import TIMEOUT_S, Stack, make_version, process, server_version, wait_healthy
 
 
@@ -144,8 +144,8 @@ async def test_reports_survive_a_nats_server_restart_and_a_lost_one_never_stops_
     from services.common.bus import connect
     from services.common.metrics import MetricsPublisher
     from services.common.nats_server import NatsServer
-    from services.weights.agent import WeightsAgent
-    from services.weights.server_client import ServerClient
+    from services.weights.agent.agent import WeightsAgent
+    from services.weights.agent.server_client import ServerClient
     from services.weights.settings import WeightsSettings
 
     server = NatsServer(tmp_path / "nats", port=free_port()).start()

@@ -17,11 +17,12 @@ from schemas.messages import MetricsEvent, WeightsLoaded, WeightsLoadFailed, Wei
 from schemas.subjects import METRICS_STREAM, WEIGHT_SYNC_STREAM, Subjects
 from services.common.bus import connect
 from services.status.weights import render_weights, weights_status
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
-from services.trainer.service import _broadcast_publisher
+from services.trainer.model.engine import TrainEngine
+from services.trainer.service import weight_sync
 from services.trainer.settings import TrainerSettings
-from services.weights.publisher import WeightPublisher
+from services.weights.sender.memory import MemoryWeights
+from services.weights.sender.publisher import WeightPublisher
 from tests.support.inference import running_servers
 from tests.support.trainer import make_group, publish_group, take_prompts, write_dataset
 
@@ -54,16 +55,17 @@ async def train_one(trainer: Trainer, tiny_model: Path) -> None:
     for i, t in enumerate(tasks):
         await publish_group(js, trainer.settings.run, t.prompt_id, make_group(tiny_model, t.data["answer"], seed=version * 10 + i))
     assert await trainer.step() is not None and trainer.version == version
-    if trainer.broadcast is not None:  # the version goes out while the next step trains: wait for it
-        await trainer.broadcast.wait()
+    if isinstance(trainer.weights, MemoryWeights):  # the version goes out while the next step trains: wait for it
+        await trainer.weights.publisher.wait()
 
 
 def broadcast_trainer(nats_url: str, tiny_model: Path, tmp_path: Path, urls: list[str], **broadcast: object) -> TrainerSettings:
     return TrainerSettings(
         run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), zero_stage=2,
-        batch_groups=2, eta=10, checkpoint_every=0, fetch_timeout_s=0.2, weights_shared_dir=str(tmp_path / "shared"),
+        batch_groups=2, eta=10, checkpoint_every=0, fetch_timeout_s=0.2,
         feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 50)), "max_in_flight": 8},
-        weights_broadcast={"enabled": True, "servers": ",".join(urls), "bucket_mb": 0.05, **broadcast},
+        weights={"transport": "broadcast", "servers": ",".join(urls), "bucket_mb": 0.05, "disk_dir": str(tmp_path / "shared"),
+                 **broadcast},
     )
 
 
@@ -73,10 +75,10 @@ async def test_versions_arrive_by_broadcast_bit_for_bit(nats_url: str, tiny_mode
         urls = [s.url for s in servers]
         settings = broadcast_trainer(nats_url, tiny_model, tmp_path, urls, disk_every=2)
         nc = await connect(nats_url, "test")
-        publisher = WeightPublisher(nc, RUN, shared_dir=settings.weights_shared_dir)
-        bcast = _broadcast_publisher(settings, nc, publisher)
-        assert bcast is not None
-        trainer = Trainer(settings, TrainEngine(settings), broadcast=bcast)
+        sync = weight_sync(settings, nc)
+        assert isinstance(sync, MemoryWeights)
+        bcast = sync.publisher
+        trainer = Trainer(settings, TrainEngine(settings), weights=sync)
         await trainer.start(nc)
         js = nc.jetstream()
         subjects = Subjects(RUN)
@@ -139,8 +141,8 @@ def _model_state(model_dir: Path, shift: float) -> dict[str, torch.Tensor]:
 
 @pytest.mark.timeout(180)
 async def test_a_corrupted_bucket_is_refused_and_the_old_weights_keep_serving(tiny_model: Path, tmp_path: Path) -> None:
-    from services.weights.broadcast import WeightBroadcaster
-    from services.weights.buckets import Bucket, make_buckets
+    from services.weights.sender.broadcast import WeightBroadcaster
+    from services.weights.sender.buckets import Bucket, make_buckets
 
     with running_servers(tiny_model, tmp_path, 2) as servers:
         urls = [s.url for s in servers]
@@ -181,8 +183,8 @@ async def test_sigkill_of_one_server_mid_broadcast_the_other_gets_the_version(ti
     import signal
     import time
 
-    from services.weights.broadcast import GroupBroken, WeightBroadcaster
-    from services.weights.buckets import make_buckets
+    from services.weights.sender.broadcast import GroupBroken, WeightBroadcaster
+    from services.weights.sender.buckets import make_buckets
 
     deadline = 20.0
     with running_servers(tiny_model, tmp_path, 2) as (a, b):
@@ -221,9 +223,10 @@ async def test_a_server_started_after_version_5_catches_up_from_disk_then_gets_6
         late_url = f"http://127.0.0.1:{port}"  # named to the trainer from the start, started after version 5
         settings = broadcast_trainer(nats_url, tiny_model, tmp_path, [a.url, late_url], disk_every=4)
         nc = await connect(nats_url, "test")
-        bcast = _broadcast_publisher(settings, nc, WeightPublisher(nc, RUN, shared_dir=settings.weights_shared_dir))
-        assert bcast is not None
-        trainer = Trainer(settings, TrainEngine(settings), broadcast=bcast)
+        sync = weight_sync(settings, nc)
+        assert isinstance(sync, MemoryWeights)
+        bcast = sync.publisher
+        trainer = Trainer(settings, TrainEngine(settings), weights=sync)
         await trainer.start(nc)
         js = nc.jetstream()
         late_loaded = await js.subscribe(Subjects(RUN).weights_loaded(late_url), stream=WEIGHT_SYNC_STREAM, ordered_consumer=True)
@@ -265,8 +268,8 @@ async def test_a_server_started_after_version_5_catches_up_from_disk_then_gets_6
 async def test_a_version_goes_out_while_the_trainer_goes_on_and_the_next_waits_for_it(
     nats_url: str, tiny_model: Path, tmp_path: Path
 ) -> None:
-    from services.weights.broadcast import WeightBroadcaster
-    from services.weights.broadcast_publish import BroadcastPublisher
+    from services.weights.sender.broadcast import WeightBroadcaster
+    from services.weights.sender.broadcast_publish import BroadcastPublisher
 
     with running_servers(tiny_model, tmp_path, 1) as (server,):
         nc = await connect(nats_url, "test")
@@ -308,7 +311,7 @@ async def _stream_until_first_token(http: httpx.AsyncClient, url: str, body: dic
 
 @pytest.mark.timeout(180)
 async def test_generation_goes_on_across_an_update_and_a_completion_spans_both_versions(tiny_model: Path, tmp_path: Path) -> None:
-    from services.weights.broadcast import WeightBroadcaster
+    from services.weights.sender.broadcast import WeightBroadcaster
 
     with running_servers(tiny_model, tmp_path, 1) as (server,):
         sender = WeightBroadcaster([server.url], bucket_mb=0.05, timeout_s=30)
@@ -343,8 +346,8 @@ async def test_generation_goes_on_across_an_update_and_a_completion_spans_both_v
 
 @pytest.mark.timeout(180)
 async def test_a_server_that_refuses_to_join_is_left_out_and_the_others_are_served(tiny_model: Path, tmp_path: Path) -> None:
-    from services.weights.broadcast import WeightBroadcaster
-    from services.weights.update_group import SHUN_VERSIONS
+    from services.weights.sender.broadcast import WeightBroadcaster
+    from services.weights.sender.update_group import SHUN_VERSIONS
 
     with running_servers(tiny_model, tmp_path, 1) as (real,), running_servers(None, tmp_path, 1, "simulate=true") as (sim,):
         sender = WeightBroadcaster([real.url, sim.url], bucket_mb=0.05, timeout_s=5)

@@ -16,13 +16,13 @@ import torch
 
 from schemas.messages import WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode
 from schemas.subjects import WEIGHT_SYNC_STREAM, Subjects
+from schemas.tensor_payload import PayloadError, deserialize, serialize
 from services.common.bus import connect
-from services.trainer.engine import TrainEngine
 from services.trainer.loop import Trainer
-from services.trainer.service import _broadcast_publisher
-from services.weights.colocated import ColocatedSender
-from services.weights.publisher import WeightPublisher
-from services.weights.tensor_payload import PayloadError, deserialize, serialize
+from services.trainer.model.engine import TrainEngine
+from services.trainer.service import weight_sync
+from services.weights.sender.colocated import ColocatedSender
+from services.weights.sender.memory import MemoryWeights
 from tests.integration.test_weights_broadcast import (
     _model_state,
     _stream_until_first_token,
@@ -44,9 +44,10 @@ async def test_the_trainer_hands_each_version_over_in_shared_memory_bit_for_bit(
         urls = [s.url for s in servers]
         settings = broadcast_trainer(nats_url, tiny_model, tmp_path, urls, disk_every=2, transport="colocated")
         nc = await connect(nats_url, "test")
-        bcast = _broadcast_publisher(settings, nc, WeightPublisher(nc, RUN, shared_dir=settings.weights_shared_dir))
-        assert bcast is not None and isinstance(bcast.broadcaster, ColocatedSender)
-        trainer = Trainer(settings, TrainEngine(settings), broadcast=bcast)
+        sync = weight_sync(settings, nc)
+        assert isinstance(sync, MemoryWeights) and isinstance(sync.publisher.broadcaster, ColocatedSender)
+        bcast = sync.publisher
+        trainer = Trainer(settings, TrainEngine(settings), weights=sync)
         await trainer.start(nc)
         js, subjects = nc.jetstream(), Subjects(RUN)
         loaded = {u: await js.subscribe(subjects.weights_loaded(u), stream=WEIGHT_SYNC_STREAM, ordered_consumer=True) for u in urls}
@@ -148,7 +149,7 @@ async def test_a_stalled_or_killed_server_does_not_hang_the_trainer(nats_url: st
     """The other server gets every version while one server stalls mid-update (given up on after
     `timeout_s`), is killed mid-update (given up on at once, the connection lost) and is down
     (unreachable); each is reported failed with its cause."""
-    from services.weights.broadcast_publish import BroadcastPublisher
+    from services.weights.sender.broadcast_publish import BroadcastPublisher
 
     with running_servers(tiny_model, tmp_path, 2) as (a, b):
         nc = await connect(nats_url, "test")

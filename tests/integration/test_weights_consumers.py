@@ -11,7 +11,7 @@ import pytest
 from schemas.messages import WeightsLoaded
 from schemas.subjects import WEIGHTS_BUCKET
 from services.common.nats_server import free_port
-from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
+from services.weights.sender.publisher import WeightPublisher, ensure_weight_sync_stream
 from tests.support.trainer import until
 from tests.support.weights import Stack, make_version, process, server_version, wait_healthy
 

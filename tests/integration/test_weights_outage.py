@@ -18,8 +18,9 @@ from nats.aio.client import Client as NATS
 from schemas.subjects import WEIGHTS_BUCKET
 from services.common.bus import connect
 from services.common.nats_server import NatsServer, free_port
-from services.weights import objread, objstore
-from services.weights.publisher import WeightPublisher
+from services.weights import objstore
+from services.weights.agent import objread
+from services.weights.sender.publisher import WeightPublisher
 
 CHUNK = 256 * 1024
 CHUNK_TIMEOUT_S = 2.0

@@ -12,9 +12,10 @@ import nats
 import pytest
 
 from schemas.subjects import WEIGHTS_BUCKET
-from services.weights import objread, objstore
+from services.weights import objstore
+from services.weights.agent import objread
 from services.weights.files import parse_uri
-from services.weights.publisher import WeightPublisher
+from services.weights.sender.publisher import WeightPublisher
 
 
 def make_checkpoint(root: Path, tag: str, big: int = 0) -> Path:

@@ -14,7 +14,7 @@ import pytest
 from services.common.bus import connect
 from services.common.busretry import BusUnavailable
 from services.common.nats_server import NatsServer
-from services.weights.publisher import WeightPublisher
+from services.weights.sender.publisher import WeightPublisher
 
 
 @pytest.mark.timeout(120)  # the old code gave up only after 60 s, then failed the last assertion

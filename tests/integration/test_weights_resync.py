@@ -13,9 +13,9 @@ from schemas.messages import WeightsPublished
 from services.common.bus import connect
 from services.common.metrics import MetricsPublisher
 from services.common.nats_server import NatsServer, free_port
-from services.weights.agent import WeightsAgent
-from services.weights.publisher import WeightPublisher, ensure_weight_sync_stream
-from services.weights.server_client import ServerClient
+from services.weights.agent.agent import WeightsAgent
+from services.weights.agent.server_client import ServerClient
+from services.weights.sender.publisher import WeightPublisher, ensure_weight_sync_stream
 from services.weights.settings import WeightsSettings
 from tests.support.weights import Stack, make_version, process, server_version, wait_healthy
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer.actor import PPOActor
-from services.trainer.batch import collate, shard
-from services.trainer.engine import TrainEngine
+from services.trainer.intake.batch import collate, shard
+from services.trainer.model.actor import PPOActor
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import make_group
 

@@ -20,7 +20,7 @@ from services.trainer.algorithms import (
     shaped_rewards,
 )
 from services.trainer.algorithms.calls import advantage_input, attach_advantages
-from services.trainer.batch import attach_advantages as seed_attach_advantages
+from services.trainer.model.ppo import attach_advantages as seed_attach_advantages
 from services.trainer.settings import PPOSettings
 
 LOG = math.log

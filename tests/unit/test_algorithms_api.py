@@ -12,7 +12,8 @@ import torch
 from services.common.settings import SettingsError, load_settings
 from services.trainer.algorithms import Algorithm, AlgorithmError, LossOutput, Standard, load_algorithm
 from services.trainer.algorithms.calls import AlgorithmContractError, attach_advantages, checked_loss, loss_input
-from services.trainer.batch import collate, shard, to_tensors
+from services.trainer.intake.batch import collate, shard
+from services.trainer.model.actor import to_tensors
 from services.trainer.settings import PPOSettings, TrainerSettings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -45,8 +45,8 @@ def test_a_sparse_tensor_counts_its_values_and_indices() -> None:
 def test_the_adaptations_are_undone_after_the_trace() -> None:
     import transformers
 
-    from services.trainer import actor
-    from services.trainer.engine import TrainEngine
+    from services.trainer.model import actor
+    from services.trainer.model.engine import TrainEngine
 
     before = (torch.Tensor.item, torch.allclose, transformers.AutoModelForCausalLM.from_pretrained,
               actor.to_tensors, TrainEngine.micro_batches)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.common.refs import RefError, resolve_ref
-from services.trainer.dataset import DatasetOptions, load_rows
+from services.trainer.feed.dataset import DatasetOptions, load_rows
 
 ROWS = [{"id": f"r{i}", "question": f"{i:03d}=", "solution": f"{i:03d}"} for i in range(5)]
 MAPPED = DatasetOptions(prompt_key="question", answer_key="solution")

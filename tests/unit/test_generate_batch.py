@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from services.inference.requests import RequestError, parse_generate
-from services.rollout.sglang_protocol import (
+from schemas.sglang_protocol import (
     ProtocolError,
     build_batch_payload,
     build_generate_payload,
     split_batch_reply,
 )
+from services.inference.requests import RequestError, parse_generate
 
 
 def parse(body: dict[str, Any]) -> Any:

@@ -12,8 +12,9 @@ from schemas.headers import rejection_headers
 from schemas.messages import MetricsEvent, RejectionMarker, decode, encode
 from schemas.metric_names import GROUP_OUTCOMES, GroupOutcome
 from services.status.groups import OUTCOMES
-from services.trainer.intake import Intake, Verdict
-from services.trainer.ledger import PromptLedger
+from services.trainer.feed.ledger import PromptLedger
+from services.trainer.intake.intake import Intake, Verdict
+from services.trainer.versions import VersionWindow
 
 
 def test_verdict_outcome_is_the_declared_type() -> None:
@@ -23,8 +24,9 @@ def test_verdict_outcome_is_the_declared_type() -> None:
 
 
 def test_the_verdicts_an_intake_gives_are_declared_names() -> None:
-    ledger = PromptLedger(run="r", rows=[{"prompt": "p", "answer": "a"}], batch_groups=1, eta=0, max_in_flight=1, tag="ours")
-    intake = Intake(eta=0, feeder=ledger)  # type: ignore[arg-type]  # the ledger answers what the intake asks
+    ledger = PromptLedger(run="r", rows=[{"prompt": "p", "answer": "a"}], batch_groups=1, window=VersionWindow(0), max_in_flight=1,
+                          tag="ours")
+    intake = Intake(ledger.window, feeder=ledger)  # type: ignore[arg-type]  # the ledger answers what the intake asks
     task = ledger.next_task(0)
     assert task is not None
 

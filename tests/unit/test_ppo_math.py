@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.trainer.batch import attach_advantages, collate, shard
-from services.trainer.ppo import (
+from services.trainer.intake.batch import collate, shard
+from services.trainer.model.ppo import (
     aggregate,
+    attach_advantages,
     entropy_from_logits,
     group_advantages,
     kl_k3,

@@ -65,7 +65,7 @@ def test_replay_settings_refuse_what_cannot_work() -> None:
     with pytest.raises(SettingsError, match=r"feeder\.enabled"):
         load_settings(ReplaySettings, overrides=["run=o", "source_run=live", "feeder.enabled=true"])
     s = load_settings(ReplaySettings, overrides=["run=o", "source_run=live", "range.since=2026-01-01T00:00:00"])
-    assert s.range.since == T0 and not s.publish_weights and s.output_dir == ".jetrl/replay"
+    assert s.range.since == T0 and s.weights.transport == "none" and s.output_dir == ".jetrl/replay"
 
 
 def test_parquet_round_trip_gives_identical_groups(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.rollout.sglang_protocol import (
+from schemas.sglang_protocol import (
     ProtocolError,
     build_generate_payload,
     error_message,

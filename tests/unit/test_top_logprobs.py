@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from schemas.sglang_protocol import ProtocolError, build_generate_payload, parse_generate_reply
 from services.inference.replies import output_body
 from services.inference.requests import RequestError, SamplingParams, parse_generate
 from services.inference.sampling import sample_top
 from services.inference.scheduler import Seq
-from services.rollout.sglang_protocol import ProtocolError, build_generate_payload, parse_generate_reply
 
 
 def parse(body: dict) -> SamplingParams:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PROBE = ("import os; from services.trainer.engine import import_deepspeed; import_deepspeed(); "
+PROBE = ("import os; from services.trainer.model.engine import import_deepspeed; import_deepspeed(); "
          "from deepspeed.accelerator import get_accelerator; print(os.environ['DS_ACCELERATOR'], get_accelerator()._name)")
 
 

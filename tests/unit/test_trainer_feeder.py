@@ -15,16 +15,18 @@ import pytest
 from schemas.headers import rejection_headers, trajectory_headers
 from schemas.messages import RejectionMarker, encode
 from schemas.trajectory import encode_group_with_meta
-from services.trainer.dataset import load_rows
-from services.trainer.intake import Intake
-from services.trainer.ledger import PromptLedger
+from services.trainer.feed.dataset import load_rows
+from services.trainer.feed.ledger import PromptLedger
+from services.trainer.intake.intake import Intake
+from services.trainer.versions import VersionWindow
 
 ROWS = [{"id": i, "prompt": f"{i:03d}=", "answer": f"{i:03d}"} for i in range(10)]
 
 
 def _feeder(**kw: object) -> PromptLedger:
-    args = {"run": "r", "rows": ROWS, "batch_groups": 2, "eta": 1, "max_in_flight": 100, "seed": 3}
+    args = {"run": "r", "rows": ROWS, "batch_groups": 2, "max_in_flight": 100, "seed": 3}
     args.update(kw)
+    args["window"] = VersionWindow(int(args.pop("eta", 1)))  # type: ignore[call-overload]
     return PromptLedger(**args)  # type: ignore[arg-type]
 
 
@@ -61,7 +63,7 @@ def test_admission_bound_holds_at_every_version() -> None:
     for version in range(6):
         issued = _drain(f, version)
         c = f.counters
-        assert c.issued - c.rejected == (f.eta + version + 1) * f.batch_groups  # filled up to, never past, the bound
+        assert c.issued - c.rejected == (f.window.eta + version + 1) * f.batch_groups  # filled up to, never past, the bound
         assert issued, "each new version admits more prompts"
         for pid in issued[:1]:
             f.on_rejected(pid)  # a rejection frees one slot: re-issued under a new id
@@ -130,7 +132,7 @@ def test_a_row_is_dropped_after_max_attempts() -> None:
 
 def test_rejection_marker_from_the_worker_reissues_then_drops_the_row() -> None:
     f = _feeder(max_attempts=2, eta=100)
-    intake = Intake(eta=100, feeder=f)
+    intake = Intake(f.window, feeder=f)
     pid = _drain(f, 0)[0]
     assert intake.judge(*_marker(pid), seq=1, version=0).outcome == "rejected"
     assert list(f.reissue) == [[0, int(pid.split("-")[1]), 1, 1]] and f.counters.rejected == 1
@@ -144,7 +146,7 @@ def test_filtered_groups_free_their_slot_and_are_not_reissued() -> None:
     """Prompts the model always solves (dynamic filtering drops every group) must not pile up as
     re-issues and stall the feeder: each frees its slot for the next new row."""
     f = _feeder(max_in_flight=2, eta=100, epochs=0)
-    intake = Intake(eta=100, dynamic_filtering=True, feeder=f)
+    intake = Intake(f.window, dynamic_filtering=True, feeder=f)
     seen: set[str] = set()
     for seq in range(20):
         issued = _drain(f, 0)
@@ -190,7 +192,7 @@ def test_a_failed_publish_puts_the_row_back_and_an_unacknowledged_one_is_not_sav
 
 def test_a_tag_sets_this_incarnations_prompts_apart() -> None:
     f = _feeder(eta=100, tag="ab12cd")
-    intake = Intake(eta=100, feeder=f)
+    intake = Intake(f.window, feeder=f)
     ours = _drain(f, 0)
     assert all(pid.endswith(".ab12cd") for pid in ours)
     # the same row's answer to the earlier incarnation's prompt: not ours, not trained, no slot freed
@@ -208,7 +210,7 @@ def test_stale_groups_are_reissued_uncharged_and_never_drop_the_row() -> None:
     """Old weights are not the row's fault: however often a row's group comes back stale (servers
     stuck on old weights after a bus outage), it is re-issued, and only genuine failures count."""
     f = _feeder(max_attempts=2, eta=0, max_in_flight=1)
-    intake = Intake(eta=0, feeder=f)
+    intake = Intake(f.window, feeder=f)
     pid = _drain(f, 0)[0]
     for k in range(1, 11):  # generated with v0, judged at v3: stale every time
         assert intake.judge(*_group(pid, [1.0, 0.0], version=0), seq=k, version=3).outcome == "stale"
@@ -229,7 +231,7 @@ def test_stale_groups_are_reissued_uncharged_and_never_drop_the_row() -> None:
 
 def test_dropped_rows_are_counted_by_cause() -> None:
     f = _feeder(max_attempts=1, eta=100, max_in_flight=4, in_flight_timeout_s=60.0)
-    intake = Intake(eta=100, feeder=f)
+    intake = Intake(f.window, feeder=f)
     a, b, c, d = _drain(f, 0)
     assert f.on_rejected(a, "dead_letter")
     bad_headers = {**rejection_headers("r", b)}
@@ -253,7 +255,7 @@ def test_min_version_is_the_oldest_version_the_trainer_will_accept() -> None:
     """At eta=0 every prompt issued at version v must be generated with v: the prompts issued right
     after a step must not start on the weights that step replaced."""
     f = _feeder(eta=0, epochs=0)
-    intake = Intake(eta=0, feeder=f)
+    intake = Intake(f.window, feeder=f)
     for version in range(4):
         tasks = list(iter(lambda v=version: f.next_task(v), None))  # type: ignore[misc]
         assert len(tasks) == 2 and {t.min_version for t in tasks} == {version}

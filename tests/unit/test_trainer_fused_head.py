@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.trainer.fused_head import head_logp_entropy
-from services.trainer.ppo import entropy_from_logits, logp_from_logits
+from services.trainer.model.fused_head import head_logp_entropy
+from services.trainer.model.ppo import entropy_from_logits, logp_from_logits
 
 
 def _both(chunk: int, temperature: float, bias: bool, keep_mb: float = 0,

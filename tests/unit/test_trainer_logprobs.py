@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.logprobs import lean_logp_entropy
-from services.trainer.ppo import entropy_from_logits, logp_from_logits
+from services.trainer.model.logprobs import lean_logp_entropy
+from services.trainer.model.ppo import entropy_from_logits, logp_from_logits
 
 
 @pytest.mark.parametrize(("chunk", "temperature"), [(1, 1.0), (7, 0.7), (1000, 1.3)])

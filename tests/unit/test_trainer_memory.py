@@ -9,7 +9,7 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from services.trainer.engine import BUCKET_ELEMENTS_MAX, bucket_elements, ds_config, sparse_tied_lookup
+from services.trainer.model.engine import BUCKET_ELEMENTS_MAX, bucket_elements, ds_config, sparse_tied_lookup
 from services.trainer.settings import TrainerSettings
 
 

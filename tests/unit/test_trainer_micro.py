@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.micro import merge_stats, plan, split, widen
+from services.trainer.model.micro import merge_stats, plan, split, widen
 
 
 def test_rows_are_grouped_in_order_within_the_budget() -> None:

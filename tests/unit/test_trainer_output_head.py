@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.fused_head import output_head
+from services.trainer.model.fused_head import output_head
 
 
 def _qwen2(**extra: object) -> torch.nn.Module:

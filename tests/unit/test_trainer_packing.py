@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.trainer.micro import plan
-from services.trainer.packing import KEY, model_inputs, pack, unpack
+from services.trainer.model.micro import plan
+from services.trainer.model.packing import KEY, model_inputs, pack, unpack
 
 
 def _mb() -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.actor import stochastic_forward
+from services.trainer.model.actor import stochastic_forward
 from services.trainer.settings import LoRASettings
 
 
@@ -28,7 +28,7 @@ def test_a_dropout_probability_in_the_model_config_makes_it_stochastic(tiny_mode
 
 @pytest.mark.parametrize(("p", "stochastic"), [(0.0, False), (0.05, True)])
 def test_lora_dropout_makes_it_stochastic_only_when_on(tiny_model: Path, p: float, stochastic: bool) -> None:
-    from services.trainer import lora
+    from services.trainer.model import lora
 
     model = lora.apply(_model(tiny_model), LoRASettings(enabled=True, rank=2, alpha=4, dropout=p))
     reason = stochastic_forward(model)

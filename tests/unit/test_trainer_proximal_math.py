@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.logprobs import logp_entropy_from_logits
-from services.trainer.micro import merge_stats
-from services.trainer.ppo import entropy_from_logits, logp_from_logits
+from services.trainer.model.logprobs import logp_entropy_from_logits
+from services.trainer.model.micro import merge_stats
+from services.trainer.model.ppo import entropy_from_logits, logp_from_logits
 
 
 def test_one_log_softmax_gives_the_values_and_gradients_of_two() -> None:

@@ -1,4 +1,4 @@
-"""The trainer gives the memory a step freed back to the system (services/trainer/memory.py): glibc keeps
+"""The trainer gives the memory a step freed back to the system (services/trainer/model/memory.py): glibc keeps
 freed heap memory otherwise, and a real model's trainer grew by GiBs over tens of steps with no tensor
 alive (docs/trainer.md "Memory over a run")."""
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from services.trainer import memory
+from services.trainer.model import memory
 
 pytestmark = pytest.mark.skipif(not memory.available(), reason="no glibc malloc_trim in this C library")
 

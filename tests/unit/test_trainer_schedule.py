@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.trainer.schedule import lr_factor
+from services.trainer.model.schedule import lr_factor
 from services.trainer.settings import TrainerSettings
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.trainer import stage
+from services.trainer.model import stage
 
 
 def test_auto_is_no_zero_on_one_rank_and_zero_2_on_several() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 BUILD_AND_STEP = """
 import json, sys
 import torch
-from services.trainer.engine import TrainEngine
+from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 
 engine = TrainEngine(TrainerSettings(model_path=sys.argv[1], output_dir=sys.argv[2]))

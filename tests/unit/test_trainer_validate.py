@@ -9,8 +9,9 @@ import pytest
 
 from schemas.headers import trajectory_headers
 from schemas.trajectory import TrajectoryError, decode_group, encode_group_with_meta, encode_table, group_to_table
-from services.trainer.intake import Intake
-from services.trainer.validate import Limits, check_group
+from services.trainer.intake.intake import Intake
+from services.trainer.intake.validate import Limits, check_group
+from services.trainer.versions import VersionWindow
 
 LIMITS = Limits(vocab_size=20, max_seq_len=16)
 
@@ -94,7 +95,7 @@ def test_list_offsets_past_the_values_are_a_length_mismatch() -> None:
 
 
 def test_the_intake_terminates_with_the_cause_and_the_sender() -> None:
-    intake = Intake(eta=100, limits=LIMITS)
+    intake = Intake(VersionWindow(100), limits=LIMITS)
     t = _tensors()
     t["input_ids"][0, 0] = 99
     v = intake.judge(*_message(t, "bad"), seq=1, version=0)
@@ -103,7 +104,7 @@ def test_the_intake_terminates_with_the_cause_and_the_sender() -> None:
 
 
 def test_an_accepted_group_is_trained_only_when_committed() -> None:
-    intake = Intake(eta=100, limits=LIMITS)
+    intake = Intake(VersionWindow(100), limits=LIMITS)
     assert intake.judge(*_message(_tensors(), "a"), seq=1, version=0).outcome == "accepted"
     assert "a" not in intake.trained and intake.state_dict() == {"trained": [], "counts": {}}
     assert intake.judge(*_message(_tensors(), "a"), seq=2, version=0).outcome == "duplicate", "a copy while pending"
@@ -112,7 +113,7 @@ def test_an_accepted_group_is_trained_only_when_committed() -> None:
     assert intake.state_dict() == {"trained": ["a"], "counts": {"accepted": 1, "duplicate": 1}}
     # judged after the commit, not saved until the next one: a resume reads it again and counts it once
     intake.judge(*_message(_tensors(), "b"), seq=3, version=0)
-    resumed = Intake(eta=100, limits=LIMITS)
+    resumed = Intake(VersionWindow(100), limits=LIMITS)
     resumed.load_state_dict(intake.state_dict())
     assert resumed.judge(*_message(_tensors(), "b"), seq=3, version=0).outcome == "accepted"
     assert resumed.counts["accepted"] == 2
@@ -122,8 +123,8 @@ def test_versions_the_trainer_never_made_are_an_error_naming_the_workflow_not_st
     tensors = _tensors()
     tensors["versions"] = np.where(tensors["loss_mask"] > 0, 7, -1).astype(np.int64)
     body, meta = encode_group_with_meta(tensors, run="r", prompt_id="p", worker="w7", workflow="my.pkg:Workflow")
-    verdict = Intake(eta=1, limits=LIMITS).judge(body, trajectory_headers(meta), seq=1, version=2)
+    verdict = Intake(VersionWindow(1), limits=LIMITS).judge(body, trajectory_headers(meta), seq=1, version=2)
     assert verdict.outcome == "malformed" and verdict.cause == "impossible_versions" and verdict.worker == "w7"
     assert "my.pkg:Workflow" in verdict.error and "version 2" in verdict.error
     # the same group at a trainer that has made version 7 is fine
-    assert Intake(eta=1, limits=LIMITS).judge(body, trajectory_headers(meta), seq=1, version=7).outcome == "accepted"
+    assert Intake(VersionWindow(1), limits=LIMITS).judge(body, trajectory_headers(meta), seq=1, version=7).outcome == "accepted"

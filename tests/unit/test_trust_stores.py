@@ -15,7 +15,7 @@ import psutil
 import torch.distributed as dist
 
 from services.common.stores import listening_store
-from services.weights.broadcast import WeightBroadcaster
+from services.weights.sender.broadcast import WeightBroadcaster
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -42,7 +42,7 @@ def test_the_broadcast_groups_store_listens_on_master_address_only() -> None:
 def test_the_trainers_default_group_listens_on_master_addr_only() -> None:
     code = """
 import os, psutil
-from services.trainer.engine import init_distributed
+from services.trainer.model.engine import init_distributed
 init_distributed()
 port = int(os.environ["MASTER_PORT"])
 print(sorted({c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}))

@@ -13,6 +13,7 @@ import pytest
 from schemas.messages import WeightFile
 from services.common.settings import SettingsError, load_settings
 from services.status.weights import ServerWeights, WeightsStatus, render_weights
+from services.weights.agent.server_client import parse_version
 from services.weights.files import (
     ChecksumError,
     checkpoint_files,
@@ -25,7 +26,6 @@ from services.weights.files import (
     verify_file,
     versions_to_drop,
 )
-from services.weights.server_client import parse_version
 from services.weights.settings import WeightsSettings
 
 

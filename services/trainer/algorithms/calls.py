@@ -12,7 +12,7 @@ import torch
 from services.trainer.algorithms.api import AdvantageInput, Algorithm, LossInput, LossOutput
 from services.trainer.algorithms.kl import kl_estimate
 from services.trainer.algorithms.rewards import shaped_rewards, token_rewards
-from services.trainer.columns import extra_columns
+from services.trainer.intake.columns import extra_columns
 from services.trainer.settings import PPOSettings
 
 
