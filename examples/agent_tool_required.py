@@ -8,10 +8,16 @@ for a malformed one, whatever the policy's state: an untrained or a freshly upda
 the reward is copy3's on the submitted answer. What the trainer sees are the tokens sampled under the
 grammar, with the log-probs of the constrained distribution.
 
-Run it (the model must spell JSON, and the servers must keep their tokenizer for the grammar):
+Run it (the model must spell JSON; `jetrl up` keeps the servers' tokenizer, which the grammar needs,
+because the workflow is an agent):
 
-    jetrl make-model --vocab ascii --out .jetrl/models/ascii     # or a real model, e.g. SmolLM2-135M-Instruct
+    jetrl make-model --vocab ascii --out .jetrl/models/ascii
     jetrl up --config examples/agent_tool_required.yaml
+
+or on a real model, SmolLM2-135M-Instruct:
+
+    jetrl make-model smollm2-135m-instruct
+    jetrl up --config examples/agent_tool_required_smollm2.yaml
 """
 
 from __future__ import annotations

@@ -34,3 +34,10 @@ EVAL_REWARD_MEAN = "eval_reward_mean"
 
 # a rollout worker
 EPISODES_PER_S = "episodes_per_s"
+CONSTRAINED_RESTARTS_TOTAL = "constrained_restarts_total"
+"""Constrained generations (json_schema / regex / ebnf) an abort cut and the engine restarted from the
+prompt, their partial output dropped (a grammar's state cannot pass to a continuation), since the start."""
+CONSTRAINT_UNMET_TOTAL = "constraint_unmet_total"
+"""Agent completions that missed their `tool_choice` / `response_format` (answered 422, recorded), since
+the start: an invalid tool call or JSON reply."""
+CONSTRAINT_COUNTERS = (CONSTRAINED_RESTARTS_TOTAL, CONSTRAINT_UNMET_TOTAL)

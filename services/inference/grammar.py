@@ -11,7 +11,8 @@ renormalised one (docs/inference.md, "Structured output").
 As in SGLang: at most one of `json_schema`, `regex`, `ebnf`, `structural_tag` per request; an empty
 string means unset; JSON schemas compile with `any_whitespace` and `strict_mode` (xgrammar's defaults,
 SGLang's too); a grammar that does not compile is a 400 naming it; a server without a tokenizer
-(`skip_tokenizer_init`, as SGLang's `--skip-tokenizer-init`) has no grammar backend and refuses them.
+(`skip_tokenizer_init`, as SGLang's `--skip-tokenizer-init`) has no grammar backend and refuses them
+with SGLang's message.
 Compiled grammars are cached by their text.
 """
 
@@ -142,9 +143,14 @@ def advance(matchers: Matchers | None, tokens: list[int], dead: set[int]) -> Non
             raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
 
 
-NO_BACKEND = ("Grammar-based generation (json_schema, regex, ebnf, structural_tag) needs the tokenizer: this server runs "
-              "with skip_tokenizer_init=True (as SGLang's --skip-tokenizer-init, it then has no grammar backend) or "
-              "serves no model (simulate)")
+SGLANG_NO_BACKEND = ("Grammar-based generation (json_schema, regex, ebnf, structural_tag) is not supported when the server "
+                     "is launched with --grammar-backend none")
+"""SGLang's own abort message (`GrammarManager.process_req_with_grammar`) for a server with no grammar
+backend, which is what `--skip-tokenizer-init` leaves it (the contract tier checks the wording)."""
+
+NO_BACKEND = (f"{SGLANG_NO_BACKEND}: this server runs with skip_tokenizer_init=True, which leaves it no grammar backend "
+              "(as SGLang's --skip-tokenizer-init does), or serves no model (simulate); start it with "
+              "skip_tokenizer_init=false (jetrl up does for agent workflows: docs/inference.md, \"Structured output\")")
 
 
 def check_grammars(specs: list[GrammarSpec | None], grammars: Grammars | None) -> None:

@@ -84,8 +84,10 @@ class InferenceSettings(ServiceSettings):
     context_length: int = 0
     """Longest prompt + completion; 0 means the model's max_position_embeddings."""
     skip_tokenizer_init: bool = False
-    """As SGLang's `--skip-tokenizer-init` (how jetrl starts real SGLang): token ids only, no `text` in
-    replies, and `stop` strings / `min_new_tokens` refused with SGLang's 400."""
+    """As SGLang's `--skip-tokenizer-init` (passed to it with `engine: sglang`): token ids only, no `text`
+    in replies, `stop` strings / `min_new_tokens` refused with SGLang's 400, and no grammar backend, so
+    `json_schema` / `regex` / `ebnf` are refused too (SGLang's rule). `jetrl up` sets it unless the
+    rollout workflow is an agent or declares `needs_grammar`; its `inference:` section can override."""
     health_check_timeout_s: float = 20.0
     """How long `/health` waits for a paused server to go on before answering 503: SGLang's `/health`
     runs a one-token generation, which waits out a pause the same way (`/ready` answers at once)."""

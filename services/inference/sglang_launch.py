@@ -1,8 +1,10 @@
 """`engine: sglang`: serve with real SGLang (`python -m sglang.launch_server`) instead of the CPU server.
 
 The same settings (model, host, port, weight version, batch size, context length) become SGLang's flags,
-plus the ones jetrl's clients rely on (see docs/sglang.md): `--skip-tokenizer-init` (token ids in and
-out; the rollout engine applies stop strings itself) and `--enable-metrics`. `jetrl up` and the
+plus the ones jetrl's clients rely on (see docs/sglang.md): `--enable-metrics`, and
+`--skip-tokenizer-init` (token ids in and out; the rollout engine applies stop strings itself) when
+`skip_tokenizer_init` is set, as `jetrl up` sets it unless the workflow is an agent (SGLang then has no
+grammar backend, so constrained requests need the tokenizer). `jetrl up` and the
 containers start `jetrl inference` as before; with `engine: sglang` it runs SGLang as its child, in its
 process group, and ends with it.
 """
@@ -28,8 +30,10 @@ def launch_argv(s: InferenceSettings) -> list[str]:
         sys.executable, "-m", "sglang.launch_server",
         f"--model-path={s.model_path}", f"--host={s.host}", f"--port={s.port}",
         f"--weight-version={s.weight_version}", f"--max-running-requests={s.max_batch_size}",
-        f"--random-seed={s.seed}", "--skip-tokenizer-init", "--enable-metrics",
+        f"--random-seed={s.seed}", "--enable-metrics",
     ]
+    if s.skip_tokenizer_init:
+        argv.append("--skip-tokenizer-init")
     if s.context_length:
         argv.append(f"--context-length={s.context_length}")
     if s.dtype != "float32":

@@ -72,3 +72,14 @@ def resolve_workflow(spec: Any, kwargs: Mapping[str, Any] | None = None) -> Roll
         f"workflow {spec!r} is not a RolloutWorkflow instance or subclass, an agent with `async def run`, "
         "nor a 'module:Class' string naming one"
     )
+
+
+def needs_grammar(spec: str) -> bool:
+    """Whether the workflow `spec` names may send constrained requests (`json_schema` / `regex` /
+    `ebnf`), so that its inference servers need a grammar backend (their tokenizer): an agent (the
+    proxy turns `response_format` and `tool_choice` into grammars), or a workflow class or instance
+    with `needs_grammar`. Imports the module; a reference that does not resolve raises WorkflowError."""
+    obj = import_ref(spec)
+    if isinstance(obj, RolloutWorkflow) or (isinstance(obj, type) and issubclass(obj, RolloutWorkflow)):
+        return bool(obj.needs_grammar)
+    return is_agent(obj)

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import metric_names as names
 
 
 @dataclass
@@ -59,3 +62,18 @@ class RolloutStats:
         self._mark, self._mark_episodes, self._mark_tokens, self._mark_rejected = now, self.episodes, self.tokens, self.rejected
         self.latencies = []
         return values
+
+
+def constraint_counters(engine: Any, workflow: Any) -> dict[str, float]:
+    """Structured output's losses, totals since the start: generations the engine restarted after an
+    abort cut them, agent replies that missed their constraint (the count of the agent proxy of the
+    workflow, found through the worker's wrappers: `CheckedWorkflow`, `GroupedRolloutWorkflow`)."""
+    proxy = None
+    for _ in range(8):
+        proxy = getattr(workflow, "proxy", None)
+        if proxy is not None or workflow is None:
+            break
+        workflow = getattr(workflow, "workflow", None)
+    unmet = getattr(getattr(proxy, "stats", None), "unmet", 0)
+    return {names.CONSTRAINED_RESTARTS_TOTAL: float(getattr(engine, "constrained_restarts", 0)),
+            names.CONSTRAINT_UNMET_TOTAL: float(unmet)}

@@ -44,7 +44,7 @@ from services.rollout.dump import TrajectoryDumper
 from services.rollout.engine import BadRequestError
 from services.rollout.failures import EpisodeFailures, set_current
 from services.rollout.puller import Puller
-from services.rollout.stats import RolloutStats
+from services.rollout.stats import RolloutStats, constraint_counters
 from services.rollout.tensors import group_sizes
 from services.rollout.version_gate import VersionGate
 from services.rollout.versions import workflow_name
@@ -385,4 +385,5 @@ class RolloutWorker:
         # the workflow's own statistics (AReaL's stats_tracker), means over the interval, by scope/key
         from services.rollout.compat import stats_tracker
 
-        return {**self.stats.snapshot(), **gate, **self.failures.counters(), **stats_tracker.export_all(reset=True)}
+        return {**self.stats.snapshot(), **gate, **self.failures.counters(), **constraint_counters(self.engine, self.workflow),
+                **stats_tracker.export_all(reset=True)}

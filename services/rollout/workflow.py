@@ -18,7 +18,7 @@ import contextvars
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -128,6 +128,10 @@ workflow_context = _WorkflowContextAccess()
 
 class RolloutWorkflow(ABC):
     """One episode of one prompt. Subclass it and implement `arun_episode`."""
+
+    needs_grammar: ClassVar[bool] = False
+    """True for a workflow whose requests carry `json_schema` / `regex` / `ebnf`: `jetrl up` then starts
+    the inference servers with their tokenizer (SGLang's grammar backend needs it; docs/inference.md)."""
 
     @abstractmethod
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> TensorDict | dict[str, Any] | None:

@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from schemas import metric_names as names
 from schemas.messages import MessageError, MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects, stream_specs
 from services.common.permissions import OBJ_STREAM
@@ -41,6 +42,9 @@ class Worker:
     worker: str
     seconds_ago: float
     alive: bool
+    counters: dict[str, float] = field(default_factory=dict)
+    """A rollout worker's structured-output losses from its last event (`constrained_restarts_total`,
+    `constraint_unmet_total`; schemas/metric_names.py)."""
 
 
 @dataclass
@@ -101,6 +105,7 @@ async def _workers(nc: NATS, subjects: Subjects, timeout_s: float, alive_within_
     except NotFoundError:
         return []
     last: dict[tuple[str, str], float] = {}
+    counters: dict[tuple[str, str], dict[str, float]] = {}
     try:
         pending = (await sub.consumer_info()).num_pending or 0
         seen = 0
@@ -116,11 +121,13 @@ async def _workers(nc: NATS, subjects: Subjects, timeout_s: float, alive_within_
                 except MessageError:
                     continue
                 key = (ev.service, ev.worker)
-                last[key] = max(last.get(key, 0.0), ev.time)
+                if ev.time >= last.get(key, 0.0):
+                    last[key] = ev.time
+                    counters[key] = {k: ev.values[k] for k in names.CONSTRAINT_COUNTERS if k in ev.values}
     finally:
         await sub.unsubscribe()
     now = time.time()
-    return [Worker(s, w, now - t, now - t <= alive_within_s) for (s, w), t in sorted(last.items())]
+    return [Worker(s, w, now - t, now - t <= alive_within_s, counters.get((s, w), {})) for (s, w), t in sorted(last.items())]
 
 
 async def _store(js: Any) -> dict[str, int]:
@@ -150,7 +157,8 @@ def render_bus(status: BusStatus) -> str:
         lines.append("  none has reported")
     for w in status.workers:
         state = "alive" if w.alive else "SILENT"
-        lines.append(f"  {w.service:<10} {w.worker or '-':<28} {state:<7} last seen {w.seconds_ago:.0f}s ago")
+        counted = "".join(f"  {k.removesuffix('_total').replace('_', ' ')} {v:.0f}" for k, v in w.counters.items())
+        lines.append(f"  {w.service:<10} {w.worker or '-':<28} {state:<7} last seen {w.seconds_ago:.0f}s ago{counted}")
     for what, error in status.unanswered.items():
         lines.append(f"  NO ANSWER for {what}: {error}")
     return "\n".join(lines)

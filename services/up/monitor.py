@@ -19,7 +19,8 @@ REWARD_KEYS = (names.REWARD_MEAN,)
 ACCURACY_KEYS = (names.ACCURACY,)
 STALENESS_KEYS = (names.STALENESS_MEAN,)
 WAIT_KEYS = (names.DATA_WAIT_FRACTION,)
-OUTCOME_KEYS = ("episodes_failed_total", "rejected_total", "groups_shrunk_total", "groups_not_accepted_total")
+OUTCOME_KEYS = ("episodes_failed_total", "rejected_total", "groups_shrunk_total", "groups_not_accepted_total",
+                *names.CONSTRAINT_COUNTERS)
 
 
 def pick(values: dict[str, float], keys: tuple[str, ...]) -> float | None:
@@ -92,7 +93,8 @@ class RunView:
     def episode_outcomes(self) -> dict[str, float]:
         """What went wrong in the rollout workers, summed over them (their latest totals): episode
         attempts failed (`failed_by_<Type>`, and `episodes_failed_total`), prompts rejected, groups
-        shrunk by episodes that returned None."""
+        shrunk by episodes that returned None, constrained generations restarted and agent replies that
+        missed their constraint."""
         out: dict[str, float] = {}
         for key, event in self.latest.items():
             if not key.startswith("rollout/"):

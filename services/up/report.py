@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from schemas import metric_names as names
 from services.up.monitor import REWARD_KEYS, pick
 
 
@@ -23,13 +24,20 @@ def outcome_text(outcomes: dict[str, float]) -> str:
     rejected = outcomes.get("rejected_total", 0.0)
     shrunk = outcomes.get("groups_shrunk_total", 0.0)
     refused = outcomes.get("groups_not_accepted_total", 0.0)
+    constraints = constraint_text(outcomes)
     if not (failed or rejected or shrunk or refused):
-        return ""
+        return constraints
     kinds = sorted(((k.removeprefix("failed_by_"), n) for k, n in outcomes.items() if k.startswith("failed_by_") and n),
                    key=lambda kv: -kv[1])
     by = f" ({', '.join(f'{k} {n:.0f}' for k, n in kinds)})" if kinds else ""
     text = f"episodes failed {failed:.0f}{by} rejected {rejected:.0f} groups shrunk {shrunk:.0f}"
-    return text + (f" not accepted {refused:.0f}" if refused else "")
+    return text + (f" not accepted {refused:.0f}" if refused else "") + (f" {constraints}" if constraints else "")
+
+
+def constraint_text(counters: dict[str, float]) -> str:
+    """Structured output's losses, when any: "constrained restarts 2 constraint unmet 1"."""
+    restarts, unmet = (counters.get(k, 0.0) for k in (names.CONSTRAINED_RESTARTS_TOTAL, names.CONSTRAINT_UNMET_TOTAL))
+    return f"constrained restarts {restarts:.0f} constraint unmet {unmet:.0f}" if restarts or unmet else ""
 
 
 def workflow_stats_line(stats: list[dict[str, Any]], last: int = 10) -> str:

@@ -25,6 +25,7 @@ from services.runs import URL_FILE
 from services.up import SERVICE_SECTIONS
 from services.up.credentials import ADMIN, declare_as_admin, make_credentials
 from services.up.display import Display
+from services.up.grammar import skip_tokenizer_init
 from services.up.layout import layout, priorities
 from services.up.monitor import RunView, watch
 from services.up.presets import preset_for, preset_name, summarize, summary_lines
@@ -173,6 +174,7 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         # prompts wait in the PROMPTS stream until a rollout worker is up.
         trainer_proc = stack.start("trainer", "services.trainer", to_env("trainer", deep_merge(trainer, tsec)) | threads)
         stack.start("reward", "services.reward", to_env("reward", deep_merge(common, sec("reward"))))
+        skip_tokenizer = skip_tokenizer_init(sec("rollout"))
         for i, url in enumerate(servers):
             port = int(url.rsplit(":", 1)[1])
             stack.start(
@@ -180,10 +182,10 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
                 "services.inference",
                 to_env(
                     "inference",
-                    # skip_tokenizer_init: ids only, as jetrl starts real SGLang (the rollout client
-                    # decodes and applies stop strings itself): no detokenizing per reply
+                    # skip_tokenizer_init: ids only (the rollout client decodes and applies stop strings
+                    # itself), unless the workflow may send grammars, which need the tokenizer (grammar.py)
                     deep_merge({**common, "model_path": s.model_path, "port": port, "seed": i,
-                                "torch_threads": shape.torch_threads, "skip_tokenizer_init": True}, sec("inference")),
+                                "torch_threads": shape.torch_threads, "skip_tokenizer_init": skip_tokenizer}, sec("inference")),
                 )
                 | threads,
             )

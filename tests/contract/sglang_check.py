@@ -48,6 +48,8 @@ def judges() -> dict[str, Any]:
     if hasattr(io_struct, "ContinueGenerationReqInput"):
         out["/continue_generation"] = model(io_struct.ContinueGenerationReqInput)
     out["finish"] = _finish
+    out["grammar"] = _grammar
+    out["validate"] = _validate
     return out
 
 
@@ -66,6 +68,72 @@ def _finish(body: dict[str, Any]) -> None:
     if finished != body["finished"]:
         raise ValueError(f"SGLang {'finishes' if finished else 'does not finish'} on {body['tokens']} with {body['sampling_params']}; "
                          f"the CPU server {'did' if body['finished'] else 'did not'}")
+
+
+def _grammar(body: dict[str, Any]) -> None:
+    """SGLang's own grammar admission (`GrammarManager`) on a server started with or without
+    `--skip-tokenizer-init`: raises when the CPU server's answer (`body["refused"]`: its 400's text, or
+    None when it served the request) differs from SGLang's. The backend's creation is read from
+    `GrammarManager.__init__`'s source (building one needs the scheduler); the refusal is SGLang's own
+    `process_req_with_grammar` run on a manager without a backend."""
+    import inspect
+    from types import SimpleNamespace
+
+    from sglang.srt.constrained.grammar_manager import GrammarManager
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    init = inspect.getsource(GrammarManager.__init__)
+    if "skip_tokenizer_init" not in init or "self.grammar_backend = None" not in init:
+        raise ValueError("GrammarManager no longer gates its grammar backend on skip_tokenizer_init: re-check jetrl's rule")
+    if not body["skip_tokenizer_init"]:  # SGLang builds its backend (xgrammar) and serves the request
+        if body["refused"] is not None:
+            raise ValueError(f"SGLang with its tokenizer has a grammar backend; the CPU server refused: {body['refused']}")
+        return
+    aborted: list[str] = []
+    req = SimpleNamespace(sampling_params=SamplingParams(**body["sampling_params"]), grammar=None,
+                          set_finish_with_abort=lambda msg, *a, **k: aborted.append(msg))
+    manager = SimpleNamespace(grammar_backend=None, _enable_strict_thinking=False, grammar_queue=[])
+    GrammarManager.process_req_with_grammar(manager, req)  # type: ignore[arg-type]
+    if not aborted:
+        raise ValueError("SGLang without a grammar backend did not abort the constrained request")
+    if body["refused"] is None or aborted[0] not in body["refused"]:
+        raise ValueError(f"SGLang aborts with {aborted[0]!r}; the CPU server answered {body['refused']!r}")
+
+
+def _validate(body: dict[str, Any]) -> None:
+    """SGLang's own input validation (`TokenizerManager._validate_one_request`, no auto-truncation) on
+    one request, for the model at `model_path` served with `context_len` tokens: raises when SGLang's verdict differs from the CPU
+    server's (`body["refused"]`: its 400's text, or None). `body["stricter"]` marks a request the CPU
+    server refuses on purpose where SGLang does not (out-of-vocabulary input ids): then SGLang must
+    still admit it, so that the day it checks them too this judge says so."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=body["model_path"], skip_tokenizer_init=True, device="cpu")
+    try:  # 0.5.14 on: the process-wide server args the checks read
+        from sglang.srt.runtime_context import publish
+    except ImportError:
+        pass
+    else:
+        publish(args, role="tokenizer")
+    tm = TokenizerManager.__new__(TokenizerManager)  # only the attributes the check reads, as __init__ sets them
+    tm.__dict__.update(context_len=body["context_len"], allow_auto_truncate=False, validate_total_tokens=True,
+                       num_reserved_tokens=0, is_generation=True, model_config=ModelConfig.from_server_args(args))
+    obj = GenerateReqInput(input_ids=body["input_ids"], sampling_params=body["sampling_params"])
+    obj.normalize_batch_and_arguments()
+    try:
+        tm._validate_one_request(obj, list(body["input_ids"]))
+        sglang = None
+    except ValueError as exc:
+        sglang = str(exc)
+    if body.get("stricter"):
+        if sglang is not None:
+            raise ValueError(f"SGLang now refuses what only the CPU server refused: {sglang}")
+        return
+    if (sglang is None) != (body["refused"] is None) or (sglang is not None and sglang not in body["refused"]):
+        raise ValueError(f"SGLang: {sglang!r}; the CPU server: {body['refused']!r}")
 
 
 def _sampling(raw: dict[str, Any]) -> None:

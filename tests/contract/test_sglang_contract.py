@@ -25,6 +25,7 @@ import pytest
 
 from bench.async_speedup import requests_in_server
 from schemas.sglang_protocol import MIN_VERSION, MODEL_INFO, parse_server_version
+from services.inference.grammar import SGLANG_NO_BACKEND
 from services.inference.server import InferenceServer
 from services.inference.settings import InferenceSettings
 from services.rollout.client_settings import InferenceClientSettings
@@ -197,6 +198,8 @@ async def test_sglang_accepts_what_jetrl_sends_and_what_the_cpu_server_answers(
                for s in sent)  # the batch form is judged too
     sent += constrained_payloads()
     sent += await finish_rules(recorder.url)
+    sent += await grammar_refusals(recorder.url)
+    sent += await input_refusals(recorder.url, tiny_model)
     # Controls the judge must refuse: the `stop` field jetrl used to send to a --skip-tokenizer-init
     # server, and two grammars in one request.
     old = {"method": "POST", "path": "/generate", "body": {"input_ids": PROMPT, "sampling_params": {"stop": ["\n"]}}}
@@ -243,6 +246,38 @@ async def finish_rules(url: str) -> list[dict[str, Any]]:
         await engine.aclose()
 
 
+async def grammar_refusals(url: str) -> list[dict[str, Any]]:
+    """What the CPU server started with `skip_tokenizer_init` answers to each kind of constraint, as
+    items for SGLang's own grammar admission to judge: it has no grammar backend there and aborts the
+    request with a 400 carrying its message."""
+    items = []
+    async with httpx.AsyncClient() as http:
+        for params in ({"json_schema": '{"type": "object"}'}, {"regex": "[0-9]+"}, {"ebnf": 'root ::= "1"'}):
+            reply = await http.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": {**params, "max_new_tokens": 4}})
+            items.append({"method": "POST", "path": "grammar", "body": {
+                "skip_tokenizer_init": True, "sampling_params": params, "refused": reply.text if reply.status_code == 400 else None}})
+    return items
+
+
+async def input_refusals(url: str, model: Path) -> list[dict[str, Any]]:
+    """What the CPU server answers to bad input ids, as items for SGLang's own `_validate_one_request`:
+    an input as long as the context, input + max_new_tokens over it, one that fits, and out-of-vocabulary
+    ids (refused by the CPU server only, on purpose: SGLang checks no vocabulary and a GPU embedding
+    fails on them; docs/inference.md "Bad input")."""
+    items = []
+    async with httpx.AsyncClient() as http:
+        context = (await http.get(url + "/server_info")).json()["context_length"]
+        cases = [([1] * context, 4, False), ([1] * (context // 2), context, False), (PROMPT, 4, False), ([1, 5, 10_000], 4, True)]
+        for ids, max_new, stricter in cases:
+            reply = await http.post(url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": max_new}})
+            assert reply.status_code in (200, 400), reply.text
+            items.append({"method": "POST", "path": "validate", "body": {
+                "model_path": str(model), "context_len": context, "input_ids": ids, "sampling_params": {"max_new_tokens": max_new},
+                "refused": reply.text if reply.status_code == 400 else None, "stricter": stricter}})
+    assert items[-1]["body"]["refused"] is not None  # the CPU server's own, stricter check
+    return items
+
+
 @dataclass
 class App:
     version: str
@@ -266,6 +301,11 @@ async def test_jetrl_clients_against_sglangs_own_http_app(app: App, tiny_model: 
         assert (await http.get(app.url + "/server_info")).json()["version"] == app.version
         refused = await http.post(app.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {"stop": ["a"]}})
         assert refused.status_code == 400 and "skip_tokenizer_init" in refused.text  # what jetrl used to send
+        # jetrl's constrained bodies pass SGLang's parsing and checks and reach the server as sent: this
+        # one (skip_tokenizer_init, as SGLang's) has no grammar backend and answers with SGLang's own abort
+        for payload in constrained_payloads():
+            reply = await http.post(app.url + "/generate", json=payload["body"])
+            assert reply.status_code == 400 and SGLANG_NO_BACKEND in reply.text, reply.text
     rec = await Recorder(app.url).start()
     try:
         await drive_clients(rec, tiny_model, build_model(tmp_path / "seed1", seed=1))

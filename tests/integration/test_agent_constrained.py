@@ -138,8 +138,10 @@ async def test_responses_text_format_and_a_cut_completion(server: ProxyServer, e
                                                               extra_body={"seed": i}) for i in range(TRIES)))
         for reply in replies:
             jsonschema.validate(json.loads(reply.output_text), SCHEMA)
+        unmet = server.proxy.stats.unmet
         with pytest.raises(openai.UnprocessableEntityError, match="cut by max_tokens after 3 tokens"):
             await oai.chat.completions.create(model="p", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=3)
+        assert server.proxy.stats.unmet == unmet + 1  # counted: the worker reports it (test_status_constraints.py)
         with pytest.raises(openai.BadRequestError, match="cannot be combined with response_format"):
             await oai.chat.completions.create(model="p", messages=ASK, tools=TOOLS, tool_choice="required",
                                               response_format={"type": "json_object"})

@@ -16,12 +16,14 @@ COMPOSE = Path(__file__).resolve().parents[2] / "infra" / "compose.yaml"
 
 def test_the_launch_command_carries_the_settings_and_the_flags_jetrl_needs() -> None:
     s = InferenceSettings(engine="sglang", model_path="/m", port=30001, weight_version="4", max_batch_size=32,
-                          context_length=2048, sglang_args=["--tp-size=2"])
+                          context_length=2048, sglang_args=["--tp-size=2"], skip_tokenizer_init=True)
     argv = launch_argv(s)
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     for flag in ("--model-path=/m", "--port=30001", "--weight-version=4", "--max-running-requests=32",
                  "--context-length=2048", "--skip-tokenizer-init", "--enable-metrics", "--tp-size=2"):
         assert flag in argv
+    # without skip_tokenizer_init SGLang keeps its tokenizer, and so its grammar backend (structured output)
+    assert "--skip-tokenizer-init" not in launch_argv(s.model_copy(update={"skip_tokenizer_init": False}))
     with pytest.raises(ValueError, match="fixed port"):
         launch_argv(InferenceSettings(engine="sglang", port=0))
 

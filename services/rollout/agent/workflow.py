@@ -45,6 +45,9 @@ MODE_ALIASES = {"subprocess": "subproc"}
 
 
 class AgentWorkflow(RolloutWorkflow):
+    needs_grammar = True
+    """The proxy turns `response_format` / `tool_choice` required or named into grammars."""
+
     def __init__(
         self,
         agent: Any,
