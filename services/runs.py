@@ -16,6 +16,8 @@ from services.common.nats_server import NatsServer
 from services.common.permissions import authorization_block, passwords_conf, users
 
 URL_FILE = "nats.url"
+MONITOR_URL_FILE = "nats-monitor.url"
+"""Under a live run's directory: its embedded nats-server's monitor address (`jetrl status` reads its health)."""
 SECRETS_DIR = "secrets"
 """Under a run directory: one file per NATS user (its password) and the run's other keys, 0600."""
 RUN_FILE = "run"

@@ -7,6 +7,9 @@ error, or JetStream answers 503 while it starts up again. Those are retried with
 backoff until `give_up_after_s` has passed since the first failure; then `BusUnavailable` says so.
 A closed connection (the client was shut down) and any other error are not retried. An error of the
 caller's own that is a `TimeoutError` (an object chunk never acknowledged) is retried like any timeout.
+A write JetStream refused for want of space (`storefull.py`), or one that timed out while the server's
+health names streams it cannot write, is retried too, without a budget (space returns when a person
+makes room, however long that takes; a stop still ends it), and logged at error level naming the stream.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import nats.errors
 import nats.js.errors
 
 from services.common.logging import get_logger
+from services.common.storefull import ALARM, store_full
 
 log = get_logger("bus.retry")
 
@@ -75,7 +79,7 @@ def stop_retrying_when(event: asyncio.Event | None) -> None:
 
 
 def retryable(exc: BaseException) -> bool:
-    return isinstance(exc, _RETRYABLE) and not isinstance(exc, _FATAL)
+    return (isinstance(exc, _RETRYABLE) and not isinstance(exc, _FATAL)) or store_full(exc) is not None
 
 
 class Backoff:
@@ -98,18 +102,25 @@ class Backoff:
 
     async def failed(self, exc: BaseException) -> None:
         now = time.monotonic()
-        if self._since is None:
-            self._since = now
-        waited = now - self._since
         if _stopping is not None and _stopping.is_set():
             raise BusUnavailable(f"{self.what}: stopping while NATS is unavailable ({self.attempt + 1} attempts): {exc!r}") from exc
+        refused = store_full(exc)
+        # a timeout: an outage, or a full store that does not answer; the server's health says which (the alarm logs it)
+        full = refused is not None or (isinstance(exc, TimeoutError) and bool(await ALARM.after_timeout(self.what)))
+        if self._since is None or full:  # a full store is no outage: waited for until space returns, however long
+            self._since = now
+        waited = now - self._since
         if waited >= self.give_up_after_s:
             raise BusUnavailable(f"{self.what}: NATS unavailable for {waited:.0f}s ({self.attempt + 1} attempts): {exc!r}") from exc
         delay = min(full_jitter(self.attempt, INITIAL_BACKOFF_S, MAX_BACKOFF_S), self.give_up_after_s - waited)
         self.attempt += 1
         if self.on_retry is not None:
             self.on_retry(exc)
-        log.warning("nats call failed; retrying", what=self.what, attempt=self.attempt, delay_s=round(delay, 2), error=repr(exc))
+        if refused is not None:
+            log.error("the JetStream store is full: a write was refused; retrying until space returns (docs/security.md "
+                      "\"A full disk\")", stream=refused or "unnamed", what=self.what, attempt=self.attempt, error=str(exc))
+        elif not full:
+            log.warning("nats call failed; retrying", what=self.what, attempt=self.attempt, delay_s=round(delay, 2), error=repr(exc))
         if _stopping is None:
             await asyncio.sleep(delay)  # the backoff itself
         else:  # ... cut short by a stop: the next failure then gives up

@@ -100,6 +100,9 @@ def service_main(
     set_default_auth(settings.nats_auth)  # every NATS connection of this process authenticates this way
     set_default_replicas(settings.nats_replicas)
     set_default_declare(settings.bus_declare)
+    from services.common.storefull import ALARM
+
+    ALARM.monitor_url = settings.nats_monitor_url  # a timed-out write asks it whether the store is full
     async def body() -> None:
         # The side port (/healthz, /readyz, /metrics) lives as long as the service, when health_port is set.
         try:

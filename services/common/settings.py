@@ -66,6 +66,10 @@ class ServiceSettings(BaseSettings):
     health_host: str = "127.0.0.1"
     """Address the side port binds: loopback by default; in a container or pod, its own address (or
     0.0.0.0) so probes and Prometheus reach it."""
+    nats_monitor_url: str = ""
+    """The nats-server's monitor address (`http://host:8222`): when a write times out, its health
+    report tells a full store from an outage, and each stream it cannot write is logged at error
+    level (docs/security.md "A full disk"). `jetrl up` sets its own server's. Empty: not asked."""
     nats_auth: NatsAuth = NatsAuth()
     """How this service authenticates to NATS (user/password, token, NKey, .creds, TLS, mutual TLS)."""
     trust: TrustSettings = TrustSettings()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -40,6 +41,7 @@ from services.common.consumers import add_consumer
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
+from services.common.storefull import ALARM
 from services.rollout.dump import TrajectoryDumper
 from services.rollout.engine import BadRequestError
 from services.rollout.failures import EpisodeFailures, set_current
@@ -345,9 +347,15 @@ class RolloutWorker:
         return self.subjects.trajectories_eval if is_eval else self.subjects.trajectories
 
     async def _publish(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
-        """Publish and wait for the stream's ack, bounded (`publish_acked`)."""
-        ack = await publish_acked(self.js, subject, body, timeout_s=self.config.publish_timeout_s,
-                                  headers=dict(headers), stream=TRAJECTORIES_STREAM)
+        """Publish and wait for the stream's ack, bounded (`publish_acked`). A full store is logged at
+        error level naming the stream and counted (`store_full`), then raised as the episode's failure."""
+        try:
+            ack = await publish_acked(self.js, subject, body, timeout_s=self.config.publish_timeout_s,
+                                      headers=dict(headers), stream=TRAJECTORIES_STREAM)
+        except (nats.js.errors.APIError, TimeoutError) as exc:
+            if await ALARM.write_failed(exc, TRAJECTORIES_STREAM, f"publish {subject}") and self.metrics is not None:
+                self.metrics.count("store_full")
+            raise
         if ack.duplicate:
             log.info("result already recorded (duplicate dropped)", subject=subject, msg_id=headers.get("Nats-Msg-Id"))
 

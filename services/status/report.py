@@ -13,7 +13,8 @@ from typing import TypeVar
 
 from services.common.bus import connect
 from services.common.nats_auth import NatsAuth
-from services.runs import URL_FILE, run_auth
+from services.common.storefull import describe, store_errors
+from services.runs import MONITOR_URL_FILE, URL_FILE, run_auth
 from services.status.answers import answered
 from services.status.feeder import feeder_status, render_feeder
 from services.status.groups import render_groups, trainer_groups
@@ -43,17 +44,38 @@ def nats_auth_for(settings: StatusSettings) -> NatsAuth | None:
     return run_auth(Path(settings.run_dir) / settings.run, "observer")
 
 
+def monitor_url_for(settings: StatusSettings) -> str:
+    """An explicit nats_monitor_url; else a live `jetrl up` run's embedded server's ("": none to ask)."""
+    live = Path(settings.run_dir) / settings.run / MONITOR_URL_FILE
+    if settings.nats_monitor_url or "nats_url" in settings.model_fields_set or not live.exists():
+        return settings.nats_monitor_url
+    return live.read_text().strip()
+
+
+async def full_streams(settings: StatusSettings, unanswered: dict[str, str]) -> dict[str, str]:
+    """{stream: write error} for each stream the store cannot write (the server's health report)."""
+    url = monitor_url_for(settings)
+    if not url:
+        return {}
+    try:
+        return await asyncio.to_thread(store_errors, url, settings.timeout_s)
+    except OSError as exc:
+        unanswered["store"] = f"{url}: {exc}"
+        return {}
+
+
 async def run_status(settings: StatusSettings) -> None:
     nc = await connect(nats_url_for(settings), "jetrl-status", connect_timeout_s=settings.timeout_s, auth=nats_auth_for(settings))
     unanswered: dict[str, str] = {}
     t = settings.timeout_s
     try:  # asked together: during an outage each waits its timeout for nothing
-        weights, bus, feeder, groups, rollout = await asyncio.gather(
+        weights, bus, feeder, groups, rollout, full = await asyncio.gather(
             answered("weights", weights_status(nc, settings.run, t), unanswered),
             answered("bus", bus_status(nc, settings.run, t, settings.alive_within_s), unanswered),
             answered("feeder", feeder_status(nc, settings.run, t), unanswered),
             answered("groups", trainer_groups(nc, settings.run, t), unanswered),
             answered("rollout", rollout_outcomes(nc, settings.run, t), unanswered),
+            full_streams(settings, unanswered),
         )
     finally:
         await nc.close()
@@ -62,11 +84,15 @@ async def run_status(settings: StatusSettings) -> None:
     parts = {"weights": weights, "bus": bus, "feeder": feeder, "groups": groups, "rollout": rollout}
     if settings.format == "json":
         out = {name: None if part is None else part.as_dict() for name, part in parts.items()}
-        print(json.dumps({**out, "unanswered": unanswered}, indent=2))
+        print(json.dumps({**out, "store_full": full, "unanswered": unanswered}, indent=2))
     else:
         def shown(name: str, part: T | None, render: Callable[[T], str]) -> str:
             return render(part) if part is not None else f"{name}: NO ANSWER from the bus: {unanswered[name]}"
 
+        if full:  # first: nothing else moves until space returns
+            print(f"{describe(full)}: the run waits until space returns (docs/security.md \"A full disk\")")
+            for stream, error in sorted(full.items()):
+                print(f"  {stream}: {error}")
         print(shown("weights", weights, render_weights))
         print(shown("bus", bus, render_bus))
         print(shown("feeder", feeder, render_feeder))

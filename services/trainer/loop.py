@@ -50,6 +50,8 @@ from services.trainer.versions import VersionWindow
 from services.weights.sender.sync import NoWeights, WeightSync
 
 log = get_logger("trainer")
+_LOGGED = ("weights_gather_s", "trim_s", "resident_anon_gib", "resident_file_gib", "resident_shmem_gib")
+"""Stats of the training call that each step's log line carries beside loss and reward (where memory and time go)."""
 
 SourceFactory = Callable[[Intake], GroupSource]
 """Makes the group source that replaces the durable consumer (`jetrl replay`: a recording), given the
@@ -273,7 +275,10 @@ class Trainer:
             # the run's step count: the version, less the first one when this run continued an earlier
             # run's numbering (so `jetrl up` shows step k/total_steps, not the version)
             await self.metrics.emit(values, step=self.window.steps, version=self.version)
-        log.info("step", version=self.version, loss=round(values["loss"], 4), reward=round(values[REWARD_MEAN], 4))
+        log.info("step", version=self.version, loss=round(values["loss"], 4), reward=round(values[REWARD_MEAN], 4),
+                 train_s=round(values.get("train_time_s", 0.0), 2), resident_gib=round(res.stats.get("resident_gib", 0.0), 3),
+                 peak_resident_gib=round(res.stats.get("peak_resident_gib", 0.0), 3),
+                 **{k: round(v, 3) for k, v in res.stats.items() if k in _LOGGED})
         if self.settings.checkpoint_every and self.version % self.settings.checkpoint_every == 0:
             await self.checkpoint()
         if self.feeder is not None and self.settings.feeder.eval_every and self.version % self.settings.feeder.eval_every == 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from services.common.permissions import ADMIN, users
 from services.runs import PROMPT_ISSUER_KEY, RUN_FILE, SECRETS_DIR, locked_server
 
 INFERENCE_ADMIN_KEY = "inference-admin-key"
+ISSUER_KEY_ENV = "JETRL_TRAINER__TRUST__PROMPT_ISSUER_KEY"
+"""A prompt issuer key in `jetrl up`'s own environment (or `..._FILE`): taken as the run's (`adopt_issuer_key`)."""
 SERVICE_USERS = {"trainer": "trainer", "rollout": "rollout", "reward": "reward", "weights": "weights", "track": "track"}
 """The NATS user each service of the stack runs as (the inference server uses no NATS)."""
 
@@ -91,6 +94,29 @@ def make_credentials(run_dir: Path, run: str, *, locked: bool = True) -> RunCred
     return RunCredentials(root, locked)
 
 
+def adopt_issuer_key(creds: RunCredentials, environ: MutableMapping[str, str]) -> str | None:
+    """A prompt issuer key the user set for the trainer in `jetrl up`'s environment
+    (`JETRL_TRAINER__TRUST__PROMPT_ISSUER_KEY`, or `..._FILE` naming a file of theirs, only read)
+    becomes the run's: written (0600) as `secrets/prompt-issuer-key`, the file `up` hands its trainer
+    and `jetrl prompts push --run` finds, and taken out of up's own environment (with both, the
+    trainer's settings would refuse "set one, not both"). Returns the variable used, None: none set."""
+    for var in (ISSUER_KEY_ENV, f"{ISSUER_KEY_ENV}_FILE"):
+        value = environ.pop(var, "").strip()
+        if not value:
+            continue
+        key = Path(value).read_text().strip() if var.endswith("_FILE") else value
+        if not key:
+            raise ValueError(f"{var}: {value} is empty")
+        path = creds.dir / PROMPT_ISSUER_KEY
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        for other in (ISSUER_KEY_ENV, f"{ISSUER_KEY_ENV}_FILE"):  # the other one too: one key for the run
+            environ.pop(other, None)
+        return var
+    return None
+
+
 async def declare_as_admin(url: str, admin: NatsAuth, replicas: int, **caps: Any) -> None:
     """`jetrl bus init` for the run: every stream and the WEIGHTS bucket, as the admin user (`caps`:
     `jetrl bus init`'s size settings, e.g. `trajectories_max_bytes`)."""
@@ -100,4 +126,5 @@ async def declare_as_admin(url: str, admin: NatsAuth, replicas: int, **caps: Any
     await init_bus(BusSettings(nats_url=url, nats_auth=admin, nats_replicas=replicas, **caps))
 
 
-__all__ = ["ADMIN", "INFERENCE_ADMIN_KEY", "RunCredentials", "declare_as_admin", "make_credentials"]
+__all__ = ["ADMIN", "INFERENCE_ADMIN_KEY", "ISSUER_KEY_ENV", "RunCredentials", "adopt_issuer_key", "declare_as_admin",
+           "make_credentials"]

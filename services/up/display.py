@@ -32,6 +32,7 @@ class Display:
         self._live: Live | None = None
         self._printed_step = -1
         self._printed_outcomes = ""
+        self._printed_store = ""
 
     def __enter__(self) -> Display:
         if self.mode == "live":
@@ -49,6 +50,10 @@ class Display:
             self._live = None
 
     def refresh(self) -> None:
+        store = self.view.store.line()
+        if self.mode == "lines" and store != self._printed_store:  # said at once, whether or not a step comes
+            print(store or "store writable again", flush=True)
+            self._printed_store = store
         if self._live is not None:
             self._live.update(self._table())
         elif self.mode == "lines" and self.view.step != self._printed_step and self.view.steps:
@@ -72,6 +77,7 @@ class Display:
             f"servers {servers} t={last['time']:.0f}s"
             + (f" | eval@{self.view.evals[-1]['step']} {_fmt(self.view.evals[-1].get('eval_reward_mean'))}" if self.view.evals else "")
             + (f" | {failures}" if (failures := outcome_text(self.view.episode_outcomes())) else "")
+            + (f" | {store}" if (store := self.view.store.line()) else "")
         )
 
     def _table(self) -> Table:
@@ -94,6 +100,8 @@ class Display:
         table.add_row("trainer wait fraction", _fmt(pick(last, WAIT_KEYS), ".2f"))
         table.add_row("rollout episodes/s", f"{v.rollout_rate():.1f} ({v.live_workers('rollout')} workers reporting)")
         table.add_row("rollout failures", outcome_text(v.episode_outcomes()) or "none")
+        if v.store.full:
+            table.add_row("[red]store[/red]", f"[red]{v.store.line()}[/red]: the run waits until space returns")
         for server, version in sorted(v.servers.items()):
             table.add_row(f"server {server}", f"weights v{version}")
         alive = sum(1 for p in self.stack.procs if p.poll() is None)

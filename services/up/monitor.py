@@ -13,6 +13,7 @@ from nats.aio.msg import Msg
 from schemas import metric_names as names
 from schemas.messages import MessageError, MetricsEvent, WeightsLoaded, decode
 from schemas.subjects import Subjects
+from services.up.store import StoreState
 
 # What the display reads from the trainer's events: the one spelling the trainer emits.
 REWARD_KEYS = (names.REWARD_MEAN,)
@@ -54,6 +55,8 @@ class RunView:
     """The workflows' own statistics (AReaL's `stats_tracker`, keys `<scope>/<name>`): one dict per
     rollout metrics event that carried any, with its time and worker."""
     malformed: int = 0
+    store: StoreState = field(default_factory=StoreState)
+    """The embedded store's streams that cannot be written (store.py)."""
     target: float | None = None
     """A 10-step mean reward to watch for (`stop_at_reward`); None: none."""
     reached_at: int | None = None

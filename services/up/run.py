@@ -21,9 +21,9 @@ from services.common.model_dirs import NotOurs, check_model_dir
 from services.common.model_path import ModelNotFound, require_model
 from services.common.nats_server import free_port
 from services.common.settings import SettingsError, deep_merge
-from services.runs import URL_FILE
+from services.runs import MONITOR_URL_FILE, URL_FILE
 from services.up import SERVICE_SECTIONS
-from services.up.credentials import ADMIN, declare_as_admin, make_credentials
+from services.up.credentials import ADMIN, adopt_issuer_key, declare_as_admin, make_credentials
 from services.up.display import Display
 from services.up.grammar import skip_tokenizer_init
 from services.up.layout import layout, priorities
@@ -35,6 +35,7 @@ from services.up.report import summary_lines as report_lines
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
 from services.up.stack import Stack, settings_class, to_env
+from services.up.store import StoreWatch
 from services.up.trust import announce_trust
 from services.up.weights import in_memory, trainer_weights
 
@@ -101,6 +102,9 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     started = time.time()
     # the run's NATS users and inference admin key (credentials.py); an open bus only when asked
     creds = make_credentials(run_dir, s.run, locked=s.bus == "embedded" and not s.open_bus)
+    if (var := adopt_issuer_key(creds, os.environ)) is not None:  # the user's key, not a second one beside it
+        log.info("the trainer checks pushed prompts with your prompt issuer key; jetrl prompts push --run finds it",
+                 set_by=var, kept_as=str(creds.dir / "prompt-issuer-key"))
     nats = creds.nats_server(run_dir / "nats", run_dir / "nats-server.log") if s.bus == "embedded" else None
     base_env = passed_env(s, os.environ)
     # PYTHONPATH: jetrl's root, then the caller's own when `up.pass_env` names it (a workflow's package)
@@ -113,11 +117,14 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     display = Display(s, view, stack)
     outcome = "failed"
     used: dict[str, Any] = {}
+    store: StoreWatch | None = None
     try:
         if nats is not None:
             nats.start()
             url = nats.url
             log.info("nats-server ready", url=url, store=str(nats.store_dir), users=creds.locked)
+            store = StoreWatch(nats, view.store, s.store_restart_free_bytes)  # a full disk: shown, and recovered from
+            (run_dir / MONITOR_URL_FILE).write_text(store.monitor_url)
             if not creds.locked:
                 log.warning("open_bus: the bus admits anyone on this host without credentials: any process here can "
                             "read the prompts, publish groups that are trained and announce weights", url=url)
@@ -144,7 +151,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         shape = layout(s)
         log.info("process layout", cores=shape.cores, rollout_workers=shape.rollout_workers, torch_threads=shape.torch_threads)
         threads = {"OMP_NUM_THREADS": str(shape.torch_threads)}  # the trainer's and the servers' tensor work
-        common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json"}
+        common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json",
+                  **({"nats_monitor_url": store.monitor_url} if store is not None else {})}
         preset = preset_for(s.dataset_path)  # the copy3 demo's settings, for the demo only (presets.py)
         # the run's credentials under the preset under the user's own section (theirs win)
         sec = lambda name: deep_merge(creds.section(name, sections.get(name, {})), preset_section(preset, sections, name))  # noqa: E731
@@ -208,6 +216,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
 
         with display:
             while not stop.is_set():
+                if store is not None:
+                    await store.check()
                 display.refresh()
                 if trainer_proc.poll() == 0:
                     outcome = "finished"
@@ -241,10 +251,12 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
         if nats is not None:
             nats.stop()
         (run_dir / URL_FILE).unlink(missing_ok=True)
+        (run_dir / MONITOR_URL_FILE).unlink(missing_ok=True)
     wall = time.time() - started
     extra = {"outcome": outcome, "reached_at_step": view.reached_at, "wall_s": wall, "started_at": started,
              "servers": view.servers, "evals": view.evals, "settings": used, "workflow_stats": view.workflow_stats,
-             "rollout_outcomes": view.episode_outcomes()}
+             "rollout_outcomes": view.episode_outcomes(),
+             "store": {"times_full": view.store.times_full, "nats_restarts": view.store.restarts, "full_at_end": view.store.full}}
     write_metrics(run_dir, view.steps, extra)
     from services.up.curves import plot_curves, plot_workflow_stats  # numpy: imported when the run is over
 
@@ -256,6 +268,9 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
     if view.reached_at is not None:
         at = next(st for st in view.steps if st["step"] == view.reached_at)
         summary.insert(1, f"reached a 10-step mean reward of {view.target} at step {view.reached_at}, {at['time']:.1f} s after the start")
+    if view.store.times_full:
+        summary.append(f"store: full {sum(view.store.times_full.values())} time(s) ({', '.join(sorted(view.store.times_full))}); "
+                       f"nats-server restarted {view.store.restarts} time(s) after space returned")
     if kept is not None:
         summary.append(f"previous run {s.run}: {kept}")
     stats_line = [f"workflow statistics: {stats_png}"] if stats_png else []

@@ -3,7 +3,9 @@
 `jetrl up` has no resume: a run directory left by an earlier run of the same name holds its NATS store
 (old trajectories, queued prompts, the last published weights, which a new weights agent would load at
 once). So an existing, non-empty `<run_dir>/<run>` is moved aside to `<run>.<YYYYmmdd-HHMMSS>` (the
-time of its last change) - kept for `jetrl status` / `plot` / `replay`, out of the new run's way.
+time of its last change) - kept for `jetrl status` / `plot` / `replay`, out of the new run's way. A
+directory holding only empty directories (a filesystem mounted for the store at `<run>/nats`, docs/security.md
+"A full disk") holds nothing of a run: it is used as it is.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def prepare_run_dir(root: Path, run: str) -> tuple[Path, Path | None]:
     """Return (the empty run directory, where a previous run's directory was moved or None)."""
     run_dir = root.resolve() / run
     kept = None
-    if run_dir.is_dir() and any(run_dir.iterdir()):
+    if run_dir.is_dir() and any(p.is_file() or p.is_symlink() or any(p.iterdir()) for p in run_dir.iterdir()):
         _refuse_if_live(run_dir, run)
         kept = _unused(root.resolve() / f"{run}.{time.strftime('%Y%m%d-%H%M%S', time.localtime(last_change(run_dir)))}")
         run_dir.rename(kept)

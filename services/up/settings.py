@@ -74,6 +74,10 @@ class UpSettings(ServiceSettings):
     """At `recording_max_bytes`: old: the oldest recorded groups are dropped; new: new groups are
     refused (the rollout workers log an error naming TRAJECTORIES) and training waits until space is
     made (`jetrl bus init` with a higher `trajectories_max_bytes`, or a purge)."""
+    store_restart_free_bytes: int = Field(64_000_000, ge=0)
+    """With `bus: embedded`: once a stream could not be written for want of space (an error naming it
+    is logged and shown), nats-server is restarted when its store's filesystem has this much free
+    again (it keeps failing the stream until it restarts); the services reconnect by themselves."""
     open_bus: bool = False
     """With `bus: embedded`, let the nats-server admit anyone without credentials (logged as a
     warning): any process on this host can then read the prompts, publish groups that are trained and

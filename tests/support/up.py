@@ -29,13 +29,15 @@ def up_env(*pythonpath: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), *pythonpath])}
 
 
-def start_up(tmp_path: Path, run: str, steps: int | None, config: dict[str, Any]) -> subprocess.Popen[str]:
-    """`jetrl up` on a run of its own under `tmp_path`; `steps` None: its default step budget."""
+def start_up(tmp_path: Path, run: str, steps: int | None, config: dict[str, Any],
+             extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """`jetrl up` on a run of its own under `tmp_path`; `steps` None: its default step budget;
+    `extra_env`: set in the user's shell besides."""
     import yaml
 
     cfg = tmp_path / "up.yaml"
     cfg.write_text(yaml.safe_dump(config))
-    env = up_env()
+    env = up_env() | (extra_env or {})
     budget = [] if steps is None else [f"total_steps={steps}"]
     return subprocess.Popen(
         [sys.executable, "-m", "services.up", "--config", str(cfg), f"run={run}", f"run_dir={tmp_path}",

@@ -54,3 +54,14 @@ def test_the_resident_peak_is_per_call() -> None:
     assert peak >= now + 200 * MB  # the block counted in this call's peak
     _, peak2 = memory.resident()
     assert peak2 < peak - 200 * MB  # reset by the call before: the next step's peak is its own
+
+
+def test_the_resident_size_is_split_by_kind() -> None:
+    """Shared memory (the colocated weight path's buffers, mapped by the servers too) is told apart from
+    the heap: a trainer's resident size counts both."""
+    before = memory.resident_parts()
+    shared = torch.ones(128 * MB // 4).share_memory_()  # a /dev/shm file, as the weight buffer sets are
+    after = memory.resident_parts()
+    assert after["shmem"] - before["shmem"] >= 120 * MB, (before, after)
+    assert abs(after["anon"] - before["anon"]) < 100 * MB, (before, after)  # the copy into it was freed
+    assert shared[0].item() == 1.0

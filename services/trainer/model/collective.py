@@ -76,7 +76,8 @@ def execute(engine: TrainEngine, actor: PPOActor, cmd: Command, sink: BucketStre
             stats = {**stats, "weights_gather_s": time.perf_counter() - t0}
         trim_s = memory.release_freed()  # what the step freed goes back to the system (memory.py)
         now, peak = memory.resident()
-        stats = {**stats, "trim_s": trim_s, "resident_gib": now / 2**30, "peak_resident_gib": peak / 2**30}
+        stats = {**stats, "trim_s": trim_s, "resident_gib": now / 2**30, "peak_resident_gib": peak / 2**30,
+                 **{f"resident_{kind}_gib": size / 2**30 for kind, size in memory.resident_parts().items()}}
         return Result(stats=stats, weights_dir=weights, state=state)
     if cmd.op == "weights":
         return Result(weights_dir=engine.upload_weights(cmd.weights_dir) if cmd.weights_dir else None)

@@ -51,6 +51,23 @@ def release_freed() -> float:
     return time.perf_counter() - t0
 
 
+def resident_parts() -> dict[str, int]:
+    """The resident size now by kind, in bytes: `anon` (the heap, tensors), `file` (mapped files: a
+    safetensors model that transformers maps and never copies, frozen base weights under LoRA) and
+    `shmem` (shared memory: the colocated weight path's buffer sets, which the servers map too);
+    empty where /proc is not there."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                for key, name in (("RssAnon:", "anon"), ("RssFile:", "file"), ("RssShmem:", "shmem")):
+                    if line.startswith(key):
+                        out[name] = int(line.split()[1]) * 1024
+    except OSError:
+        return {}
+    return out
+
+
 def resident() -> tuple[int, int]:
     """(resident size now, its peak since the last call) in bytes, the peak then reset so that the
     next call gives the next step's; (0, 0) where /proc is not there. Where the peak cannot be reset
