@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "score": "services.rollout.workflows.common",
     # agents: the direct client (AReaL's ArealOpenAI)
     "ArealOpenAI": "services.rollout.agent.direct",
+    "InteractionWithTokenLogpReward": "services.rollout.compat.interaction",
     # the algorithm API (docs/algorithms.md)
     "Algorithm": "services.trainer.algorithms.api",
     "AdvantageInput": "services.trainer.algorithms.api",
@@ -65,6 +66,7 @@ __all__ = [
     "GenerationHyperparameters",
     "GroupedRolloutWorkflow",
     "InferenceEngine",
+    "InteractionWithTokenLogpReward",
     "LossInput",
     "LossOutput",
     "ModelRequest",
@@ -119,6 +121,7 @@ if TYPE_CHECKING:
     from services.rollout.agent.direct import ArealOpenAI
     from services.rollout.api import TensorDict, concat_padded_tensors
     from services.rollout.compat.helpers import apply_chat_template, import_from_string, load_hf_tokenizer
+    from services.rollout.compat.interaction import InteractionWithTokenLogpReward
     from services.rollout.compat.reward import AsyncRewardWrapper
     from services.rollout.engine_api import InferenceEngine
     from services.rollout.gconfig import GenerationHyperparameters

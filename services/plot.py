@@ -1,5 +1,6 @@
 """`jetrl plot RUN`: redraw a run's curves (reward, accuracy, staleness, trainer wait) from its
-METRICS stream into `<run>/reward_curve.png` and `<run>/metrics.json`."""
+METRICS stream into `<run>/reward_curve.png` and `<run>/metrics.json`, and the workflow's own
+`stats_tracker` scalars into `<run>/workflow_stats.png`."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from services.common.busretry import BusUnavailable
 from services.common.nats_auth import NatsAuth
 from services.common.streaminfo import leader_stream_info
 from services.runs import run_auth, run_directory, run_nats
-from services.up.curves import plot_curves
+from services.up.curves import plot_curves, plot_workflow_stats
 from services.up.monitor import RunView
-from services.up.report import summary_lines, write_metrics
+from services.up.report import summary_lines, workflow_stats_line, write_metrics
 
 
 async def read_metrics(url: str, run: str, auth: NatsAuth | None = None) -> RunView:
@@ -99,5 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     png = plot_curves(out, steps, f"jetrl run {path.name}", view.evals)
     wall = steps[-1]["time"] if steps else 0.0
     print("\n".join(summary_lines(steps, view.servers, wall)))
+    if stats_text := workflow_stats_line(view.workflow_stats):
+        print(stats_text)
     print(f"curve: {png}" if png else "no trainer steps in the METRICS stream")
+    stats_png = plot_workflow_stats(out, view.workflow_stats, f"workflow statistics of run {path.name}")
+    if stats_png:
+        print(f"workflow statistics: {stats_png}")
     return 0 if steps else 1

@@ -8,7 +8,8 @@ from services.status.settings import StatusSettings
 DESCRIPTION = (
     "Show a run's state: the latest published weight version and each inference server's loaded version and lag; "
     "streams, consumer lag, prompts in flight, which workers are alive, and the trajectory groups the trainer "
-    "read, with those it terminated by cause."
+    "read, with those it terminated by cause; the rollout workers' failed episodes (by exception type), rejected episodes "
+    "and shrunk groups."
 )
 
 

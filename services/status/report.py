@@ -18,6 +18,7 @@ from services.runs import MONITOR_URL_FILE, URL_FILE, run_auth
 from services.status.answers import answered
 from services.status.feeder import feeder_status, render_feeder
 from services.status.groups import render_groups, trainer_groups
+from services.status.rollout import render_rollout, rollout_outcomes
 from services.status.settings import StatusSettings
 from services.status.streams import bus_status, render_bus
 from services.status.weights import render_weights, weights_status
@@ -70,18 +71,19 @@ async def run_status(settings: StatusSettings, bus: Bus) -> None:
     unanswered: dict[str, str] = {}
     t = settings.timeout_s
     try:  # asked together: during an outage each waits its timeout for nothing
-        weights, streams, feeder, groups, full = await asyncio.gather(
+        weights, streams, feeder, groups, rollout, full = await asyncio.gather(
             answered("weights", weights_status(nc, settings.run, t), unanswered),
             answered("bus", bus_status(nc, settings.run, t, settings.alive_within_s), unanswered),
             answered("feeder", feeder_status(nc, settings.run, t), unanswered),
             answered("groups", trainer_groups(nc, settings.run, t), unanswered),
+            answered("rollout", rollout_outcomes(nc, settings.run, t), unanswered),
             full_streams(settings, unanswered),
         )
     finally:
         await nc.close()
     if streams is not None:
         unanswered.update(streams.unanswered)
-    parts = {"weights": weights, "bus": streams, "feeder": feeder, "groups": groups}
+    parts = {"weights": weights, "bus": streams, "feeder": feeder, "groups": groups, "rollout": rollout}
     if settings.format == "json":
         out = {name: None if part is None else part.as_dict() for name, part in parts.items()}
         print(json.dumps({**out, "store_full": full, "unanswered": unanswered}, indent=2))
@@ -97,5 +99,6 @@ async def run_status(settings: StatusSettings, bus: Bus) -> None:
         print(shown("bus", streams, render_bus))
         print(shown("feeder", feeder, render_feeder))
         print(shown("groups", groups, render_groups))
+        print(shown("rollout", rollout, render_rollout))
     if unanswered:
         raise SystemExit(INCOMPLETE)  # what is shown is incomplete: scripts must not take it for the whole

@@ -113,3 +113,44 @@ def plot_curves(run_dir: Path, steps: list[dict[str, Any]], title: str = "", eva
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def workflow_series(stats: list[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each workflow scalar (`<scope>/<name>`, AReaL's `stats_tracker`) as (seconds since start,
+    value), one point per rollout metrics event that carried it, in time order."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for event in sorted(stats, key=lambda e: e.get("time", 0.0)):
+        for key, value in event.items():
+            if "/" in key and isinstance(value, int | float):
+                out.setdefault(key, []).append((float(event.get("time", 0.0)), float(value)))
+    return {k: (np.array([t for t, _ in v]), np.array([y for _, y in v])) for k, v in sorted(out.items())}
+
+
+def plot_workflow_stats(run_dir: Path, stats: list[dict[str, Any]], title: str = "") -> Path | None:
+    """`<run_dir>/workflow_stats.png`: one panel per workflow scalar against wall time (raw and
+    smoothed); None when the workflow recorded none."""
+    curves = workflow_series(stats)
+    if not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(curves))
+    rows = -(-len(curves) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    longest = max(float(ts.max()) for ts, _ in curves.values())
+    unit, per = ("minutes", 60.0) if longest > 180 else ("seconds", 1.0)
+    for ax, (key, (ts, ys)) in zip(axes.flat, curves.items(), strict=False):
+        _line(ax, ts / per, ys, key, "tab:blue")
+        ax.set(title=key, xlabel=f"{unit} since start")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(curves):]:
+        ax.set_visible(False)
+    fig.suptitle(title or f"workflow statistics of {run_dir.name}")
+    fig.tight_layout()
+    path = run_dir / "workflow_stats.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

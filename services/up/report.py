@@ -40,6 +40,20 @@ def constraint_text(counters: dict[str, float]) -> str:
     return f"constrained restarts {restarts:.0f} constraint unmet {unmet:.0f}" if restarts or unmet else ""
 
 
+def workflow_stats_line(stats: list[dict[str, Any]], last: int = 10) -> str:
+    """The workflow's own `stats_tracker` scalars for the summary: each one's mean over its last
+    `last` reports, by its scoped name; "" when the workflow recorded none."""
+    series: dict[str, list[float]] = {}
+    for event in stats:
+        for key, value in event.items():
+            if "/" in key and isinstance(value, int | float):
+                series.setdefault(key, []).append(float(value))
+    if not series:
+        return ""
+    means = ", ".join(f"{k} {sum(v[-last:]) / len(v[-last:]):.3g}" for k, v in sorted(series.items()))
+    return f"workflow statistics (mean of the last {last} reports): {means}"
+
+
 def summary_lines(steps: list[dict[str, Any]], servers: dict[str, int], wall_s: float,
                   outcomes: dict[str, float] | None = None) -> list[str]:
     """`outcomes`: the rollout workers' failure counts (`RunView.episode_outcomes`), shown whenever

@@ -28,7 +28,7 @@ from services.up.layout import layout, priorities
 from services.up.monitor import RunView, watch
 from services.up.plan import execute
 from services.up.presets import preset_name, summarize, summary_lines
-from services.up.report import last_error, write_metrics
+from services.up.report import last_error, workflow_stats_line, write_metrics
 from services.up.report import summary_lines as report_lines
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
@@ -219,10 +219,13 @@ def _report(s: UpSettings, run_dir: Path, kept: Path | None, view: RunView, outc
              "rollout_outcomes": view.episode_outcomes(),
              "store": {"times_full": view.store.times_full, "nats_restarts": view.store.restarts, "full_at_end": view.store.full}}
     write_metrics(run_dir, view.steps, extra)
-    from services.up.curves import plot_curves  # numpy: imported when the run is over, not before its start
+    from services.up.curves import plot_curves, plot_workflow_stats  # numpy: imported when the run is over
 
     png = plot_curves(run_dir, view.steps, f"jetrl up: run {s.run} ({outcome})", view.evals)
-    summary = [f"run {s.run}: {outcome}", *report_lines(view.steps, view.servers, wall, view.episode_outcomes())]
+    stats_png = plot_workflow_stats(run_dir, view.workflow_stats, f"jetrl up: workflow statistics of run {s.run}")
+    stats_text = workflow_stats_line(view.workflow_stats)
+    summary = [f"run {s.run}: {outcome}", *report_lines(view.steps, view.servers, wall, view.episode_outcomes()),
+               *([stats_text] if stats_text else [])]
     if view.reached_at is not None:
         at = next(st for st in view.steps if st["step"] == view.reached_at)
         summary.insert(1, f"reached a 10-step mean reward of {view.target} at step {view.reached_at}, {at['time']:.1f} s after the start")
@@ -231,7 +234,8 @@ def _report(s: UpSettings, run_dir: Path, kept: Path | None, view: RunView, outc
                        f"nats-server restarted {view.store.restarts} time(s) after space returned")
     if kept is not None:
         summary.append(f"previous run {s.run}: {kept}")
-    print("\n".join([*summary, f"metrics: {run_dir / 'metrics.json'}", f"curve: {png}", f"logs: {run_dir / 'logs'}"]))
+    stats_line = [f"workflow statistics: {stats_png}"] if stats_png else []
+    print("\n".join([*summary, f"metrics: {run_dir / 'metrics.json'}", f"curve: {png}", *stats_line, f"logs: {run_dir / 'logs'}"]))
     if outcome in ("finished", "converged"):
         return 0
     return 130 if interrupted else 1

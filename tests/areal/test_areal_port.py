@@ -35,8 +35,16 @@ RUN = "areal"
 S = Subjects(RUN)
 PACKAGE = "ported_areal"
 FILES = ["workflow/rlvr.py", "workflow/multi_turn.py", "reward/__init__.py", "reward/gsm8k.py",
-         "workflow/openai/math_agent.py", "workflow/anthropic/math_agent.py"]
-"""AReaL's files the tier ports (paths under `areal/`)."""
+         "workflow/openai/math_agent.py", "workflow/anthropic/math_agent.py",
+         "experimental/workflow/multi_turn_v2.py", "workflow/openai_agent/math_agent.py"]
+"""AReaL's files the tier ports (paths under `areal/`). The direct-client pieces: AReaL's examples
+(`gsm8k_rl_mt.py`, `openai-agents/`) are on no PyPI distribution, so the tier ports the wheel's own
+direct-client multi-turn workflow (`experimental/workflow/multi_turn_v2.py`, the same episode through
+`ArealOpenAI`) and the openai-agents agent those examples train (`workflow/openai_agent/math_agent.py`),
+run through the direct client by `agents_direct.py` (docs/compat.md)."""
+MAX_POSITIONS = 2048
+"""The tiny model, with room for AReaL's openai-agents instructions (~1,400 characters: one token
+each with the tiny model's character tokenizer; the default 512 positions would refuse them)."""
 
 # What each piece is, as an AReaL config names it: workflow, workflow_kwargs.
 PIECES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -45,7 +53,15 @@ PIECES: dict[str, tuple[str, dict[str, Any]]] = {
                    {"reward_fn": f"{PACKAGE}.reward.gsm8k.gsm8k_reward_fn", "max_turns": 2, "turn_discount": 0.9}),
     "openai-agent": (f"{PACKAGE}.workflow.openai.math_agent.MultiTurnMathAgent", {"max_turns": 2, "max_completion_tokens": 6}),
     "anthropic-agent": (f"{PACKAGE}.workflow.anthropic.math_agent.MathAgent", {"max_tokens": 6}),
+    "direct-multi-turn": (f"{PACKAGE}.experimental.workflow.multi_turn_v2.MultiTurnWorkflow",
+                          {"reward_fn": f"{PACKAGE}.reward.gsm8k.gsm8k_reward_fn", "max_turns": 2, "turn_discount": 0.9}),
+    "openai-agents-direct": ("tests.areal.agents_direct:OpenAIAgentsWorkflow",
+                             {"agent_builder_path": f"{PACKAGE}.workflow.openai_agent.math_agent.build_math_agent",
+                              "reward_fn": f"{PACKAGE}.reward.gsm8k.gsm8k_reward_fn"}),
 }
+STATS = {piece: "rollout/reward" for piece in PIECES}
+"""The `stats_tracker` scalar each piece records (for the proxy agents, the agent workflow records
+it, as AReaL's proxy workflow does: AReaL's math agents record none of their own)."""
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +78,15 @@ def ported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with inference(tiny_model, tmp_path_factory.mktemp("inf") / "server.log") as url:
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from services.inference.make_model import build_model
+
+    return build_model(tmp_path_factory.mktemp("models") / "tiny", max_positions=MAX_POSITIONS)
+
+
+@pytest.fixture(scope="module")
+def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with inference(model, tmp_path_factory.mktemp("inf") / "server.log") as url:
         yield url
 
 
@@ -122,14 +145,14 @@ async def push(nc: NATS, data: list[dict[str, Any]]) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("piece", list(PIECES))
 async def test_areals_own_code_runs_episodes_with_none_failed(
-    piece: str, ported: Path, nc: NATS, engine: SGLangClient, tiny_model: Path
+    piece: str, ported: Path, nc: NATS, engine: SGLangClient, model: Path
 ) -> None:
     from transformers import AutoTokenizer
 
     workflow_ref, kwargs = PIECES[piece]
     settings = RolloutSettings(run=RUN, workflow=workflow_ref, workflow_kwargs=kwargs, group_size=2, max_new_tokens=6,
-                               model_path=str(tiny_model))
-    tok = AutoTokenizer.from_pretrained(tiny_model)
+                               model_path=str(model))
+    tok = AutoTokenizer.from_pretrained(model)
     workflow = build_workflow(settings, standard_kwargs(settings, lambda: tok, None))
     async with running_worker(nc, RUN, workflow, engine, nak_delay_s=0.1, max_deliver=1) as w:
         await push(nc, rows(3))
@@ -138,8 +161,7 @@ async def test_areals_own_code_runs_episodes_with_none_failed(
     rejected = [decode(RejectionMarker, m.data).reason for m in msgs if is_rejection(m.headers)]
     assert len(msgs) == 3 and not rejected, rejected
     assert snapshot["episodes_failed_total"] == 0 and snapshot["accepted_total"] == 3
-    if piece in ("rlvr+gsm8k", "multi_turn"):  # AReaL's workflows record their reward with stats_tracker
-        assert "rollout/reward" in snapshot, sorted(snapshot)
-    if piece == "multi_turn":
+    assert STATS[piece] in snapshot, sorted(snapshot)  # recorded with stats_tracker
+    if piece in ("multi_turn", "direct-multi-turn"):
         assert 1 <= snapshot["rollout/num_turns"] <= 2
     json.dumps(snapshot)  # METRICS-ready

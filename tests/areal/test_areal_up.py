@@ -18,7 +18,7 @@ import yaml
 
 from tests.areal.areal_pkg import install
 from tests.areal.port import port
-from tests.areal.test_areal_port import FILES, PACKAGE, PIECES
+from tests.areal.test_areal_port import FILES, MAX_POSITIONS, PACKAGE, PIECES, STATS
 from tests.support.up import ROOT, finish, processes_of, up_env
 
 STEPS = 20
@@ -40,7 +40,10 @@ def dataset(path: Path, n: int) -> Path:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("piece", SELECTED)
 def test_areal_piece_trains_20_steps_in_jetrl_up(piece: str, tmp_path: Path) -> None:
+    from services.inference.make_model import build_model
+
     dest = port(install(), FILES, tmp_path / "port", PACKAGE)
+    build_model(tmp_path / "model", max_positions=MAX_POSITIONS)  # `jetrl up` uses the tiny model jetrl made there
     workflow, kwargs = PIECES[piece]
     config: dict[str, Any] = {
         "up": {"pass_env": ["PYTHONPATH"], "dataset_path": str(dataset(tmp_path / "gsm.jsonl", 400)), "stop_at_reward": 0},
@@ -60,6 +63,9 @@ def test_areal_piece_trains_20_steps_in_jetrl_up(piece: str, tmp_path: Path) -> 
     metrics = json.loads((tmp_path / "areal" / "metrics.json").read_text())
     assert metrics["steps"][-1]["step"] == STEPS, out[-3000:]
     assert metrics["rollout_outcomes"].get("episodes_failed_total", 0) == 0, metrics["rollout_outcomes"]
-    if piece in ("rlvr+gsm8k", "multi_turn"):
-        assert any("rollout/reward" in s for s in metrics["workflow_stats"]), metrics["workflow_stats"][:3]
+    assert any(STATS[piece] in s for s in metrics["workflow_stats"]), metrics["workflow_stats"][:3]
+    summary = [line for line in out.splitlines() if line.startswith("workflow statistics (mean of the last 10 reports): ")]
+    assert summary and f"{STATS[piece]} " in summary[-1], out[-3000:]  # the run summary names the workflow's scalars
+    print(f"{piece}: {metrics['steps'][-1]['step']} steps, rollout outcomes {metrics['rollout_outcomes']}, "
+          f"workflow stats {sorted({k for s in metrics['workflow_stats'] for k in s})}")
     assert not processes_of(tmp_path)

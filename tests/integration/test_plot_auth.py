@@ -1,5 +1,6 @@
 """`jetrl plot` against a bus with per-service users: `--nats-auth` logs in as the read-only
-`observer` and the run's curves are redrawn; without credentials the server's refusal is named; a
+`observer` and the run's curves are redrawn, the workflow's own `stats_tracker` scalars (a rollout
+worker's METRICS values, `<scope>/<name>`) in a picture of their own; without credentials the server's refusal is named; a
 setting that does not exist is named before anything connects."""
 
 from __future__ import annotations
@@ -39,12 +40,26 @@ async def trainer_steps(url: str, password_file: str, n: int) -> None:
         await nc.close()
 
 
+async def workflow_stats(url: str, password_file: str, n: int) -> None:
+    """`n` rollout metrics events carrying a workflow's scalars, as the rollout user publishes them."""
+    nc = await connect(url, "rollout", auth=NatsAuth(user="rollout", password_file=password_file))
+    try:
+        for i in range(n):
+            event = MetricsEvent(run=RUN, service="rollout", worker="w0",
+                                 values={"accepted_total": float(i), "rollout/reward": i / n, "rollout/num_turns": 1.0 + i % 2})
+            await publish_acked(nc.jetstream(), Subjects(RUN).metrics("rollout"), encode(event), timeout_s=10,
+                                stream=METRICS_STREAM)
+    finally:
+        await nc.close()
+
+
 def test_plot_reads_a_secured_bus_as_the_observer(tmp_path: Path) -> None:
     passwords, files = write_secrets(tmp_path / "secrets")
     server = NatsServer(tmp_path / "nats", extra_conf=authorization_block(RUN, passwords)).start()
     try:
         assert bus_init(server.url, files).returncode == 0
         asyncio.run(trainer_steps(server.url, files["trainer"], 5))
+        asyncio.run(workflow_stats(server.url, files["rollout"], 4))
         run_dir = tmp_path / RUN
         run_dir.mkdir()
         out = tmp_path / "out"
@@ -54,6 +69,11 @@ def test_plot_reads_a_secured_bus_as_the_observer(tmp_path: Path) -> None:
         steps = json.loads((out / "metrics.json").read_text())["steps"]
         assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
         assert (out / "reward_curve.png").stat().st_size > 0
+        stats = json.loads((out / "metrics.json").read_text())["workflow_stats"]
+        assert [s["rollout/reward"] for s in stats] == [0.0, 0.25, 0.5, 0.75]
+        assert f"workflow statistics: {out / 'workflow_stats.png'}" in drawn.stdout, drawn.stdout
+        assert "workflow statistics (mean of the last 10 reports): rollout/num_turns 1.5, rollout/reward 0.375" in drawn.stdout
+        assert (out / "workflow_stats.png").stat().st_size > 10_000
 
         refused = plot(str(run_dir), "--nats-url", server.url, "--out", str(out))
         assert refused.returncode == 1

@@ -218,3 +218,46 @@ def test_agent_mode_is_subproc_with_subprocess_kept() -> None:
 class SyncAgent:
     def run(self, data: dict[str, Any]) -> float:
         return 1.0
+
+
+def test_interaction_with_token_logp_reward_is_built_as_areals_code_builds_it() -> None:
+    from copy import deepcopy
+
+    from openai.types.chat import ChatCompletion
+
+    from jetrl import InteractionWithTokenLogpReward
+
+    messages = [{"role": "user", "content": "1+1?"}]
+    # AReaL's client: messages and chat_template_type at construction, the response and reward later
+    first = InteractionWithTokenLogpReward(messages=deepcopy(messages), chat_template_type="concat")
+    first.model_response = ModelResponse(input_ids=[1, 5, 6], output_ids=[7, 2], output_logprobs=[-0.5, -0.25],
+                                         output_versions=[3, 3], stop_reason="stop", latency_s=0.0, server="s")
+    first.output_message_list = [{"role": "assistant", "content": "2"}]
+    first.completion = ChatCompletion.model_validate({"id": "c1", "object": "chat.completion", "created": 5, "model": "m",
+                                                      "choices": []})
+    first.reward = 0.5
+    second = InteractionWithTokenLogpReward(
+        messages=[*messages, {"role": "assistant", "content": "2"}, {"role": "user", "content": "sure?"}],
+        chat_template_type="concat", parent=first, reward=1.0,
+        model_response=ModelResponse(input_ids=[1, 5, 6, 7, 2, 8], output_ids=[9], output_logprobs=[-0.1],
+                                     output_versions=[4], stop_reason="length", latency_s=0.0, server="s"))
+    assert first.interaction_id == "c1" and first.api_type == "completion" and first.created_at == 5.0
+    assert second.remaining_messages == [{"role": "user", "content": "sure?"}]
+    with pytest.raises(ValueError, match="Cannot set ID"):
+        first.interaction_id = "other"
+    t = second.to_tensor_dict()  # concat: the parent's sample is the prefix, its trained tokens kept
+    assert t["input_ids"].tolist() == [[1, 5, 6, 7, 2, 8, 9]]
+    assert t["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 0, 1]]
+    assert t["versions"].tolist() == [[-1, -1, -1, 3, 3, -1, 4]]
+    assert t["logprobs"][0].tolist() == pytest.approx([0, 0, 0, -0.5, -0.25, 0, -0.1])
+    assert t["rewards"].tolist() == [1.0] and t["attention_mask"].dtype == torch.bool
+    # AReaL's proxy server: an empty one, filled from a serialized tensor dict and an id
+    restored = InteractionWithTokenLogpReward()
+    restored._cache = first.to_tensor_dict()
+    restored.reward, restored.interaction_id = 0.5, "c1"
+    assert restored.has_tensor_data and restored.interaction_id == "c1" and restored.api_type == "none"
+    # a workflow returns them as AReaL's does: one padded group, the rewards as set
+    group = as_tensor_dict({"c1": first, "c2": second})
+    assert group is not None and group["rewards"].tolist() == [0.5, 1.0] and group["input_ids"].shape == (2, 7)
+    with pytest.raises(ValueError, match="Model response is not set"):
+        InteractionWithTokenLogpReward(messages=messages).to_tensor_dict()

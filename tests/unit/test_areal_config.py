@@ -33,6 +33,16 @@ class TakesAStringOrCallable(NeedsRewardFn):
         super().__init__(reward_fn, tokenizer)
 
 
+class Unannotated(RolloutWorkflow):
+    """As AReaL's direct-client `multi_turn_v2.MultiTurnWorkflow` writes its constructor: no annotations."""
+
+    def __init__(self, reward_fn, tokenizer, name="x") -> None:  # type: ignore[no-untyped-def]
+        self.reward_fn, self.tokenizer, self.name = reward_fn, tokenizer, name
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Any:
+        return None
+
+
 class EchoAgent:
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
@@ -64,6 +74,9 @@ def test_callables_in_workflow_kwargs_may_be_reference_strings(ref: str) -> None
     assert build(workflow=f"{__name__}:TakesAStringOrCallable", workflow_kwargs={"reward_fn": ref}).reward_fn == ref
     with pytest.raises(WorkflowError, match=r"workflow_kwargs\.reward_fn: .*no_such_fn"):
         build(workflow=f"{__name__}:NeedsRewardFn", workflow_kwargs={"reward_fn": "tests.reward_fns:no_such_fn"})
+    # no annotation: a `*_fn` parameter's string is resolved (AReaL's name for functions); any other is left a string
+    wf = build(workflow=f"{__name__}:Unannotated", workflow_kwargs={"reward_fn": ref, "name": "tests.reward_fns:length"})
+    assert wf.reward_fn is length and wf.name == "tests.reward_fns:length"
 
 
 def test_workflow_kwargs_reach_an_agent_as_areal_passes_them_and_generation_settings_apply() -> None:

@@ -29,3 +29,16 @@ def test_a_run_draws_every_panel(tmp_path: Path) -> None:
     png = plot_curves(tmp_path, steps, "t", evals)
     assert png is not None and png.stat().st_size > 20_000
     assert plot_curves(tmp_path, [], "t") is None
+
+
+def test_workflow_scalars_draw_one_curve_each(tmp_path: Path) -> None:
+    from services.up.curves import plot_workflow_stats, workflow_series
+
+    stats = [{"time": 2.0 * i, "worker": "w0", "rollout/reward": i / 40, "rollout/num_turns": 1 + i % 2} for i in range(40, 0, -1)]
+    curves = workflow_series(stats)
+    assert sorted(curves) == ["rollout/num_turns", "rollout/reward"]  # the worker is not a scalar
+    times, rewards = curves["rollout/reward"]
+    assert times.tolist() == [2.0 * i for i in range(1, 41)] and rewards[-1] == 1.0  # in time order
+    png = plot_workflow_stats(tmp_path, stats)
+    assert png == tmp_path / "workflow_stats.png" and png.stat().st_size > 10_000
+    assert plot_workflow_stats(tmp_path / "none", [{"time": 1.0, "worker": "w0"}]) is None

@@ -47,4 +47,7 @@ def test_rollout_figures_are_named_by_worker_and_carry_the_latest_trainer_step()
     tracker.handle(encode(MetricsEvent(run="r", service="trainer", step=7, values={"loss": 0.5})))
     tracker.handle(encode(MetricsEvent(run="r", service="rollout", worker="w1", values={"episodes_per_s": 3.0})))
     assert rec.sink.rows[-1] == ({"rollout.w1/episodes_per_s": 3.0}, 7)  # type: ignore[attr-defined]
+    # a workflow's own stats_tracker scalar (`<scope>/<name>`) is tracked under its worker too
+    tracker.handle(encode(MetricsEvent(run="r", service="rollout", worker="w1", values={"rollout/reward": 0.25})))
+    assert rec.sink.rows[-1] == ({"rollout.w1/rollout/reward": 0.25}, 7)  # type: ignore[attr-defined]
     assert row_of(MetricsEvent(run="r", service="trainer", worker="rank0", values={"x": 1.0})) == {"trainer/x": 1.0}

@@ -124,3 +124,21 @@ async def test_grouped_all_rejected_is_none_and_an_error_propagates() -> None:
         await GroupedRolloutWorkflow(LengthWorkflow(raise_on=1), 3).arun_episode(None, {})
     with pytest.raises(ValueError, match="group_size"):
         GroupedRolloutWorkflow(LengthWorkflow(), 0)
+
+
+async def test_workflow_context_shares_one_http_client_per_event_loop_as_areals_does() -> None:
+    import aiohttp
+    import httpx
+
+    async def clients() -> tuple[Any, Any]:
+        return await workflow_context.get_httpx_client(), await workflow_context.get_aiohttp_session()
+
+    first, second = await asyncio.gather(clients(), asyncio.create_task(clients()))
+    try:
+        assert isinstance(first[0], httpx.AsyncClient) and isinstance(first[1], aiohttp.ClientSession)
+        assert first[0] is second[0] and first[1] is second[1]  # one per loop, shared by its episodes
+        await first[0].aclose()
+        assert (await workflow_context.get_httpx_client()) is not first[0]  # a closed one is replaced
+    finally:
+        await first[1].close()
+        await (await workflow_context.get_httpx_client()).aclose()

@@ -139,7 +139,12 @@ class ArealOpenAI:
 
         parsed = self._parse(parse_responses, kwargs, "responses.create")
         item = await self._complete(parsed, "responses")
-        return Response.model_validate(replies.response(item, parsed, self.proxy.chat))
+        body = replies.response(item, parsed, self.proxy.chat)
+        # AReaL's client reports every response `completed` (a cut one too; the cut stays in the
+        # interaction's stop reason): openai-agents raises on an `incomplete` one, which would fail
+        # every episode whose turn reaches `max_output_tokens`. The proxy answers as OpenAI does.
+        body.update(status="completed", incomplete_details=None)
+        return Response.model_validate(body)
 
     def _parse(self, parse: Callable[[Any], CanonicalRequest], kwargs: dict[str, Any], call: str) -> CanonicalRequest:
         try:

@@ -34,6 +34,7 @@ from services.rollout.agent.errors import ProxyError
 from services.rollout.agent.export import STYLES, AgentSample
 from services.rollout.agent.proxy import AgentProxy, SamplingDefaults, Session
 from services.rollout.agent.server import ProxyServer
+from services.rollout.compat import stats_tracker
 from services.rollout.engine_api import InferenceEngine
 from services.rollout.workflow import RolloutWorkflow, WorkflowError, import_ref, workflow_context
 
@@ -177,9 +178,12 @@ class AgentWorkflow(RolloutWorkflow):
             if not session.cache.has_rewards():
                 raise WorkflowError("the agent returned no reward and set none (return a float or a dict of completion id -> reward)")
             try:
-                return proxy.export(session.id, self.discount, self.export_style, self.discount_rule)
+                samples = proxy.export(session.id, self.discount, self.export_style, self.discount_rule)
             except ProxyError as exc:
                 raise WorkflowError(f"agent episode cannot be exported: {exc.message}") from exc
+            if samples:  # as AReaL's proxy workflow records it: the last sample's reward, in the episode's scope
+                stats_tracker.get(workflow_context.stat_scope()).scalar(reward=list(samples.values())[-1].reward)
+            return samples
         finally:
             proxy.drop_session(session.id)
 
