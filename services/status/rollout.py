@@ -8,11 +8,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from nats.aio.client import Client as NATS
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 
-from schemas.messages import MessageError, MetricsEvent, decode
-from schemas.subjects import METRICS_STREAM, Subjects
+from schemas.messages import MetricsEvent
+from schemas.subjects import Subjects
+from services.status.events import metrics_events
 from services.up.monitor import RunView
 from services.up.report import outcome_text
 
@@ -30,32 +29,9 @@ class RolloutOutcomes:
 
 
 async def rollout_outcomes(nc: NATS, run: str, timeout_s: float) -> RolloutOutcomes:
-    js = nc.jetstream(timeout=timeout_s)
-    try:
-        sub = await js.pull_subscribe(
-            Subjects(run).metrics("rollout"), stream=METRICS_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, mem_storage=True),
-        )
-    except NotFoundError:
-        return RolloutOutcomes()
     latest: dict[str, MetricsEvent] = {}
-    try:
-        pending = (await sub.consumer_info()).num_pending or 0
-        seen = 0
-        while seen < pending:
-            try:
-                msgs = await sub.fetch(min(512, pending - seen), timeout=timeout_s)
-            except TimeoutError:
-                break
-            seen += len(msgs)
-            for msg in msgs:
-                try:
-                    event = decode(MetricsEvent, msg.data)
-                except MessageError:
-                    continue
-                latest[event.worker] = event
-    finally:
-        await sub.unsubscribe()
+    for event in await metrics_events(nc, Subjects(run).metrics("rollout"), timeout_s):
+        latest[event.worker] = event
     view = RunView(started=0.0)
     for event in latest.values():
         view.latest[f"rollout/{event.worker}"] = event

@@ -14,15 +14,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from nats.aio.client import Client as NATS
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 
 from schemas import metric_names as names
-from schemas.messages import MessageError, MetricsEvent, decode
-from schemas.subjects import METRICS_STREAM, PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects, stream_specs
+from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects, stream_specs
 from services.bus.permissions import OBJ_STREAM
 from services.common.streaminfo import led
 from services.status.answers import answered
+from services.status.events import metrics_events
 
 
 @dataclass
@@ -93,39 +91,14 @@ async def bus_status(nc: NATS, run: str, timeout_s: float, alive_within_s: float
 
 async def _workers(nc: NATS, subjects: Subjects, timeout_s: float, alive_within_s: float) -> list[Worker]:
     """Last metrics event per service subject, then per worker among them."""
-    js = nc.jetstream(timeout=timeout_s)
-    try:
-        sub = await js.pull_subscribe(
-            subjects.metrics_all,
-            stream=METRICS_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.BY_START_TIME,
-                                  opt_start_time=datetime.fromtimestamp(time.time() - max(alive_within_s * 4, 60), UTC),
-                                  mem_storage=True),
-        )
-    except NotFoundError:
-        return []
+    since = datetime.fromtimestamp(time.time() - max(alive_within_s * 4, 60), UTC)
     last: dict[tuple[str, str], float] = {}
     counters: dict[tuple[str, str], dict[str, float]] = {}
-    try:
-        pending = (await sub.consumer_info()).num_pending or 0
-        seen = 0
-        while seen < pending:
-            try:
-                msgs = await sub.fetch(min(512, pending - seen), timeout=timeout_s)
-            except TimeoutError:
-                break
-            seen += len(msgs)
-            for msg in msgs:
-                try:
-                    ev = decode(MetricsEvent, msg.data)
-                except MessageError:
-                    continue
-                key = (ev.service, ev.worker)
-                if ev.time >= last.get(key, 0.0):
-                    last[key] = ev.time
-                    counters[key] = {k: ev.values[k] for k in names.CONSTRAINT_COUNTERS if k in ev.values}
-    finally:
-        await sub.unsubscribe()
+    for ev in await metrics_events(nc, subjects.metrics_all, timeout_s, since):
+        key = (ev.service, ev.worker)
+        if ev.time >= last.get(key, 0.0):
+            last[key] = ev.time
+            counters[key] = {k: ev.values[k] for k in names.CONSTRAINT_COUNTERS if k in ev.values}
     now = time.time()
     return [Worker(s, w, now - t, now - t <= alive_within_s, counters.get((s, w), {})) for (s, w), t in sorted(last.items())]
 
