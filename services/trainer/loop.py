@@ -139,6 +139,8 @@ class Trainer:
         await self.source.open(nc, self.metrics, self.last_seq)
         if self.feeder is not None:  # after the consumer: no answer to one of its prompts can be missed
             await self.feeder.start(nc, self.metrics)
+            if found is None and self.settings.feeder.eval_every and self.settings.feeder.eval_at_start:
+                await self.feeder.issue_eval()  # the baseline round, before any training
 
     async def _start_afresh(self, js: Any) -> None:
         """No checkpoint, a feeder: the run starts now (`fresh.py`). The consumer starts after the

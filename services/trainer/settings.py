@@ -134,6 +134,10 @@ class FeederSettings(Section):
     """How rows of `eval_dataset_path` are read (its split defaults to "test"; a file has no splits)."""
     eval_every: int = Field(0, ge=0)
     """Issue the eval set every this many steps (0: never)."""
+    eval_at_start: bool = False
+    """With `eval_every`: also issue the eval set before the first step of a fresh start (round
+    `eval@0`, or the first version of a continued numbering), the baseline later rounds are read
+    against (a resumed trainer does not issue it again)."""
     eval_size: int = Field(64, ge=1)
     """How many eval rows to issue each time (the first N of the eval set)."""
     eval_timeout_s: float = Field(300.0, gt=0)

@@ -117,6 +117,41 @@ async def test_an_eval_round_issued_again_after_a_resume_is_answered(nats_url: s
         await nc.close()
 
 
+@pytest.mark.timeout(120)
+async def test_eval_at_start_issues_the_baseline_round_before_the_first_step(nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
+    """`feeder.eval_at_start`: the eval set goes out when a fresh trainer starts, as round 0 (the pass
+    rate a run's later rounds are read against); nothing is trained for it."""
+    run = "ev0"
+    s0 = Subjects(run)
+    settings = TrainerSettings(
+        run=run, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), batch_groups=1,
+        checkpoint_every=0, publish_weights=False, fetch_timeout_s=0.2,
+        feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1,
+                "eval_dataset_path": str(write_dataset(tmp_path / "e.jsonl", 5)), "eval_every": 10, "eval_size": 2,
+                "eval_at_start": True},
+    )
+    nc = await connect(nats_url, "test")
+    trainer = Trainer(settings, TrainEngine(settings))
+    try:
+        events = await nc.subscribe(s0.metrics("eval"))
+        await trainer.start(nc)
+        js = nc.jetstream()
+        evals = await take_prompts(js, s0.prompts_eval, "eval-start", 5)
+        assert sorted(t.prompt_id for t in evals) == [f"eval0-{i}.{trainer.feeder.nonce}" for i in range(2)]
+        assert trainer.version == 0
+        for t, rewards in zip(evals, ([1.0, 0.0], [0.0, 0.0]), strict=True):
+            tensors = make_group(tiny_model, "123", group_size=2)
+            tensors["rewards"] = np.array(rewards, dtype=np.float32)
+            body, meta = encode_group_with_meta(tensors, run=run, prompt_id=t.prompt_id, worker="test", is_eval=True)
+            await js.publish(s0.trajectories_eval, body, headers=trajectory_headers(meta), stream=TRAJECTORIES_STREAM)
+        event = decode(MetricsEvent, (await events.next_msg(timeout=10)).data)
+        assert event.step == 0 and event.values["eval_complete"] == 1
+        assert event.values["eval_accuracy"] == pytest.approx(1 / 4)
+    finally:
+        await trainer.close()
+        await nc.close()
+
+
 @pytest.mark.timeout(60)
 async def test_an_unfinished_eval_round_is_reported_at_its_timeout(nats_url: str, tiny_model: Path) -> None:
     nc = await connect(nats_url, "test")
