@@ -6,6 +6,7 @@ until its engine was built, so the prompt never came."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 
 from schemas.messages import PromptTask
 from schemas.subjects import Subjects
-from services.common.bus import connect, declare_streams
+from services.common.bus import Bus, connect, declare_streams
 from services.trainer import service
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import make_group, publish_group, take_prompts, trained_steps, write_dataset
@@ -45,7 +46,7 @@ async def test_the_first_prompts_go_out_while_the_engine_is_built(
     nc = await connect(nats_url, "test")
     js = nc.jetstream()
     await declare_streams(js)  # the rollout side may ask for prompts before the trainer is up
-    trainer = asyncio.create_task(service.run_ranks(settings, service._run_rank0, early=True))
+    trainer = asyncio.create_task(service.run_ranks(settings, functools.partial(service._run_rank0, bus=Bus.of(settings)), early=True))
     try:
         S = Subjects(RUN)
         tasks: list[PromptTask] = []
