@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
-import time
+import threading
+from collections.abc import Callable
 
 from services.bus.nats_cluster import NatsCluster
 from services.bus.nats_server import NatsServer
@@ -32,19 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     server = NatsServer(args.store_dir, args.port, args.host, args.monitor_port, args.max_payload)
     server.start()
     print(f"nats-server ready at {server.url} (store {server.store_dir}, log {server.log_file})", flush=True)
-    stop = False
-
-    def _stop(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    while not stop and server.proc is not None and server.proc.poll() is None:
-        try:
-            server.proc.wait(0.5)
-        except subprocess.TimeoutExpired:
-            pass
+    _until_stopped(lambda: server.proc is not None and server.proc.poll() is None)
     server.stop()
     return 0
 
@@ -55,15 +43,15 @@ def _run_cluster(store_dir: str, size: int, host: str) -> int:
     for i, node in enumerate(cluster.nodes):
         monitor = f"http://{host}:{node.monitor_port}"
         print(f"  node n{i}: {node.url} (store {node.store_dir}, log {node.log_file}, monitor {monitor})", flush=True)
-    stop = False
-
-    def _stop(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    while not stop:
-        time.sleep(0.5)
+    _until_stopped(lambda: True)
     cluster.stop()
     return 0
+
+
+def _until_stopped(alive: Callable[[], bool]) -> None:
+    """Until SIGTERM or SIGINT, or until `alive()` (checked every 0.5 s) is false."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while alive() and not stop.wait(0.5):
+        pass
