@@ -35,6 +35,7 @@ class TreeCPU:
         self.interval_s = interval_s
         self.started = time.time()
         self._last: dict[int, tuple[str, float]] = {}
+        self._rss: dict[int, tuple[str, int]] = {}
         self._series: list[tuple[float, dict[int, tuple[str, float]]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -61,10 +62,12 @@ class TreeCPU:
             try:
                 with proc.oneshot():
                     times = proc.cpu_times()
+                    rss = proc.memory_info().rss
                     name = self._last[proc.pid][0] if proc.pid in self._last else label(proc.cmdline())
             except psutil.Error:
                 continue
             self._last[proc.pid] = (name, times.user + times.system)
+            self._rss[proc.pid] = (name, max(rss, self._rss.get(proc.pid, (name, 0))[1]))
         self._series.append((time.time() - self.started, dict(self._last)))
 
     def by_label(self, until_s: float | None = None) -> dict[str, float]:
@@ -76,4 +79,12 @@ class TreeCPU:
         out: dict[str, float] = defaultdict(float)
         for name, cpu in last.values():
             out[name] += cpu
+        return dict(out)
+
+    def peak_rss_by_label(self) -> dict[str, float]:
+        """GiB: the largest sampled resident size of one process of each label (a label's processes are
+        not added up: the trainer's peak, not the sum of the reward pool's)."""
+        out: dict[str, float] = defaultdict(float)
+        for name, rss in self._rss.values():
+            out[name] = max(out[name], rss / 2**30)
         return dict(out)
