@@ -141,7 +141,7 @@ def parse() -> argparse.Namespace:
     copy3 = args.task == "copy3"
     args.batches = [int(b) for b in (args.batches or ("16,32" if copy3 else "4,8")).split(",") if b.strip()]
     args.lrs = [float(x) for x in (args.lrs or ("1e-3" if copy3 else "1e-4")).split(",") if x.strip()]
-    args.etas = [int(e) for e in args.etas.split(",") if e.strip()]
+    args.etas = [int(e) for e in args.etas.split(",") if e.strip()] or [2]  # "": the presets' eta
     return args
 
 
