@@ -38,7 +38,7 @@ from nats.aio.client import Client as NATS
 from schemas.messages import Message, WeightsLoaded, WeightsLoadFailed, WeightsPublished, encode
 from schemas.subjects import WEIGHTS_BUCKET, Subjects
 from services.common.bus import Bus, close_connection
-from services.common.busretry import BusUnavailable, RetryPolicy, with_retries
+from services.common.busretry import BusUnavailable, RetryPolicy, retry, with_retries
 from services.common.health import http_check, register_check
 from services.common.logging import bind_context, get_logger
 from services.common.metrics import MetricsPublisher
@@ -192,9 +192,9 @@ class WeightsAgent:
         """Fetch, verify and load one version. True if the server now serves it."""
         t0 = time.perf_counter()
         bind_context(version=target.version)
-        retry = Retry(self.settings.chunk_timeout_s, self.settings.bus_retry_timeout_s,
-                      on_retry=lambda _: self.metrics.count("fetch_retries"), policy=self.retry)
-        fetch = asyncio.ensure_future(fetch_version(self.js, target, self.cache_dir, retry))
+        patience = Retry(self.settings.chunk_timeout_s, self.settings.bus_retry_timeout_s,
+                         on_retry=lambda _: self.metrics.count("fetch_retries"), policy=self.retry)
+        fetch = asyncio.ensure_future(fetch_version(self.js, target, self.cache_dir, patience))
         self._fetching = (target.version, fetch)
         try:
             path: Path | None = await fetch
@@ -253,14 +253,18 @@ class WeightsAgent:
         return not reason, reason, time.perf_counter() - t0
 
     async def _resume(self) -> bool:
-        for attempt in range(RESUME_ATTEMPTS):
-            try:
-                await self.server.resume()
-                return True
-            except ServerError as exc:
-                log.error("continue_generation failed", attempt=attempt + 1, error=str(exc))
-                await asyncio.sleep(min(0.2 * 2**attempt, 2.0))
-        return False
+        """`continue_generation`, tried RESUME_ATTEMPTS times (each failure logged); False if none succeeded."""
+
+        def failed(exc: BaseException, attempt: int) -> None:
+            log.error("continue_generation failed", attempt=attempt, error=str(exc))
+
+        try:
+            await retry(self.server.resume, when=lambda exc: isinstance(exc, ServerError), attempts=RESUME_ATTEMPTS,
+                        initial_s=0.2, max_s=2.0, on_retry=failed)
+            return True
+        except ServerError as exc:
+            failed(exc, RESUME_ATTEMPTS)
+            return False
 
     async def _failed(self, version: int, reason: str) -> None:
         log.error("weights load failed; server keeps its current version", version=version, serving=self.loaded_version, reason=reason)
