@@ -80,7 +80,8 @@ def test_device_cuda_puts_trainer_and_servers_on_one_gpu_in_bf16_and_the_section
     _print_settings(UpSettings(dataset_path="d.jsonl", device="cuda"), composed.learning)
     assert "  up: device=cuda, dtype=bfloat16, serving_memory_fraction=0.3" in capsys.readouterr().out
 
-    own = {"inference": {"dtype": "float32", "memory_fraction": 0.5}, "trainer": {"dtype": "float32", "weights": {"dtype": "float32"}}}
+    own: dict[str, dict[str, Any]] = {"inference": {"dtype": "float32", "memory_fraction": 0.5},
+                                      "trainer": {"dtype": "float32", "weights": {"dtype": "float32"}}}
     composed = _compose(tmp_path, own, {}, device="cuda")
     trainer, server = _env(composed, "trainer"), _env(composed, "inference-0")
     assert trainer["JETRL_TRAINER__DTYPE"] == _weights(trainer)["dtype"] == "float32"
