@@ -9,8 +9,9 @@
 2. Verifies, for Python 3.12 on Linux x86_64: every wheel is installable there (its tags); every
    dependency of every wheel is carried or on the machine (`DEVICE_HAS`); every module the check
    imports (`imports.py`, an AST walk from its entry files) is carried or on the machine; every
-   program it runs (`BINARIES`: nats-server, for `jetrl up`) is a carried wheel's script; the
-   working tree plus the wheels fit in 64 MiB.
+   program it runs (`BINARIES`: nats-server, for `jetrl up`) is a carried wheel's script; pip itself
+   would install every requirement from the wheels there (`pip install --dry-run --no-deps
+   --python-version 3.12 ...`, offline); the working tree plus the wheels fit in 64 MiB.
 3. Prints the command to run on the device (`device.sh`, with the wheels carried).
 """
 
@@ -152,10 +153,22 @@ def verify() -> list[str]:
     for module, where in sorted(third_party().items()):
         if module not in imports and module not in OPTIONAL:
             problems.append(f"{where} imports {module}: neither carried nor on the device")
+    problems.extend(pip_dry_run())
     size = tree_bytes() + sum(p.stat().st_size for p in carried.values())
     if size > LIMIT:
         problems.append(f"tree + wheels are {size / 2**20:.1f} MiB, over {LIMIT / 2**20:.0f} MiB")
     return problems
+
+
+def pip_dry_run() -> list[str]:
+    """pip's own answer (no network, nothing installed): every requirement has a wheel here that installs on
+    CPython 3.12 manylinux x86_64 (`--no-deps`: their dependencies are checked above, the device's are not here)."""
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index", "--find-links", str(WHEELS),
+           "-r", str(HERE / "requirements.txt"), "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+           "--abi", "cp312", *[f"--platform={p}" for p in PLATFORMS], "--platform=linux_x86_64", "--platform=any",
+           "--target", str(WHEELS / ".dry-run")]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    return [] if out.returncode == 0 else [f"pip install --dry-run for CPython 3.12 fails: {out.stderr.strip()[-800:]}"]
 
 
 def tree_bytes() -> int:
