@@ -63,7 +63,7 @@ def compose(s: UpSettings, sections: dict[str, dict[str, Any]], creds: RunCreden
     }
     # Weights travel in memory to the servers it started, unless simulated (weights.py, docs/weights.md)
     served = deep_merge(device.inference_section(s), sec("inference"))  # up.device's, under the inference section
-    tsec = device.with_weights_dtype(s, trainer_weights(sec("trainer"), servers, _simulated(served)))
+    tsec = device.with_weights_dtype(trainer_weights(sec("trainer"), servers, _simulated(served)), served["dtype"])
     if not s.dataset_path and eval_set is not None:  # the demo: a fixed eval set of 32 prompts, every 10 steps
         trainer["feeder"] |= {"eval_dataset_path": str(eval_set), "eval_every": 10, "eval_size": 32}
     elif eval_set is not None:  # a generated task's held-out rows, for a trainer section's `feeder.eval_every`

@@ -58,13 +58,13 @@ def trainer_section(s: UpSettings) -> dict[str, Any]:
     return {"dtype": dtype, "publish_dtype": dtype}
 
 
-def with_weights_dtype(s: UpSettings, trainer: dict[str, Any]) -> dict[str, Any]:
+def with_weights_dtype(trainer: dict[str, Any], served: str) -> dict[str, Any]:
     """The trainer section (weights transport already chosen) with its in-memory versions sent in the
-    servers' dtype, unless the section names one."""
+    dtype the servers serve (`served`: up's, or their section's), unless the section names one."""
     weights = trainer.get("weights")
     if not isinstance(weights, dict) or weights.get("transport") not in IN_MEMORY or "dtype" in weights:
         return trainer
-    return {**trainer, "weights": {**weights, "dtype": dtype_of(s)}}
+    return {**trainer, "weights": {**weights, "dtype": served}}
 
 
 def inference_section(s: UpSettings) -> dict[str, Any]:

@@ -87,6 +87,8 @@ def test_device_cuda_puts_trainer_and_servers_on_one_gpu_in_bf16_and_the_section
     assert trainer["JETRL_TRAINER__DTYPE"] == _weights(trainer)["dtype"] == "float32"
     assert server["JETRL_INFERENCE__DTYPE"] == "float32" and server["JETRL_INFERENCE__MEMORY_FRACTION"] == "0.5"
     assert server["JETRL_INFERENCE__DEVICE"] == "cuda"
+    trainer = _env(_compose(tmp_path, {"inference": {"dtype": "float32"}}, {}, device="cuda"), "trainer")
+    assert _weights(trainer)["dtype"] == "float32" and trainer["JETRL_TRAINER__DTYPE"] == "bfloat16"  # versions in the served dtype
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here: nothing to refuse")
