@@ -22,7 +22,11 @@ TARGET = 0.9
 def _logged(log: Path, event: str) -> dict[str, object]:
     """The first JSON line of a service's log with this event."""
     for line in log.read_text().splitlines():
-        if line.startswith("{") and (record := json.loads(line)).get("event") == event:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # not ours (DeepSpeed's and torch's own prints)
+        if isinstance(record, dict) and record.get("event") == event:
             return record
     raise AssertionError(f"no {event!r} in {log}")
 
