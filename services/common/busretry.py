@@ -11,9 +11,9 @@ A write JetStream refused for want of space (`storefull.py`), or one that timed 
 health names streams it cannot write, is retried too, without a budget (space returns when a person
 makes room, however long that takes; a stop still ends it), and logged at error level naming the stream.
 
-What a process's retries share lives in its `RetryPolicy` (the `Bus` its entry point makes carries it):
-the store alarm, and the stop that ends them (`runner.supervise` binds its own); nothing here is
-process-wide.
+What a service's retries share lives in its `RetryPolicy` (the `Bus` its entry point makes carries it):
+the store alarm, the permissions violations, and the stop that ends them (`runner.supervise` binds its
+own); nothing here is process-wide. `retry` is the same loop for what is no NATS outage.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class BusUnavailable(ConnectionError):
 
 class RetryPolicy:
     """What every retried NATS call of one service shares: its `alarm` (a timed-out write asks the
-    server's health whether the store is full, `storefull.py`) and the stop that ends the retries.
+    server's health whether the store is full, `storefull.py`), the permissions violations its
+    connections were told of, and the stop that ends the retries.
     Its `Bus` carries it (`Bus.of` makes it from `nats_monitor_url`); `RetryPolicy()`: no monitor
     address, no stop (a tool or a test)."""
 
