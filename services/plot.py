@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from schemas.messages import MessageError, MetricsEvent, decode
 from schemas.subjects import METRICS_STREAM, Subjects
-from services.common.bus import connect
+from services.common.bus import Bus
 from services.common.busretry import BusUnavailable
 from services.common.nats_auth import NatsAuth
 from services.common.streaminfo import leader_stream_info
@@ -27,10 +27,11 @@ from services.up.report import summary_lines, workflow_stats_line, write_metrics
 
 async def read_metrics(url: str, run: str, auth: NatsAuth | None = None) -> RunView:
     """Every trainer step event of the run, from the start of the METRICS stream."""
-    nc = await connect(url, "jetrl-plot", connect_timeout_s=10, auth=auth)
+    bus = Bus(url, auth)
+    nc = await bus.connect("jetrl-plot", connect_timeout_s=10)
     js = nc.jetstream()
     view = RunView(started=0.0)
-    info = await leader_stream_info(js, METRICS_STREAM)  # a replica with no leader may be behind
+    info = await leader_stream_info(js, METRICS_STREAM, policy=bus.retry)  # a replica with no leader may be behind
     last = info.state.last_seq
     sub = await js.subscribe(Subjects(run).metrics_all, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL, stream=METRICS_STREAM)
     try:

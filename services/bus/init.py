@@ -30,10 +30,10 @@ async def init_bus(settings: BusSettings, bus: Bus) -> dict[str, str]:
                              settings.trajectories_discard)
         done = await bus.declare_streams(js, specs)
         try:
-            await js_api_call(f"bucket {WEIGHTS_BUCKET}: open", functools.partial(js.object_store, WEIGHTS_BUCKET))
+            await js_api_call(f"bucket {WEIGHTS_BUCKET}: open", functools.partial(js.object_store, WEIGHTS_BUCKET), policy=bus.retry)
             done[f"bucket {WEIGHTS_BUCKET}"] = "unchanged"
         except BucketNotFoundError:
-            await open_bucket(js, WEIGHTS_BUCKET, replicas=bus.replicas, declare=bus.declare)
+            await open_bucket(js, WEIGHTS_BUCKET, replicas=bus.replicas, declare=bus.declare, policy=bus.retry)
             done[f"bucket {WEIGHTS_BUCKET}"] = "created"
     except PermissionError as exc:  # the server reported a permissions violation on the JetStream API
         raise RuntimeError(

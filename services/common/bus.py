@@ -8,9 +8,8 @@ import functools
 import ssl
 import time
 import weakref
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import nats
@@ -22,10 +21,11 @@ from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy, StorageType, Str
 from nats.js.errors import NotFoundError
 
 from schemas.subjects import StreamSpec, stream_specs
-from services.common.busretry import full_jitter, with_retries
+from services.common.busretry import RetryPolicy, retry, with_retries
 from services.common.health import register_check, unregister_check
 from services.common.logging import get_logger
 from services.common.nats_auth import NatsAuth
+from services.common.storefull import StoreAlarm
 
 if TYPE_CHECKING:
     from services.common.settings import ServiceSettings
@@ -37,10 +37,6 @@ T = TypeVar("T")
 # Replies to requests larger than this go over several messages; keep a margin below max_payload.
 DEFAULT_PENDING_BYTES = 256 * 1024 * 1024
 
-
-_denials: deque[tuple[float, str]] = deque(maxlen=16)
-"""Permissions violations the server reported to this process's clients (monotonic time, text): a
-request the user may not make is dropped, so the request itself only sees a timeout."""
 
 DECLARE_BUDGET_S = 60.0
 """How long stream declaration rides out a bus that does not answer yet (a cluster still electing its
@@ -54,7 +50,8 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 class Bus:
     """How one process talks to NATS: where, as whom, and the policy of every stream and bucket it
     declares. A service's entry point makes it once from its settings (`Bus.of`) and hands it to the
-    service; nothing about the bus is process-wide. `Bus()` is a lone local server, declaring."""
+    service; nothing about the bus is process-wide. `Bus()` is a lone local server, declaring (the
+    default of the objects a test or a tool builds by hand; a service passes its own)."""
 
     url: str = DEFAULT_URL
     """NATS server URL(s), comma-separated."""
@@ -67,6 +64,10 @@ class Bus:
     retry_budget_s: float = DECLARE_BUDGET_S
     """How long a call retried through `retries` rides out a bus that does not answer (the service's
     `bus_retry_timeout_s` where it has one, else DECLARE_BUDGET_S)."""
+    retry: RetryPolicy = field(default_factory=RetryPolicy, compare=False)
+    """What every retried call of the service shares: the store alarm (`nats_monitor_url`), the stop
+    that ends the retries (`runner.supervise` binds it), the permissions violations its clients met.
+    Shared by `as_user`'s copies."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -75,9 +76,10 @@ class Bus:
     @classmethod
     def of(cls, settings: ServiceSettings) -> Bus:
         """The bus a service's settings describe (`nats_url`, `nats_auth`, `nats_replicas`, `bus_declare`,
-        and `bus_retry_timeout_s` where the service has it)."""
+        and `bus_retry_timeout_s` where the service has it), its store alarm asking `nats_monitor_url`."""
         return cls(settings.nats_url, settings.nats_auth, settings.nats_replicas, settings.bus_declare,
-                   float(getattr(settings, "bus_retry_timeout_s", DECLARE_BUDGET_S)))
+                   float(getattr(settings, "bus_retry_timeout_s", DECLARE_BUDGET_S)),
+                   RetryPolicy(StoreAlarm(settings.nats_monitor_url)))
 
     def as_user(self, auth: NatsAuth | None, *, declare: bool | None = None) -> Bus:
         """This bus with other credentials (None: keep these), and a declare policy if given (a run's
@@ -86,13 +88,14 @@ class Bus:
 
     async def connect(self, name: str, *, connect_timeout_s: float = 30.0, url: str | None = None) -> NATS:
         """`connect` to this bus (or to `url`, a run's own server found at start) with its credentials."""
-        return await connect(url or self.url, name, connect_timeout_s=connect_timeout_s, auth=self.auth)
+        return await connect(url or self.url, name, connect_timeout_s=connect_timeout_s, auth=self.auth, retry=self.retry)
 
     async def declare_streams(self, js: JetStreamContext, specs: Iterable[StreamSpec] | None = None, *,
                               budget_s: float = DECLARE_BUDGET_S, on_retry: Callable[[BaseException], None] | None = None
                               ) -> dict[str, str]:
         """`declare_streams` with this bus's replicas and declare policy."""
-        return await declare_streams(js, specs, replicas=self.replicas, declare=self.declare, budget_s=budget_s, on_retry=on_retry)
+        return await declare_streams(js, specs, replicas=self.replicas, declare=self.declare, budget_s=budget_s, on_retry=on_retry,
+                                     policy=self.retry)
 
     async def publish_acked(self, js: JetStreamContext, subject: str, data: bytes, *, timeout_s: float,
                             headers: dict[str, str] | None = None, stream: str | None = None) -> PubAck:
@@ -102,12 +105,7 @@ class Bus:
     async def retries(self, what: str, call: Callable[[], Awaitable[T]],
                       on_retry: Callable[[BaseException], None] | None = None) -> T:
         """`with_retries` within this bus's retry budget."""
-        return await with_retries(what, call, self.retry_budget_s, on_retry)
-
-
-LOCAL_BUS = Bus()
-"""A lone local server, no credentials, one replica, declaring: the default of the objects a test or a
-tool builds by hand (a service passes its own)."""
+        return await with_retries(what, call, self.retry_budget_s, on_retry, policy=self.retry)
 
 
 class BusNotInitialized(RuntimeError):
@@ -121,10 +119,12 @@ def not_initialized(what: str) -> BusNotInitialized:
     )
 
 
-async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0, auth: NatsAuth | None = None) -> NATS:
+async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0, auth: NatsAuth | None = None,
+                  retry: RetryPolicy | None = None) -> NATS:
     """Connect with unlimited reconnects; retry the first connect until `connect_timeout_s` (services
     do not depend on start order). `auth` None: no credentials (a service connects through its
-    `Bus`, which passes its own). A server that refuses the credentials, or a TLS handshake that
+    `Bus`, which passes its own, and its `retry` policy, which keeps the permissions violations the
+    server reports). A server that refuses the credentials, or a TLS handshake that
     fails, ends the attempt at once with the server's own error: retrying cannot fix either."""
     loop = asyncio.get_running_loop()
     refused: asyncio.Future[BaseException] = loop.create_future()
@@ -132,8 +132,8 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 30.0, auth:
     async def error_cb(exc: Exception) -> None:
         if not refused.done() and _is_refusal(exc):
             refused.set_result(exc)
-        if "permissions violation" in str(exc).lower():
-            _denials.append((time.monotonic(), str(exc)))
+        if retry is not None and "permissions violation" in str(exc).lower():
+            retry.denials.append((time.monotonic(), str(exc)))
         log.warning("nats error", error=repr(exc))
 
     async def disconnected_cb() -> None:
@@ -261,7 +261,8 @@ _COMPARED = ("subjects", "retention", "max_msgs_per_subject", "max_age", "max_by
 
 async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | None = None, *, replicas: int = 1,
                           declare: bool = True, budget_s: float = DECLARE_BUDGET_S,
-                          on_retry: Callable[[BaseException], None] | None = None) -> dict[str, str]:
+                          on_retry: Callable[[BaseException], None] | None = None, policy: RetryPolicy | None = None
+                          ) -> dict[str, str]:
     """Create each stream, or update it if its config differs; a stream that matches is left alone.
     `replicas` (a service's `nats_replicas`, through its `Bus`) is part of the config: a stream found with
     another replica count is scaled to it (NATS moves the data); a cluster too small for it is an
@@ -273,20 +274,23 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
 
     Each JetStream call goes through `js_api_call`: a bus that does not answer yet (timeouts, no
     responders, 503) is waited out for `budget_s` (a service passes its own `bus_retry_timeout_s`);
-    a permissions violation is `PermissionError` at once."""
+    a permissions violation is `PermissionError` at once. `policy`: the service's (`Bus.declare_streams`
+    passes it; None: a fresh one, for a test or a tool)."""
     if replicas < 1:
         raise ValueError(f"nats_replicas must be at least 1, got {replicas}")
+    policy = policy if policy is not None else RetryPolicy()
     result: dict[str, str] = {}
     for spec in specs if specs is not None else stream_specs():
         want = _config(spec, replicas)
         try:
-            info = await js_api_call(f"stream {spec.name}: info", functools.partial(js.stream_info, spec.name), budget_s, on_retry)
+            info = await js_api_call(f"stream {spec.name}: info", functools.partial(js.stream_info, spec.name), budget_s, on_retry,
+                                     policy=policy)
         except NotFoundError:
             if not declare:
                 raise not_initialized(f"stream {spec.name}") from None
             try:
                 await _placed(functools.partial(js_api_call, f"stream {spec.name}: create", functools.partial(js.add_stream, want),
-                                                budget_s, on_retry))
+                                                budget_s, on_retry, policy=policy))
             except nats.js.errors.APIError as exc:
                 raise RuntimeError(f"stream {spec.name}: cannot create it with {replicas} replica(s): {exc}") from exc
             result[spec.name] = "created"
@@ -304,7 +308,8 @@ async def declare_streams(js: JetStreamContext, specs: Iterable[StreamSpec] | No
                         replicas_found=have.num_replicas or 1, replicas_wanted=replicas)
         want.subjects = sorted(set(have.subjects or []) | set(want.subjects or []))
         try:
-            await js_api_call(f"stream {spec.name}: update", functools.partial(js.update_stream, want), budget_s, on_retry)
+            await js_api_call(f"stream {spec.name}: update", functools.partial(js.update_stream, want), budget_s, on_retry,
+                              policy=policy)
         except nats.js.errors.APIError as exc:
             raise RuntimeError(f"stream {spec.name}: cannot update it (replicas {have.num_replicas or 1} -> {replicas}): {exc}") from exc
         result[spec.name] = "updated"
@@ -322,35 +327,29 @@ refusal is the answer (a cluster too small)."""
 async def _placed(call: Callable[[], Awaitable[T]]) -> T:
     """`call()`, again while JetStream answers 'no suitable peers for placement', for up to
     PLACEMENT_WAIT_S (seen under load on a 3-node cluster right after it formed)."""
-    since = time.monotonic()
-    attempt = 0
-    while True:
-        try:
-            return await call()
-        except nats.js.errors.APIError as exc:
-            if exc.err_code != NO_PLACEMENT or time.monotonic() - since >= PLACEMENT_WAIT_S:
-                raise
-            log.warning("no suitable peers for placement yet; trying again (a cluster still forming?)", error=str(exc))
-        await asyncio.sleep(full_jitter(attempt, 0.2, 2.0))
-        attempt += 1
+    return await retry(call, when=lambda exc: isinstance(exc, nats.js.errors.APIError) and exc.err_code == NO_PLACEMENT,
+                       budget_s=PLACEMENT_WAIT_S, initial_s=0.2, max_s=2.0,
+                       on_retry=lambda exc, _: log.warning("no suitable peers for placement yet; trying again (a cluster still forming?)",
+                                                           error=str(exc)))
 
 
 async def js_api_call(what: str, call: Callable[[], Awaitable[T]], budget_s: float = DECLARE_BUDGET_S,
-                      on_retry: Callable[[BaseException], None] | None = None) -> T:
+                      on_retry: Callable[[BaseException], None] | None = None, *, policy: RetryPolicy) -> T:
     """A JetStream API call made at start (declaring streams, opening a bucket), retried through a bus
     that does not answer yet for up to `budget_s` (then `BusUnavailable`; `on_retry` sees each retry).
-    A timeout after the server reported a permissions violation on the JetStream API is the user's
-    rights, not the bus: `PermissionError` at once, with the server's words."""
+    A timeout after the server reported a permissions violation on the JetStream API (to a client of
+    `policy`, the service's `Bus.retry`) is the user's rights, not the bus: `PermissionError` at once,
+    with the server's words."""
     since = time.monotonic()
 
     def refuse_if_denied(exc: BaseException) -> None:
-        denied = [text for at, text in _denials if at >= since and "$js.api" in text.lower()]
+        denied = policy.denied_since(since)
         if denied:
             raise PermissionError(f"{what}: {denied[-1]}") from exc
         if on_retry is not None:
             on_retry(exc)
 
-    return await with_retries(what, call, budget_s, on_retry=refuse_if_denied)
+    return await with_retries(what, call, budget_s, on_retry=refuse_if_denied, policy=policy)
 
 
 def _same(a: object, b: object) -> bool:

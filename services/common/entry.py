@@ -100,12 +100,9 @@ def service_main(
     from services.common.bus import Bus
     from services.common.health import run_with_health  # after settings: keeps --help instant
 
-    # how every NATS connection of this service authenticates, and what it declares: one object, handed over
+    # how every NATS connection of this service authenticates, what it declares and how its calls are
+    # retried (the store alarm asking `nats_monitor_url`, the stop that ends retries): one object, handed over
     bus = Bus.of(settings) if uses_bus else None
-
-    from services.common.storefull import ALARM
-
-    ALARM.monitor_url = settings.nats_monitor_url  # a timed-out write asks it whether the store is full
 
     async def body() -> None:
         # The side port (/healthz, /readyz, /metrics) lives as long as the service, when health_port is set.

@@ -17,7 +17,7 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from services.common.busretry import stop_retrying_when
+from services.common.busretry import RetryPolicy
 from services.common.logging import get_logger
 
 log = get_logger("runner")
@@ -109,11 +109,15 @@ async def supervise(
     main: Callable[[Supervisor], Awaitable[None]],
     shutdown_timeout_s: float = 20.0,
     handle_signals: bool = True,
+    retry: RetryPolicy | None = None,
 ) -> None:
     """Run `main(supervisor)` (which spawns tasks and may return at once), until a signal, a task
-    failure, or every task finishing. Resources in `supervisor.stack` are closed within the deadline."""
+    failure, or every task finishing. Resources in `supervisor.stack` are closed within the deadline.
+    `retry`: the service's retry policy (its `Bus.retry`), whose retries a stop ends at once."""
     sup = Supervisor(name, shutdown_timeout_s)
-    stop_retrying_when(sup.stopping)  # a stop with the bus gone gives up the NATS retries at once
+    before = retry.stopping if retry is not None else None
+    if retry is not None:
+        retry.stopping = sup.stopping  # a stop with the bus gone gives up the NATS retries at once
     if handle_signals:
         install_signal_handlers(sup)
     try:
@@ -131,7 +135,8 @@ async def supervise(
             closing.cancel()
         elif closing.exception() is not None:
             raise closing.exception()  # type: ignore[misc]
-        stop_retrying_when(None)
+        if retry is not None:
+            retry.stopping = before
     sup.raise_if_failed()
 
 

@@ -90,13 +90,13 @@ def describe(errors: dict[str, str]) -> str:
 
 
 class StoreAlarm:
-    """A service's view of the store after its writes time out: with the server's monitor address
-    (`nats_monitor_url`, which `jetrl up` sets), a timed-out write asks the server's health (at
+    """A service's view of the store after its writes time out (its `Bus`'s retry policy holds it):
+    with the server's monitor address (`nats_monitor_url`, which `jetrl up` sets), a timed-out write asks the server's health (at
     most every `ASK_EVERY_S`) whether streams cannot be written; each is then logged at error level,
     naming it (at most every `LOG_EVERY_S`), and counted in `seen`."""
 
-    def __init__(self) -> None:
-        self.monitor_url = ""
+    def __init__(self, monitor_url: str = "") -> None:
+        self.monitor_url = monitor_url
         self.seen: Counter[str] = Counter()
         """How often a timed-out write of this process met each stream unwritable."""
         self._asked = -ASK_EVERY_S
@@ -133,6 +133,3 @@ class StoreAlarm:
             return True
         return isinstance(exc, TimeoutError) and stream in await self.after_timeout(what)
 
-
-ALARM = StoreAlarm()
-"""This process's (`services.common.entry` sets its `monitor_url` from `nats_monitor_url`)."""

@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamInfo
 
 from services.common.bus import js_api_call
-from services.common.busretry import NoStreamLeader
+from services.common.busretry import NoStreamLeader, RetryPolicy
 
 
 def led(info: StreamInfo) -> bool:
@@ -23,9 +23,10 @@ def led(info: StreamInfo) -> bool:
     return info.cluster is None or info.cluster.leader is not None
 
 
-async def leader_stream_info(js: JetStreamContext, stream: str, subjects_filter: str | None = None) -> StreamInfo:
+async def leader_stream_info(js: JetStreamContext, stream: str, subjects_filter: str | None = None, *,
+                             policy: RetryPolicy) -> StreamInfo:
     """`js.stream_info(stream, subjects_filter)` answered by the stream's leader, waited for through an
-    outage within `DECLARE_BUDGET_S` (then `BusUnavailable`)."""
+    outage within `DECLARE_BUDGET_S` (then `BusUnavailable`); `policy`: the caller's (`Bus.retry`)."""
 
     async def ask() -> StreamInfo:
         info = await js.stream_info(stream, subjects_filter=subjects_filter)
@@ -34,4 +35,4 @@ async def leader_stream_info(js: JetStreamContext, stream: str, subjects_filter:
                                  f"(last sequence {info.state.last_seq}), which may be behind")
         return info
 
-    return await js_api_call(f"stream {stream}: info from its leader", ask)
+    return await js_api_call(f"stream {stream}: info from its leader", ask, policy=policy)

@@ -309,7 +309,7 @@ async def run(settings: InferenceSettings) -> None:
         sup.spawn("unready-on-stop", _mark_stopping(sup, server))
         sup.stack.callback(_log_totals, server)
         log.info("ready", url=f"http://{settings.host}:{port}", model_path=backend.model_path, version=backend.version,
-                 startup_cpu_s=round(time.process_time(), 3))
+                 device=settings.device, dtype=settings.dtype, startup_cpu_s=round(time.process_time(), 3))
 
     await supervise("inference", main, settings.shutdown_timeout_s)
 

@@ -18,6 +18,7 @@ from services.replay.settings import ExportSettings
 
 if TYPE_CHECKING:
     from services.common.bus import Bus
+    from services.common.busretry import RetryPolicy
 
 
 @dataclass
@@ -31,8 +32,10 @@ class ExportResult:
     complete: bool = True
 
 
-async def export_range(js: object, settings: ExportSettings, stopping: asyncio.Event | None = None) -> ExportResult:
-    """Write the range of `settings.run` to `settings.output`; returns what was written and skipped."""
+async def export_range(js: object, settings: ExportSettings, stopping: asyncio.Event | None = None,
+                       retry: RetryPolicy | None = None) -> ExportResult:
+    """Write the range of `settings.run` to `settings.output`; returns what was written and skipped
+    (`retry`: the service's retry policy, `Bus.retry`)."""
     from schemas.trajectory import TrajectoryError, decode_group
     from services.common.logging import get_logger
     from services.common.progress import Progress
@@ -45,7 +48,7 @@ async def export_range(js: object, settings: ExportSettings, stopping: asyncio.E
     tmp = out.with_name(out.name + ".partial")
     result = ExportResult(out)
     writer = ExportWriter(tmp, settings.row_group_rows, settings.compression)
-    reader = StreamReader(js, settings.run, settings.range, batch=settings.fetch_batch)  # type: ignore[arg-type]
+    reader = StreamReader(js, settings.run, settings.range, batch=settings.fetch_batch, retry=retry)  # type: ignore[arg-type]
     progress: Progress | None = None
     try:
         async for record in reader:
@@ -89,7 +92,7 @@ async def run_export(settings: ExportSettings, bus: Bus) -> None:
         async def main(sup: Supervisor) -> None:
             async def run() -> None:
                 try:
-                    r = await export_range(nc.jetstream(), settings, sup.stopping)
+                    r = await export_range(nc.jetstream(), settings, sup.stopping, bus.retry)
                     log.info("export written" if r.groups else "export: nothing in the range", path=str(r.path),
                              groups=r.groups, rows=r.rows, last_seq=r.last_seq, malformed=r.malformed,
                              skipped=r.skipped, complete=r.complete)
@@ -98,7 +101,7 @@ async def run_export(settings: ExportSettings, bus: Bus) -> None:
 
             sup.spawn("export", run())
 
-        await supervise("export", main, settings.shutdown_timeout_s)
+        await supervise("export", main, settings.shutdown_timeout_s, retry=bus.retry)
     finally:
         await nc.close()
 

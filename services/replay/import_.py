@@ -72,7 +72,7 @@ async def run_import(settings: ImportSettings, bus: Bus) -> None:
 
             sup.spawn("import", run())
 
-        await supervise("import", main, settings.shutdown_timeout_s)
+        await supervise("import", main, settings.shutdown_timeout_s, retry=bus.retry)
     finally:
         await nc.close()
 

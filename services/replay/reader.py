@@ -29,6 +29,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import DecodedGroup
 from services.common.bus import js_api_call
+from services.common.busretry import RetryPolicy
 from services.common.consumers import add_consumer
 from services.common.logging import get_logger
 from services.replay.pull import ConsumerLost, Puller
@@ -65,8 +66,10 @@ class StreamReader:
     """`async for record in StreamReader(js, run, rng)`: the range's messages, in order, once."""
 
     def __init__(self, js: JetStreamContext, run: str, rng: RangeSettings, *, start_after: int = 0,
-                 batch: int = 64, fetch_timeout_s: float = 1.0) -> None:
+                 batch: int = 64, fetch_timeout_s: float = 1.0, retry: RetryPolicy | None = None) -> None:
+        """`retry`: the service's retry policy (`Bus.retry`; None: a fresh one)."""
         self.js = js
+        self.retry = retry if retry is not None else RetryPolicy()
         self.run = run
         self.rng = rng
         self.start_after = start_after
@@ -105,7 +108,7 @@ class StreamReader:
         await self._close_consumer()
         config = self._config(after)
         config.name = f"replay-{secrets.token_hex(8)}"
-        info = await add_consumer(self.js, TRAJECTORIES_STREAM, config)
+        info = await add_consumer(self.js, TRAJECTORIES_STREAM, config, policy=self.retry)
         self._consumer = info.name
         self._consumer_seq = info.delivered.consumer_seq if info.delivered else 0
         self._puller = Puller(self.js._nc, TRAJECTORIES_STREAM, info.name)  # the context's own connection
@@ -150,7 +153,7 @@ class StreamReader:
         for subject in self.subjects:
             last = functools.partial(self.js.get_last_msg, TRAJECTORIES_STREAM, subject)
             try:
-                msg = await js_api_call(f"stream {TRAJECTORIES_STREAM}: last message on {subject}", last)
+                msg = await js_api_call(f"stream {TRAJECTORIES_STREAM}: last message on {subject}", last, policy=self.retry)
             except nats.js.errors.NotFoundError:
                 continue
             if newest is None or (msg.seq or 0) > (newest.seq or 0):

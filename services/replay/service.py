@@ -28,14 +28,17 @@ from services.weights.sender.sync import WeightSync
 log = get_logger("replay")
 
 
-async def start_replay(settings: ReplaySettings, engine: TrainEngine, nc: NATS, weights: WeightSync | None = None) -> Trainer:
+async def start_replay(settings: ReplaySettings, engine: TrainEngine, nc: NATS, weights: WeightSync | None = None,
+                       bus: Bus | None = None) -> Trainer:
     """A started Trainer whose groups come from the recording (resumed from a checkpoint if asked: the
-    recording is read after the checkpoint's last consumed sequence)."""
+    recording is read after the checkpoint's last consumed sequence). `bus`: the service's (default:
+    from the settings)."""
+    on = bus if bus is not None else Bus.of(settings)
 
     def recording(intake: Intake) -> RecordingSource:
-        return RecordingSource(settings, intake)
+        return RecordingSource(settings, intake, retry=on.retry)
 
-    trainer = Trainer(settings, engine, weights=weights, source=recording, window=replay_window(settings))
+    trainer = Trainer(settings, engine, weights=weights, source=recording, window=replay_window(settings), bus=on)
     await trainer.start(nc)
     log.info("replay started", source="parquet" if settings.parquet else f"stream:{settings.source_run}",
              after_seq=trainer.last_seq, version=trainer.version, staleness=settings.staleness)
@@ -76,7 +79,7 @@ async def _run_rank0(settings: ReplaySettings, engine: TrainEngine, *, bus: Bus)
 
         async def main(sup: Supervisor) -> None:
             sup.stack.push_async_callback(weights.aclose)
-            trainer = await start_replay(settings, engine, nc, weights)
+            trainer = await start_replay(settings, engine, nc, weights, bus)
 
             async def run() -> None:
                 try:
@@ -87,7 +90,7 @@ async def _run_rank0(settings: ReplaySettings, engine: TrainEngine, *, bus: Bus)
 
             sup.spawn("replay", run())
 
-        await supervise("replay", main, settings.shutdown_timeout_s)
+        await supervise("replay", main, settings.shutdown_timeout_s, retry=bus.retry)
     finally:
         try:
             await asyncio.wait_for(nc.drain(), timeout=5.0)

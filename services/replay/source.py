@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from schemas.headers import is_rejection
 from schemas.subjects import HDR_HEAD_VERSION, HDR_TAIL_VERSION
 from schemas.trajectory import DecodedGroup, TrajectoryError, decode_group
+from services.common.busretry import RetryPolicy
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.replay.decode import decode_ahead
@@ -83,15 +84,16 @@ def skip_reason(record: Record, rng: RangeSettings) -> str | None:
     return None
 
 
-def open_records(settings: ReplaySettings, js: JetStreamContext, start_after: int) -> AsyncIterator[Record]:
+def open_records(settings: ReplaySettings, js: JetStreamContext, start_after: int,
+                 retry: RetryPolicy | None = None) -> AsyncIterator[Record]:
     """The range's recorded messages after `start_after`, from Parquet files if given, else from the
-    stream; each pull's (or as many Parquet) groups decoded together."""
+    stream (`retry`: the service's retry policy); each pull's (or as many Parquet) groups decoded together."""
     if settings.parquet:
         records = iter_records(settings.parquet, settings.range, run=settings.source_run, start_after=start_after)
         return decode_ahead(as_batches(records, settings.fetch_batch))
     assert settings.source_run is not None
     reader = StreamReader(js, settings.source_run, settings.range, start_after=start_after,
-                          batch=settings.fetch_batch, fetch_timeout_s=settings.fetch_timeout_s)
+                          batch=settings.fetch_batch, fetch_timeout_s=settings.fetch_timeout_s, retry=retry)
     return decode_ahead(reader.batches())
 
 
@@ -108,9 +110,12 @@ class RecordingSource:
     versions are the recorded run's: the trainer is not live). `collect` returns None once the range
     is exhausted."""
 
-    def __init__(self, settings: ReplaySettings, intake: Intake, *, records: AsyncIterator[Record] | None = None) -> None:
-        """`records`: already open (a bench); None: `open` reads the range from the resume point on."""
+    def __init__(self, settings: ReplaySettings, intake: Intake, *, records: AsyncIterator[Record] | None = None,
+                 retry: RetryPolicy | None = None) -> None:
+        """`records`: already open (a bench); None: `open` reads the range from the resume point on;
+        `retry`: the service's retry policy (`Bus.retry`) for reading the stream."""
         self.settings = settings
+        self.retry = retry
         self.intake = intake
         self.records = records
         self.rng = settings.range
@@ -131,7 +136,7 @@ class RecordingSource:
         """Read the range after the checkpoint's last consumed sequence (0: from its start)."""
         self.metrics, self.read_seq = metrics, after_seq
         if self.records is None:
-            self.records = open_records(self.settings, nc.jetstream(), after_seq)
+            self.records = open_records(self.settings, nc.jetstream(), after_seq, self.retry)
 
     async def applied(self) -> None:
         """Nothing to acknowledge: a recording is read, not consumed."""

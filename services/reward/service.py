@@ -237,4 +237,4 @@ async def run(settings: RewardSettings, bus: Bus) -> None:
         await service.start()
         sup.spawn("metrics", service.metrics_loop(sup.stopping))
 
-    await supervise("reward", main, settings.shutdown_timeout_s)
+    await supervise("reward", main, settings.shutdown_timeout_s, retry=bus.retry)

@@ -36,7 +36,7 @@ from schemas.sglang_protocol import (
     parse_server_version,
     parse_version,
 )
-from services.common.busretry import full_jitter
+from services.common.busretry import retry
 from services.common.logging import get_logger
 from services.common.trust import bearer_for
 from services.rollout.batching import GenerateBatcher
@@ -116,34 +116,31 @@ class SGLangClient:
         self._episodes.pop(episode, None)
 
     # ---- HTTP with retry and failover ----------------------------------------------------------
-    async def _backoff(self, attempt: int) -> None:
-        await asyncio.sleep(full_jitter(attempt, self.settings.backoff_initial_s, self.settings.backoff_max_s))
-
     async def _post_once(self, server: str, path: str, payload: dict[str, Any], timeout_s: float | None) -> Any:
-        """One POST with retries on this server. Raises BadRequestError on 4xx, OSError-like
-        `_Unavailable` when the retries are spent."""
-        last = "no attempt"
-        for attempt in range(self.settings.max_retries + 1):
-            if attempt:
-                await self._backoff(attempt - 1)
+        """One POST with retries on this server (`busretry.retry`: `max_retries`, full-jittered backoff).
+        Raises BadRequestError on 4xx, `_Unavailable` when the retries are spent."""
+
+        async def attempt() -> Any:
             try:
                 timeout = self._timeout(timeout_s if timeout_s is not None else self.settings.request_timeout_s)
                 async with self._http().post(server + path, json=payload, timeout=timeout, headers=bearer_for(path, *self.keys)) as resp:
                     status, text = resp.status, await resp.text()
             except TimeoutError:
-                last = "timeout"
-                continue
+                raise _Unavailable("timeout") from None
             except aiohttp.ClientError as exc:
-                last = f"connection error ({type(exc).__name__}: {exc})"
-                continue
+                raise _Unavailable(f"connection error ({type(exc).__name__}: {exc})") from exc
             if status in (408, 429) or status >= 500:
-                last = f"HTTP {status}: {text[:200]}"
-                continue
+                raise _Unavailable(f"HTTP {status}: {text[:200]}")
             body = _json_or_text(text)
             if status >= 400:
                 raise BadRequestError(f"{server}{path}: HTTP {status}: {error_message(body, text[:500])}")
             return body
-        raise _Unavailable(f"{server}{path}: {last}")
+
+        try:
+            return await retry(attempt, when=lambda exc: isinstance(exc, _Unavailable), attempts=self.settings.max_retries + 1,
+                               initial_s=self.settings.backoff_initial_s, max_s=self.settings.backoff_max_s)
+        except _Unavailable as exc:
+            raise _Unavailable(f"{server}{path}: {exc}") from None
 
     async def _post(
         self, server: str, path: str, payload: dict[str, Any], episode: str | None, samples: int = 1

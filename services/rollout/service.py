@@ -155,7 +155,7 @@ async def run(settings: RolloutSettings, bus: Bus) -> None:
         sup.spawn("worker", worker.run(sup.stopping))
         sup.spawn("metrics", worker.metrics_loop(sup.stopping, settings.metrics_interval_s))
 
-    await supervise("rollout", main, settings.shutdown_timeout_s)
+    await supervise("rollout", main, settings.shutdown_timeout_s, retry=bus.retry)
 
 
 def worker_config(settings: RolloutSettings) -> WorkerConfig:

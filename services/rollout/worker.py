@@ -35,13 +35,12 @@ from schemas.headers import prompt_id_of, prompt_tag_of, rejection_headers, traj
 from schemas.messages import MessageError, PromptTask, RejectionMarker, decode, encode
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import TrajectoryError, encode_group_with_meta
-from services.common.bus import LOCAL_BUS, Bus, publish_acked
+from services.common.bus import Bus, publish_acked
 from services.common.busretry import INITIAL_BACKOFF_S, MAX_BACKOFF_S, full_jitter
 from services.common.consumers import add_consumer
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
-from services.common.storefull import ALARM
 from services.rollout.dump import TrajectoryDumper
 from services.rollout.engine import BadRequestError
 from services.rollout.failures import EpisodeFailures, set_current
@@ -94,11 +93,12 @@ class RolloutWorker:
         *,
         metrics: MetricsPublisher | None = None,
         dumper: TrajectoryDumper | None = None,
-        bus: Bus = LOCAL_BUS,
+        bus: Bus | None = None,
     ) -> None:
         self.nc = nc
-        self.bus = bus
-        """The replicas and declare policy of the streams `declare` declares (the service's)."""
+        self.bus = bus if bus is not None else Bus()
+        """The replicas and declare policy of the streams `declare` declares, the store alarm of its writes
+        (the service's; None: a lone local server)."""
         self.js = nc.jetstream()
         self.subjects = Subjects(run)
         self.run_name = run
@@ -135,7 +135,7 @@ class RolloutWorker:
         consumer's own `max_deliver` is what counts, whichever worker declared it. A bus that does not
         answer yet (a cluster still electing) is waited out, for the consumer as for the streams."""
         await self.bus.declare_streams(self.js)
-        info = await add_consumer(self.js, PROMPTS_STREAM, self.consumer_config())
+        info = await add_consumer(self.js, PROMPTS_STREAM, self.consumer_config(), policy=self.bus.retry)
         self.max_deliver = info.config.max_deliver or self.config.max_deliver
 
     # ---------------------------------------------------------------------------------- the loop
@@ -356,7 +356,7 @@ class RolloutWorker:
             ack = await publish_acked(self.js, subject, body, timeout_s=self.config.publish_timeout_s,
                                       headers=dict(headers), stream=TRAJECTORIES_STREAM)
         except (nats.js.errors.APIError, TimeoutError) as exc:
-            if await ALARM.write_failed(exc, TRAJECTORIES_STREAM, f"publish {subject}") and self.metrics is not None:
+            if await self.bus.retry.alarm.write_failed(exc, TRAJECTORIES_STREAM, f"publish {subject}") and self.metrics is not None:
                 self.metrics.count("store_full")
             raise
         if ack.duplicate:

@@ -129,4 +129,4 @@ async def run(settings: TrackSettings, bus: Bus) -> None:
         log.info("tracking", sinks=[g.name for g in sinks], from_start=settings.from_start)
         sup.spawn("follow", follow())
 
-    await supervise("track", main, settings.shutdown_timeout_s)
+    await supervise("track", main, settings.shutdown_timeout_s, retry=bus.retry)

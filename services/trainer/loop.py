@@ -60,12 +60,14 @@ trainer's intake, through which it judges every message."""
 
 class Trainer:
     def __init__(self, settings: TrainerSettings, engine: TrainEngine | None, *, weights: WeightSync | None = None,
-                 source: SourceFactory | None = None, window: VersionWindow | None = None) -> None:
+                 source: SourceFactory | None = None, window: VersionWindow | None = None, bus: Bus | None = None) -> None:
         """`engine` None: built meanwhile (`jetrl trainer` starts the feeder and the consumer during
         DeepSpeed's init on a fresh start); `attach_engine` before the first step. `source`: groups from
         elsewhere than the durable consumer (`jetrl replay`), same steps. `window`: the version window
-        (default: from `settings.eta`; a replay turns staleness off with its own)."""
+        (default: from `settings.eta`; a replay turns staleness off with its own). `bus`: the service's
+        (its replicas, declare policy and retry policy; default: from the settings)."""
         self.settings = settings
+        self.bus = bus if bus is not None else Bus.of(settings)
         self.live = source is None
         """Groups come from the run's TRAJECTORIES (not a recording): the versions on them are ours."""
         self.window = window or VersionWindow(settings.eta)
@@ -85,10 +87,10 @@ class Trainer:
         trust_prompts(self.intake, settings, live=self.live)
         self.feeder: Feeder | None = None
         if settings.feeder.enabled:
-            self.feeder = Feeder(settings, self.window, self.intake, gate_versions=self.weights.publishes)
+            self.feeder = Feeder(settings, self.window, self.intake, gate_versions=self.weights.publishes, retry=self.bus.retry)
             self.intake.feeder = self.feeder  # the intake tells the feeder what became of each prompt
-        self.source: GroupSource = (TrajectoryConsumer(settings, self.intake, on_judged=self._wake_feeder) if source is None
-                                    else source(self.intake))
+        self.source: GroupSource = (TrajectoryConsumer(settings, self.intake, on_judged=self._wake_feeder, retry=self.bus.retry)
+                                    if source is None else source(self.intake))
         self.out = Path(settings.output_dir)
         self.nc: NATS | None = None
         self.metrics: MetricsPublisher | None = None
@@ -120,7 +122,7 @@ class Trainer:
         self.nc = nc
         self.metrics = MetricsPublisher(nc, self.settings.run, "trainer")
         js = nc.jetstream()
-        await Bus.of(self.settings).declare_streams(js)  # the service's replicas and declare policy
+        await self.bus.declare_streams(js)  # the service's replicas and declare policy
         self.out.mkdir(parents=True, exist_ok=True)
         found = ckpt.resolve_resume(self.settings.resume, self.settings.output_dir)
         if found is not None:  # (the engine is needed: `jetrl trainer` builds it first when resuming)
@@ -147,7 +149,7 @@ class Trainer:
         stream's current end and is created before the first prompt is issued, so no answer to one of
         ours can be missed."""
         assert self.feeder is not None
-        left = await fresh.clear_leftovers(js, self.subjects)
+        left = await fresh.clear_leftovers(js, self.subjects, self.bus.retry)
         self.last_seq = left.start_seq
         if left.used_before:
             self.feeder.fresh_start()
@@ -180,7 +182,7 @@ class Trainer:
         if they were ours. So the restored weights are published as N+1, the version window's version and
         `first_version` move by N+1-C (the step count and `total_steps` go on from the checkpoint's), and
         what the killed incarnation's prompts produce is set apart (`fresh.py`)."""
-        announced = await fresh.announced_version(js, self.subjects)
+        announced = await fresh.announced_version(js, self.subjects, self.bus.retry)
         if announced is None or announced <= self.version:
             return  # a clean restart (SIGTERM checkpoints what it announced), or behind us: the next step publishes past it
         restored, version = self.version, announced + 1
@@ -189,7 +191,7 @@ class Trainer:
             return
         # the killed incarnation's feeder's prompts: answers to them would be foreign (pushed prompts stay
         # without a feeder: nothing would issue them again)
-        dropped = await fresh.purge_prompts(js, self.subjects) if self.feeder is not None else 0
+        dropped = await fresh.purge_prompts(js, self.subjects, self.bus.retry) if self.feeder is not None else 0
         fresh.log_caught_up(self.settings.run, restored, announced, dropped)
         cmd = Command("weights", weights_dir=str(self.out / "weights" / f"v{version}"))
         res = await asyncio.to_thread(execute, self.engine, self.actor, scatter(self._all(cmd)))

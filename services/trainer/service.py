@@ -70,7 +70,7 @@ async def _build_engine(settings: TrainerSettings) -> TrainEngine:
     # the engine (DeepSpeed's init, the model) is most of a trainer's start: its time, and the process's
     # CPU-seconds so far (imports included; on a busy machine the wall time says little), for start-up reports
     log.info("engine ready", seconds=round(time.perf_counter() - t0, 2), cpu_s=round(time.process_time(), 2),
-             torch_threads=torch.get_num_threads())
+             torch_threads=torch.get_num_threads(), device=str(engine.device), dtype=settings.dtype)
     return engine
 
 
@@ -115,7 +115,7 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Fu
     try:
         weights = weight_sync(settings, nc, bus)
         ready = engine if isinstance(engine, TrainEngine) else None
-        trainer = Trainer(settings, ready, weights=weights)
+        trainer = Trainer(settings, ready, weights=weights, bus=bus)
 
         async def main(sup: Supervisor) -> None:
             sup.stack.push_async_callback(weights.aclose)
@@ -126,7 +126,7 @@ async def _run_rank0(settings: TrainerSettings, engine: TrainEngine | asyncio.Fu
                 sup.spawn("feeder", trainer.feeder.feed_forever(sup.stopping))
             sup.spawn("train", _train(trainer, sup, None if isinstance(engine, TrainEngine) else engine))
 
-        await supervise("trainer", main, settings.shutdown_timeout_s)
+        await supervise("trainer", main, settings.shutdown_timeout_s, retry=bus.retry)
     finally:
         await close_connection(nc)  # the bus may be gone: then closed at once, exiting matters more
 

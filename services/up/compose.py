@@ -5,14 +5,15 @@ each process."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.common.ports import free_port
 from services.common.settings import deep_merge
-from services.up import SERVICE_SECTIONS
+from services.up import SERVICE_SECTIONS, device
 from services.up.credentials import RunCredentials
 from services.up.layout import Layout
 from services.up.plan import HttpReady, Step
@@ -37,9 +38,10 @@ class Composed:
 
 
 def compose(s: UpSettings, sections: dict[str, dict[str, Any]], creds: RunCredentials, run_dir: Path, url: str, shape: Layout,
-            dataset: str, eval_set: Path | None, monitor_url: str | None = None) -> Composed:
+            dataset: str, eval_set: Path | None, monitor_url: str | None = None, environ: Mapping[str, str] = os.environ) -> Composed:
     """The stack plan of a run on the bus at `url`. `eval_set`: the demo's or a generated task's held-out
-    prompts; `monitor_url`: the embedded server's monitoring port (a timed-out write asks whether the store is full)."""
+    prompts; `monitor_url`: the embedded server's monitoring port (a timed-out write asks whether the store is full);
+    `environ`: `jetrl up`'s own environment (the CUDA variables the computing services get with `device: cuda`)."""
     threads = {"OMP_NUM_THREADS": str(shape.torch_threads)}  # the trainer's and the servers' tensor work
     common = {"run": s.run, "nats_url": url, "nats_replicas": s.nats_replicas, "log_format": "json",
               **({"nats_monitor_url": monitor_url} if monitor_url is not None else {})}
@@ -52,6 +54,7 @@ def compose(s: UpSettings, sections: dict[str, dict[str, Any]], creds: RunCreden
     signed = announce_trust(run_dir, sections)  # the trainer signs announcements, the agents check them
     trainer: dict[str, Any] = {
         **common,
+        **device.trainer_section(s),  # up.device / up.dtype (device.py), under the trainer's own section
         **signed,
         "model_path": s.model_path,
         "output_dir": str(run_dir / "trainer"),
@@ -59,7 +62,8 @@ def compose(s: UpSettings, sections: dict[str, dict[str, Any]], creds: RunCreden
         "feeder": {"dataset_path": dataset},
     }
     # Weights travel in memory to the servers it started, unless simulated (weights.py, docs/weights.md)
-    tsec = trainer_weights(sec("trainer"), servers, _simulated(sec("inference")))
+    served = deep_merge(device.inference_section(s), sec("inference"))  # up.device's, under the inference section
+    tsec = device.with_weights_dtype(trainer_weights(sec("trainer"), servers, _simulated(served)), served["dtype"])
     if not s.dataset_path and eval_set is not None:  # the demo: a fixed eval set of 32 prompts, every 10 steps
         trainer["feeder"] |= {"eval_dataset_path": str(eval_set), "eval_every": 10, "eval_size": 32}
     elif eval_set is not None:  # a generated task's held-out rows, for a trainer section's `feeder.eval_every`
@@ -68,7 +72,7 @@ def compose(s: UpSettings, sections: dict[str, dict[str, Any]], creds: RunCreden
     # The trainer first: its start (DeepSpeed's import and init, the model) is the longest of all and
     # needs no inference server, so it overlaps the servers' start instead of following it. Its
     # prompts wait in the PROMPTS stream until a rollout worker is up.
-    plan = [Step("trainer", "services.trainer", to_env("trainer", trainer) | threads),
+    plan = [Step("trainer", "services.trainer", to_env("trainer", trainer) | threads | device.trainer_env(s, environ)),
             Step("reward", "services.reward", to_env("reward", deep_merge(common, sec("reward"))))]
     from services.up.grammar import skip_tokenizer_init  # the rollout's workflow module (numpy): once settings are read
 
@@ -80,7 +84,8 @@ def compose(s: UpSettings, sections: dict[str, dict[str, Any]], creds: RunCreden
         inference = {**common, "model_path": s.model_path, "port": port, "seed": i, "torch_threads": shape.torch_threads,
                      "skip_tokenizer_init": skip_tokenizer}
         # ready: a server that dies or never loads is reported, with its log, before the live display
-        plan.append(Step(f"inference-{i}", "services.inference", to_env("inference", deep_merge(inference, sec("inference"))) | threads,
+        plan.append(Step(f"inference-{i}", "services.inference",
+                         to_env("inference", deep_merge(inference, served)) | threads | device.serving_env(s, environ),
                          ready=HttpReady(server)))
         weights = {**common, **signed, "server": server, "cache_dir": str(run_dir / f"weights-cache-{i}")}
         plan.append(Step(f"weights-{i}", "services.weights", to_env("weights", deep_merge(weights, sec("weights")))))
@@ -95,7 +100,7 @@ def compose(s: UpSettings, sections: dict[str, dict[str, Any]], creds: RunCreden
         config.write_text(json.dumps({"up": s.model_dump(), **{n: sec(n) for n in SERVICE_SECTIONS if n != "track"}}, default=str))
         track = {**common, "config_path": str(config)}
         plan.append(Step("track", "services.track", to_env("track", deep_merge(track, sec("track"))), required=False))
-    learning = {"trainer": trainer, "rollout": sec("rollout"), "inference": sec("inference")}
+    learning = {"trainer": trainer, "rollout": sec("rollout"), "inference": served}
     return Composed(plan, learning, servers, in_memory(tsec))
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from schemas import metric_names as names
 from services.up.monitor import ACCURACY_KEYS, REWARD_KEYS, WAIT_KEYS, pick, staleness_mean
 
 SMOOTH_STEPS = 15
@@ -55,9 +56,9 @@ def plot_curves(run_dir: Path, steps: list[dict[str, Any]], title: str = "", eva
     xs, ts, reward = series(steps, lambda s: pick(s, REWARD_KEYS))
     _line(ax_reward, xs, reward, "reward mean", "tab:blue")
     _line(ax_reward, *series(steps, lambda s: pick(s, ACCURACY_KEYS))[::2], "accuracy", "tab:green")
-    points = [e for e in evals or [] if "eval_reward_mean" in e]
+    points = [e for e in evals or [] if names.EVAL_REWARD_MEAN in e]
     if points:
-        ax_reward.plot([e["step"] for e in points], [e["eval_reward_mean"] for e in points], "o", ms=4,
+        ax_reward.plot([e["step"] for e in points], [e[names.EVAL_REWARD_MEAN] for e in points], "o", ms=4,
                        color="tab:purple", label="eval reward")
     ax_reward.set(title="reward", xlabel="trainer step", ylim=(-0.02, 1.02))
 
@@ -65,12 +66,13 @@ def plot_curves(run_dir: Path, steps: list[dict[str, Any]], title: str = "", eva
     if len(ts):
         _line(ax_wall, ts / per, reward, "reward mean", "tab:blue")
         if points and "time" in points[0]:
-            ax_wall.plot([e["time"] / per for e in points], [e["eval_reward_mean"] for e in points], "o", ms=4,
+            ax_wall.plot([e["time"] / per for e in points], [e[names.EVAL_REWARD_MEAN] for e in points], "o", ms=4,
                          color="tab:purple", label="eval reward")
     ax_wall.set(title="reward against wall time", xlabel=f"{unit} since start", ylim=(-0.02, 1.02))
 
-    _line(ax_rate, *series(steps, lambda s: s.get("tokens_per_s"))[::2], "train tokens/s", "tab:brown")
-    samples = series(steps, lambda s: s["samples"] / s["step_time_s"] if s.get("step_time_s") and "samples" in s else None)
+    _line(ax_rate, *series(steps, lambda s: s.get(names.TOKENS_PER_S))[::2], "train tokens/s", "tab:brown")
+    samples = series(steps, lambda s: s[names.SAMPLES] / s[names.STEP_TIME_S]
+                     if s.get(names.STEP_TIME_S) and names.SAMPLES in s else None)
     ax_samples = ax_rate.twinx()
     _line(ax_samples, samples[0], samples[2], "samples/s (pipeline)", "tab:cyan")
     ax_samples.set_ylabel("samples/s")
@@ -78,7 +80,7 @@ def plot_curves(run_dir: Path, steps: list[dict[str, Any]], title: str = "", eva
     ax_rate.set(title="throughput", xlabel="trainer step", ylabel="tokens/s")
 
     _line(ax_stale, *series(steps, staleness_mean)[::2], "mean", "tab:orange")
-    sx, _, smax = series(steps, lambda s: s.get("staleness_max"))
+    sx, _, smax = series(steps, lambda s: s.get(names.STALENESS_MAX))
     if len(sx):
         ax_stale.step(sx, smax, where="mid", color="tab:red", alpha=0.4, lw=0.8, label="max")
     ax_stale.set(title="staleness of trained groups (versions)", xlabel="trainer step")
@@ -86,12 +88,12 @@ def plot_curves(run_dir: Path, steps: list[dict[str, Any]], title: str = "", eva
     _line(ax_idle, *series(steps, lambda s: pick(s, WAIT_KEYS))[::2], "trainer waiting for data", "tab:red")
     ax_idle.set(title="trainer idle (fraction of each step)", xlabel="trainer step", ylim=(-0.02, 1.02))
 
-    parts = [("data_wait_fraction", "waiting for data", "tab:red"), ("train_time_s", "training", "tab:blue"),
-             ("publish_time_s", "publishing weights", "tab:olive")]
+    parts = [(names.DATA_WAIT_FRACTION, "waiting for data", "tab:red"), (names.TRAIN_TIME_S, "training", "tab:blue"),
+             (names.PUBLISH_TIME_S, "publishing weights", "tab:olive")]
     stack_x, stack_y, labels, colors = None, [], [], []
     for key, label, color in parts:
-        if key == "data_wait_fraction":
-            px, _, py = series(steps, lambda s, k=key: s[k] * s["step_time_s"] if k in s and "step_time_s" in s else None)
+        if key == names.DATA_WAIT_FRACTION:
+            px, _, py = series(steps, lambda s, k=key: s[k] * s[names.STEP_TIME_S] if k in s and names.STEP_TIME_S in s else None)
         else:
             px, _, py = series(steps, lambda s, k=key: s.get(k))
         if len(px) and (stack_x is None or len(px) == len(stack_x)):

@@ -32,13 +32,13 @@ DEMO_PRESET: dict[str, dict[str, Any]] = {
 
 # What the start-of-run summary shows per service (dotted paths into its settings).
 SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
-    "trainer": ("model_path", "lr", "lr_schedule", "warmup_steps", "batch_groups", "eta", "total_steps", "ppo.n_minibatches",
+    "trainer": ("model_path", "dtype", "lr", "lr_schedule", "warmup_steps", "batch_groups", "eta", "total_steps", "ppo.n_minibatches",
                 "ppo.eps_clip", "ppo.entropy_coef", "ppo.kl_coef", "ppo.adv_norm", "ppo.loss_agg", "lora.enabled", "lora.rank",
                 "lora.alpha", "max_tokens_per_microbatch", "pack_sequences", "logp_chunk_tokens", "gradient_checkpointing",
                 "feeder.dataset_path", "feeder.max_in_flight", "feeder.eval_dataset_path", "feeder.eval_every", "feeder.eval_at_start",
                 "feeder.eval_size", "checkpoint_every"),
     "rollout": ("workflow", "reward_fn", "group_size", "max_new_tokens", "temperature", "max_concurrent"),
-    "inference": ("engine", "max_batch_size", "torch_threads"),
+    "inference": ("engine", "device", "dtype", "max_batch_size", "torch_threads"),
 }
 
 

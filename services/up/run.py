@@ -23,6 +23,8 @@ from services.common.settings import SettingsError, deep_merge
 from services.runs import MONITOR_URL_FILE, URL_FILE
 from services.up.compose import compose
 from services.up.credentials import ADMIN, RunCredentials, adopt_issuer_key, declare_as_admin, make_credentials
+from services.up.device import NoCuda, check_device
+from services.up.device import summary as device_summary
 from services.up.display import Display
 from services.up.layout import layout, priorities
 from services.up.monitor import RunView, watch
@@ -44,9 +46,10 @@ def run_stack(settings: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
     configure_logging(settings.log_level, settings.log_format, run=settings.run, service="up")
     try:
         # before anything starts: the model is here, and jetrl never writes into a user's model
+        check_device(settings)  # device=cuda with no GPU torch can use: refused before anything is touched
         check_model_dir(require_model(settings.model_path))
         run_dir, kept = prepare_run_dir(Path(settings.run_dir), settings.run)
-    except (RunDirInUse, NotOurs, ModelNotFound) as exc:
+    except (RunDirInUse, NotOurs, ModelNotFound, NoCuda) as exc:
         print(f"jetrl up: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_run(settings, sections, run_dir, kept))
@@ -262,7 +265,8 @@ def _dataset(s: UpSettings, run_dir: Path) -> tuple[str, Path | None]:
 
 def _print_settings(s: UpSettings, merged: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The effective settings of the services that decide what is learned: printed, and returned for metrics.json."""
-    effective = summarize({name: settings_class(name).model_validate(values) for name, values in merged.items()})
+    validated = {name: settings_class(name).model_validate(values) for name, values in merged.items()}
+    effective = {"up": device_summary(s), **summarize(validated)}  # up's own: where the run computes
     print("\n".join(summary_lines(effective, preset_name(s.dataset_path))), flush=True)
     return {"preset": preset_name(s.dataset_path), **effective}
 

@@ -45,7 +45,20 @@ class UpSettings(ServiceSettings):
     travel by broadcast (the trainer sends them to the servers itself; the agents only catch up a
     server that joins late; on the disk path they get `serving_nice`) and the experiment tracker."""
     inference_servers: int = Field(1, ge=1)
-    """CPU inference servers (each with its own weights agent)."""
+    """Inference servers (each with its own weights agent), on the CPU or, with `device: cuda`, on the GPU."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer and the inference servers compute. cpu: on this machine's cores (the trainer
+    sees no GPU even where one is). cuda: both on the first visible GPU (`CUDA_VISIBLE_DEVICES` picks
+    another), sharing it: the one-GPU colocated mode, the weights handed over by CUDA IPC handle, the
+    memory split by `serving_memory_fraction`. Refused before anything starts when torch sees no CUDA
+    GPU. A `trainer:` / `inference:` section's own `dtype`, `device`, `memory_fraction` win (docs/gpu.md)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The precision the trainer trains in (DeepSpeed's bf16 mode: fp32 master weights), the versions
+    travel in and the servers serve in. auto: bfloat16 with `device: cuda`, float32 on the CPU (where
+    bf16 matmuls are slow)."""
+    serving_memory_fraction: float = Field(0.3, gt=0, lt=1)
+    """`device: cuda`: the share of the GPU's memory the inference servers may take together (each an
+    equal part, its `memory_fraction`: model and KV cache); the trainer takes the rest."""
     total_steps: int = Field(500, ge=1, json_schema_extra=flag("--steps"))
     """Trainer steps at most; the run ends when the trainer finishes them (or at `stop_at_reward`). The
     demo reaches its 0.9 in ~150-250 steps (32 prompts a step): 500 leaves room for a slow seed."""

@@ -11,14 +11,15 @@ from nats.js.errors import NotFoundError
 
 from schemas.messages import MessageError, WeightsPublished, decode
 from schemas.subjects import WEIGHT_SYNC_STREAM, Subjects, stream_specs
-from services.common.bus import DECLARE_BUDGET_S, LOCAL_BUS, Bus
+from services.common.bus import DECLARE_BUDGET_S, Bus
 
 
 async def ensure_weight_sync_stream(nc: NATS, budget_s: float = DECLARE_BUDGET_S,
-                                    on_retry: Callable[[BaseException], None] | None = None, *, bus: Bus = LOCAL_BUS) -> None:
+                                    on_retry: Callable[[BaseException], None] | None = None, *, bus: Bus | None = None) -> None:
     """Declare the WEIGHT_SYNC stream (idempotent) with `bus`'s replicas and declare policy, so publisher
     and agents can start in any order; a bus that does not answer is waited out for `budget_s` (the
-    caller's `bus_retry_timeout_s`)."""
+    caller's `bus_retry_timeout_s`; `bus` None: a lone local server)."""
+    bus = bus if bus is not None else Bus()
     specs = [s for s in stream_specs() if s.name == WEIGHT_SYNC_STREAM]
     await bus.declare_streams(nc.jetstream(), specs, budget_s=budget_s, on_retry=on_retry)
 

@@ -37,7 +37,7 @@ from nats.js.errors import BadRequestError, BucketNotFoundError, ObjectNotFoundE
 from nats.js.object_store import ObjectStore
 
 from services.common.bus import DECLARE_BUDGET_S, js_api_call, not_initialized
-from services.common.busretry import with_retries
+from services.common.busretry import RetryPolicy, with_retries
 from services.common.logging import get_logger
 
 CHUNK_SIZE = 1024 * 1024
@@ -81,14 +81,16 @@ def digest_hex(info: ObjectInfo) -> str:
 
 
 async def open_bucket(js: JetStreamContext, bucket: str, *, replicas: int = 1, declare: bool = True,
-                      budget_s: float = DECLARE_BUDGET_S, on_retry: Callable[[BaseException], None] | None = None) -> ObjectStore:
+                      budget_s: float = DECLARE_BUDGET_S, on_retry: Callable[[BaseException], None] | None = None,
+                      policy: RetryPolicy) -> ObjectStore:
     """Open the bucket, creating it (file storage, `replicas`: the service's `nats_replicas`, from its
     `Bus`) if it does not exist; safe when several race. `declare` False (`bus_declare=false`)
     only opens it: a missing bucket is `BusNotInitialized` naming `jetrl bus init`. A bus that does not
-    answer yet (a cluster still electing) is waited out for `budget_s`, as `declare_streams` waits it out."""
+    answer yet (a cluster still electing) is waited out for `budget_s`, as `declare_streams` waits it out
+    (`policy`: the service's, `Bus.retry`)."""
 
     async def call(what: str, fn: Callable[[], Awaitable[ObjectStore]]) -> ObjectStore:
-        return await js_api_call(f"bucket {bucket}: {what}", fn, budget_s, on_retry)
+        return await js_api_call(f"bucket {bucket}: {what}", fn, budget_s, on_retry, policy=policy)
 
     try:
         return await call("open", functools.partial(js.object_store, bucket))
@@ -112,13 +114,14 @@ async def put_file(
     timeout_s: float = ACK_TIMEOUT_S,
     retry_s: float = 0.0,
     on_retry: Callable[[BaseException], None] | None = None,
+    policy: RetryPolicy,
 ) -> ObjectInfo:
     """Upload `path` as object `name`; returns its info (size, chunks, SHA-256 digest).
 
     timeout_s: longest wait for one chunk's ack. An attempt that fails the way a NATS restart looks
     (`busretry.retryable`, a chunk never acked included) is started again from the first chunk under a
     fresh id, with capped backoff, until `retry_s` has passed (then `BusUnavailable`); the chunks of a
-    failed attempt are purged as soon as the server answers again."""
+    failed attempt are purged as soon as the server answers again. `policy`: the service's (`Bus.retry`)."""
     abandoned: list[str] = []
 
     async def attempt() -> ObjectInfo:
@@ -130,7 +133,7 @@ async def put_file(
                 abandoned.append(nuid)
             raise
 
-    info = await with_retries(f"upload {bucket}/{name}", attempt, retry_s, on_retry)
+    info = await with_retries(f"upload {bucket}/{name}", attempt, retry_s, on_retry, policy=policy)
     for old in abandoned:  # left by attempts made while the server was away
         await _purge_chunks(js, bucket, old)
     return info

@@ -17,6 +17,7 @@ from services.bus.nats_server import NatsServer, find_binary
 from services.bus.permissions import authorization_block, password_env
 from services.bus.secrets import new_password
 from services.common.bus import BusNotInitialized, connect, declare_streams
+from services.common.busretry import RetryPolicy
 from services.common.nats_auth import NatsAuth
 from services.weights.objstore import open_bucket
 from tests.support.bus_users import ROOT, write_secrets
@@ -82,7 +83,7 @@ def test_without_bus_init_a_non_declaring_service_fails_naming_it(secured: tuple
         try:
             # as a service with `bus_declare=false` declares: its Bus says so
             for call in (lambda: declare_streams(nc.jetstream(), declare=False),
-                         lambda: open_bucket(nc.jetstream(), WEIGHTS_BUCKET, declare=False)):
+                         lambda: open_bucket(nc.jetstream(), WEIGHTS_BUCKET, declare=False, policy=RetryPolicy())):
                 with pytest.raises(BusNotInitialized) as caught:
                     await call()
                 errors.append(str(caught.value))

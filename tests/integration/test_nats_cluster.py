@@ -15,6 +15,7 @@ import pytest
 from schemas.subjects import TRAJECTORIES_STREAM, WEIGHTS_BUCKET, stream_specs
 from services.bus.nats_cluster import NatsCluster
 from services.common.bus import connect, declare_streams
+from services.common.busretry import RetryPolicy
 from services.weights.objstore import open_bucket
 
 N = 400
@@ -130,7 +131,7 @@ async def test_declaring_streams_waits_out_a_cluster_still_electing(tmp_path: Pa
         for node in c.nodes:
             await asyncio.to_thread(node.wait_ready, 60)  # client ports open; no meta leader asked for
         nc = await connect(c.url, "early-service")
-        store = await open_bucket(nc.jetstream(), WEIGHTS_BUCKET, replicas=3)  # as the weights publisher starts
+        store = await open_bucket(nc.jetstream(), WEIGHTS_BUCKET, replicas=3, policy=RetryPolicy())  # as the weights publisher starts
         assert (await store.status()).replicas == 3
         created = await declare_streams(nc.jetstream(), replicas=3)
         assert set(created.values()) == {"created"} and len(created) == len(stream_specs())

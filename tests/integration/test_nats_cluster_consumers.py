@@ -18,7 +18,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from services.bus.nats_cluster import NatsCluster
 from services.common.bus import Bus, connect, declare_streams
-from services.common.busretry import with_retries
+from services.common.busretry import RetryPolicy, with_retries
 from services.common.consumers import ConsumerRefused, add_consumer
 from services.replay.reader import StreamReader
 from services.replay.settings import RangeSettings
@@ -115,7 +115,8 @@ async def test_the_trainer_opens_its_consumer_through_the_outage(cluster: NatsCl
 
     nc = await connect(cluster.url, "stale")
     # through the retrying helper: the streams' leaders may still be settling right after they were declared
-    await add_consumer(nc.jetstream(), TRAJECTORIES_STREAM, ConsumerConfig(durable_name=S.trainer_consumer, filter_subject=S.trajectories))
+    await add_consumer(nc.jetstream(), TRAJECTORIES_STREAM, ConsumerConfig(durable_name=S.trainer_consumer, filter_subject=S.trajectories),
+                       policy=RetryPolicy())
     await nc.close()
     info = await _started_while_the_majority_is_down(cluster, start)
     assert info.config.opt_start_seq == 2
@@ -126,7 +127,7 @@ async def test_the_trainer_opens_its_consumer_through_the_outage(cluster: NatsCl
     seqs: list[int] = []
     while len(seqs) < 2:  # timeouts and 503s waited out for up to 60 s, as the trainer's fetch does
         fetch = functools.partial(sub.fetch, 2 - len(seqs), timeout=5)
-        seqs += [m.metadata.sequence.stream for m in await with_retries("fetch trajectories", fetch, 60)]
+        seqs += [m.metadata.sequence.stream for m in await with_retries("fetch trajectories", fetch, 60, policy=RetryPolicy())]
     await nc.close()
     assert seqs == [2, 3]
 
@@ -149,4 +150,5 @@ async def test_a_consumer_config_the_server_refuses_fails_at_once_naming_it(nc: 
     js = nc.jetstream()
     bad = ConsumerConfig(durable_name="bad", filter_subject=S.prompts_all, deliver_policy=DeliverPolicy.BY_START_SEQUENCE)
     with pytest.raises(ConsumerRefused, match=f"stream {PROMPTS_STREAM}: consumer bad: .*code=400"):
-        await add_consumer(js, PROMPTS_STREAM, bad)  # that policy needs a start sequence; retried, it would end as BusUnavailable
+        # that policy needs a start sequence; retried, it would end as BusUnavailable
+        await add_consumer(js, PROMPTS_STREAM, bad, policy=RetryPolicy())

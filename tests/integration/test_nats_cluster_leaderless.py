@@ -21,7 +21,7 @@ import pytest
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from services.bus.nats_cluster import NatsCluster
 from services.common.bus import connect, declare_streams
-from services.common.busretry import with_retries
+from services.common.busretry import RetryPolicy, with_retries
 from services.replay.reader import StreamReader
 from services.replay.settings import RangeSettings
 from services.trainer.feed import fresh
@@ -37,7 +37,8 @@ async def _publish(url: str, *payloads: bytes) -> None:
     nc = await connect(url, "writer")
     js = nc.jetstream()
     for data in payloads:  # retried: the stream's leader may still be settling after a node came or went
-        await with_retries("publish", functools.partial(js.publish, S.trajectories, data, stream=TRAJECTORIES_STREAM), 60)
+        await with_retries("publish", functools.partial(js.publish, S.trajectories, data, stream=TRAJECTORIES_STREAM), 60,
+                           policy=RetryPolicy())
     await nc.close()
 
 
@@ -61,13 +62,13 @@ async def test_a_replica_left_behind_is_not_taken_for_the_streams_end(cluster: N
     js = nc.jetstream()
     try:
         # what the survivor says for itself (the stale view this test is about)
-        own = await with_retries("stream info", lambda: js.stream_info(TRAJECTORIES_STREAM), 60)
+        own = await with_retries("stream info", lambda: js.stream_info(TRAJECTORIES_STREAM), 60, policy=RetryPolicy())
         # a frozen node that led the stream before it froze still calls itself leader when it thaws, until
         # its own election timer finds no quorum (seen under load): its answer is read until it steps down
         deadline = time.monotonic() + 30
         while own.cluster is not None and own.cluster.leader is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-            own = await with_retries("stream info", lambda: js.stream_info(TRAJECTORIES_STREAM), 60)
+            own = await with_retries("stream info", lambda: js.stream_info(TRAJECTORIES_STREAM), 60, policy=RetryPolicy())
         assert own.cluster is not None and own.cluster.leader is None and own.state.last_seq < 2 + LATE
         # `jetrl status` meanwhile: what answered, the stream marked as a replica's copy; what did not, named
         # (the survivor answers for itself only after its own requests to the others time out: on a loaded
@@ -86,7 +87,7 @@ async def test_a_replica_left_behind_is_not_taken_for_the_streams_end(cluster: N
             return [r.seq async for r in StreamReader(js, RUN, RangeSettings())]
 
         reading = asyncio.create_task(replay())
-        starting = asyncio.create_task(fresh.clear_leftovers(js, S))
+        starting = asyncio.create_task(fresh.clear_leftovers(js, S, RetryPolicy()))
         await asyncio.wait({reading, starting}, timeout=FAULT_S)  # the fault: the two stay down this long
         for node in ahead:
             await asyncio.to_thread(node.restart)

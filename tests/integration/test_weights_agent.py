@@ -14,6 +14,7 @@ import pytest
 
 from schemas.messages import WeightFile, WeightsLoaded, WeightsLoadFailed, WeightsPublished, decode, encode
 from schemas.subjects import WEIGHT_SYNC_STREAM, WEIGHTS_BUCKET, Subjects
+from services.common.busretry import RetryPolicy
 from services.common.ports import free_port
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import ModelRequest, SGLangClient
@@ -126,12 +127,12 @@ async def publish_corrupted(nc: nats.aio.client.Client, run: str, version: int, 
     prefix = f"{run}/v{version}"
     files = []
     for name in ("config.json", "model.safetensors"):
-        info = await objstore.put_file(js, WEIGHTS_BUCKET, f"{prefix}/{name}", ckpt / name)
+        info = await objstore.put_file(js, WEIGHTS_BUCKET, f"{prefix}/{name}", ckpt / name, policy=RetryPolicy())
         files.append(WeightFile(name=name, sha256=objstore.digest_hex(info), size=int(info.size or 0)))
     bad = bytearray((ckpt / "model.safetensors").read_bytes())
     bad[-10] ^= 0xFF
     (ckpt / "bad.bin").write_bytes(bytes(bad))
-    await objstore.put_file(js, WEIGHTS_BUCKET, f"{prefix}/model.safetensors", ckpt / "bad.bin")
+    await objstore.put_file(js, WEIGHTS_BUCKET, f"{prefix}/model.safetensors", ckpt / "bad.bin", policy=RetryPolicy())
     last = await latest_published(nc, run)  # announced as the trainer would: under its epoch
     msg = WeightsPublished(run=run, version=version, uri=object_uri(WEIGHTS_BUCKET, prefix), files=files, step=version,
                            epoch=last.epoch if last else 0)

@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from schemas.subjects import WEIGHTS_BUCKET
 from services.bus.nats_server import NatsServer, free_port
 from services.common.bus import connect
+from services.common.busretry import RetryPolicy
 from services.weights import objstore
 from services.weights.agent import objread
 from services.weights.sender.publisher import WeightPublisher
@@ -111,7 +112,7 @@ async def test_upload_rides_out_a_server_kill_longer_than_the_chunk_timeout(serv
     big = next(f for f in msg.files if f.name == "model.safetensors")
     assert (big.size, big.sha256) == (BIG, hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest())
     out = io.BytesIO()
-    info, digest = await objread.get_file(nc.jetstream(), WEIGHTS_BUCKET, "wout/v1/model.safetensors", out)
+    info, digest = await objread.get_file(nc.jetstream(), WEIGHTS_BUCKET, "wout/v1/model.safetensors", out, policy=RetryPolicy())
     assert out.getvalue() == (ckpt / "model.safetensors").read_bytes() and digest == big.sha256
     # the chunks of the killed attempt were purged once the server was back: one chunk subject per object
     state = await nc.jetstream().stream_info(f"OBJ_{WEIGHTS_BUCKET}", subjects_filter=f"$O.{WEIGHTS_BUCKET}.C.>")
@@ -141,7 +142,8 @@ async def test_download_resumes_after_a_server_kill_longer_than_the_chunk_timeou
     retries = Retries()
     out = KillOnFirstWrite(server)
     reading = asyncio.create_task(objread.get_file(js, WEIGHTS_BUCKET, "wout/v1/model.safetensors", out,
-                                                    timeout_s=CHUNK_TIMEOUT_S, retry_s=120, on_retry=retries))
+                                                    timeout_s=CHUNK_TIMEOUT_S, retry_s=120, on_retry=retries,
+                                                    policy=RetryPolicy()))
     try:
         await retries.wait_for(TimeoutError, reading)  # a batch waited for in vain, with the server down
         await asyncio.to_thread(server.start)

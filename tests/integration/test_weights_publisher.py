@@ -12,6 +12,7 @@ import nats
 import pytest
 
 from schemas.subjects import WEIGHTS_BUCKET
+from services.common.busretry import RetryPolicy
 from services.weights import objstore
 from services.weights.agent import objread
 from services.weights.files import parse_uri
@@ -43,7 +44,7 @@ async def test_object_store_round_trip_is_bit_exact_and_larger_than_max_payload(
 
         out = tmp_path / "got.bin"
         with open(out, "wb") as f:
-            _, digest = await objread.get_file(nc.jetstream(), WEIGHTS_BUCKET, "t1/v1/model.safetensors", f)
+            _, digest = await objread.get_file(nc.jetstream(), WEIGHTS_BUCKET, "t1/v1/model.safetensors", f, policy=RetryPolicy())
         assert out.read_bytes() == src
         assert digest == by_name["model.safetensors"].sha256
         # nats-py's own client reads our objects too (same wire format).

@@ -26,3 +26,51 @@ def test_another_user_on_the_same_bus_keeps_its_replicas_and_says_whether_it_dec
     assert bus.as_user(None) == bus  # no credentials given: its own
     with pytest.raises(ValueError, match="nats_replicas must be at least 1, got 0"):
         Bus(replicas=0)
+
+
+def test_a_stop_ends_the_retries_of_its_own_service_only() -> None:
+    """Each service's retries live in its own Bus (no process-wide state): its supervisor's stop gives
+    up a call failing through an outage at once, while another bus's call still waits the outage out;
+    the store alarm asks the monitor address the settings name."""
+    import asyncio
+
+    import nats.errors
+
+    from services.common.busretry import BusUnavailable
+    from services.common.runner import Supervisor, supervise
+
+    stopping, other = Bus(), Bus()
+    assert Bus.of(TrainerSettings(nats_monitor_url="http://127.0.0.1:8222")).retry.alarm.monitor_url == "http://127.0.0.1:8222"
+    calls = {"stopping": 0, "other": 0}
+    retrying = asyncio.Event()
+
+    async def down(name: str) -> None:
+        calls[name] += 1
+        if name == "stopping" and calls[name] >= 2:  # retrying through the outage
+            retrying.set()
+        raise nats.errors.NoServersError()
+
+    async def scenario() -> tuple[BaseException | None, bool]:
+        outcome: list[BaseException | None] = []
+
+        async def main(sup: Supervisor) -> None:
+            async def call() -> None:
+                try:
+                    await stopping.retries("publish", lambda: down("stopping"))
+                except BusUnavailable as exc:
+                    outcome.append(exc)
+
+            sup.spawn("call", call())
+            await retrying.wait()
+            sup.stop()
+
+        waiting = asyncio.create_task(other.retries("publish", lambda: down("other")))
+        await supervise("test", main, shutdown_timeout_s=5.0, handle_signals=False, retry=stopping.retry)
+        still = not waiting.done()
+        waiting.cancel()
+        return outcome[0], still
+
+    gave_up, other_waits = asyncio.run(scenario())
+    assert isinstance(gave_up, BusUnavailable) and "stopping while NATS is unavailable" in str(gave_up)
+    assert other_waits
+    assert stopping.retry.stopping is None  # unbound when its supervisor ends

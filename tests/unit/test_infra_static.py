@@ -207,6 +207,65 @@ def test_compose_environment_is_valid_settings_for_each_service(monkeypatch: pyt
     assert compose["services"]["rollout"]["deploy"]["replicas"] == "${ROLLOUT_REPLICAS:-4}"
 
 
+WRITERS = ("trainer", "rollout", "reward", "weights")
+"""The services that write to the bus (bus-init only declares the streams; inference is not on it): a
+timed-out write asks nats-server's monitor port whether the store is full (services/common/storefull.py)."""
+
+
+def monitor_port(conf: str) -> int:
+    """The monitor (`http_port`) a nats-server config file under infra/ enables."""
+    found = re.search(r"^http_port:\s*(\d+)", (INFRA / conf).read_text(), re.MULTILINE)
+    assert found, f"infra/{conf} enables no monitor port (http_port)"
+    return int(found.group(1))
+
+
+def assert_writers_ask(env: dict[str, str], monitor: str, where: str) -> None:
+    """Each bus writer in `env` (JETRL_<SERVICE>__...) is given `monitor` as its nats_monitor_url."""
+    for service in WRITERS:
+        assert f"JETRL_{service.upper()}__NATS_URL" in env, f"{where}: {service} is not on the bus"
+        got = env.get(f"JETRL_{service.upper()}__NATS_MONITOR_URL")
+        assert got == monitor, f"{where}: {service}'s NATS_MONITOR_URL is {got!r}, not {monitor!r}: a full store would stall it unsaid"
+
+
+def test_compose_gives_every_bus_writer_the_monitor_nats_server_enables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose.yaml (and compose.cluster.yaml layered on it): the URL is the `nats` service's
+    monitor port, which its config file enables, and every writer's settings read it."""
+    base = yaml.safe_load((INFRA / "compose.yaml").read_text())["services"]
+    cluster = yaml.safe_load((INFRA / "compose.cluster.yaml").read_text())["services"]
+    assert "./nats-server.conf:/etc/nats/nats-server.conf:ro" in base["nats"]["volumes"]
+    assert "./nats-cluster.conf:/etc/nats/nats-server.conf:ro" in cluster["nats"]["volumes"]
+    for layers, conf in (([base], "nats-server.conf"), ([base, cluster], "nats-cluster.conf")):
+        env: dict[str, str] = {}
+        for layer in layers:  # compose merges a service's environment over the files
+            for name in (*WRITERS, "trainer-gpu"):
+                env |= {k: _defaults(v) for k, v in (layer.get(name, {}).get("environment") or {}).items()}
+        assert_writers_ask(env, f"http://nats:{monitor_port(conf)}", " + ".join(["compose.yaml", "compose.cluster.yaml"][: len(layers)]))
+    assert "extends" in base["trainer-gpu"] and base["trainer-gpu"]["extends"] == "trainer"  # the GPU trainer inherits it
+    for service in WRITERS:
+        env = {k: _defaults(v) for k, v in base[service]["environment"].items() if k.startswith(f"JETRL_{service.upper()}__")}
+        env = {k: v for k, v in env.items() if "PASSWORD_FILE" not in k and not k.endswith("_KEY_FILE")}
+        assert check_env(service, env, monkeypatch).nats_monitor_url == "http://nats:8222"  # type: ignore[attr-defined]
+
+
+def _common_env(docs: list[dict]) -> dict[str, str]:
+    return next(d["data"] for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("jetrl-common"))
+
+
+def test_k8s_gives_every_bus_writer_the_monitor_of_its_nats() -> None:
+    """Rendered by kustomize: the base's single nats (its Service's monitor port) and the cluster
+    overlay's Helm-chart pods (the monitor port its values enable)."""
+    docs = kustomize(INFRA / "k8s" / "base")
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "nats")
+    port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "monitor")
+    assert port == monitor_port("nats-server.conf")
+    assert_writers_ask(_common_env(docs), f"http://nats:{port}", "k8s base")
+    values = yaml.safe_load((INFRA / "k8s" / "nats-helm-values.yaml").read_text())["config"]["monitor"]
+    assert values["enabled"] is True
+    cluster = _common_env(kustomize(INFRA / "k8s" / "overlays" / "cluster"))
+    assert_writers_ask(cluster, f"http://nats-0.nats-headless:{values['port']}", "k8s overlays/cluster")
+    assert all(cluster[f"JETRL_{s.upper()}__NATS_URL"].startswith("nats://nats-0.nats-headless:") for s in WRITERS)
+
+
 # ---- Kubernetes -----------------------------------------------------------------------------------
 
 

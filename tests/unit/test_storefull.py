@@ -68,10 +68,10 @@ def test_a_full_store_is_waited_for_past_the_outage_budget() -> None:
     import asyncio
     import time
 
-    from services.common.busretry import Backoff, BusUnavailable
+    from services.common.busretry import Backoff, BusUnavailable, RetryPolicy
 
     async def retried_for(exc: BaseException, seconds: float) -> bool:
-        backoff = Backoff("publish", give_up_after_s=0.05)
+        backoff = Backoff("publish", give_up_after_s=0.05, policy=RetryPolicy())
         until = time.monotonic() + seconds
         while time.monotonic() < until:
             try:

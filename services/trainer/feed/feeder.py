@@ -22,7 +22,7 @@ from schemas.headers import prompt_headers
 from schemas.messages import MessageError, PromptTask, decode, encode
 from schemas.subjects import PROMPTS_STREAM, Subjects
 from services.common.bus import publish_acked, unsubscribe_quietly
-from services.common.busretry import BusUnavailable, with_retries
+from services.common.busretry import BusUnavailable, RetryPolicy, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.trainer.feed.dataset import load_rows
@@ -52,12 +52,14 @@ class Answers(Protocol):
 
 
 class Feeder:
-    def __init__(self, settings: TrainerSettings, window: VersionWindow, answers: Answers, *, gate_versions: bool) -> None:
+    def __init__(self, settings: TrainerSettings, window: VersionWindow, answers: Answers, *, gate_versions: bool,
+                 retry: RetryPolicy | None = None) -> None:
         """`window`: the trainer's version window (read only: the trainer moves it); `answers`: whether
         a prompt's group was trained and the tag a prompt carries; `gate_versions`: whether this trainer
         publishes weights (prompts wait for their weights only then: otherwise no server ever loads a
-        newer version)."""
+        newer version); `retry`: the trainer's retry policy (`Bus.retry`; None: a fresh one)."""
         self.settings = settings
+        self.retry = retry if retry is not None else RetryPolicy()
         f = settings.feeder
         self.window = window
         self.ledger = PromptLedger(
@@ -199,7 +201,7 @@ class Feeder:
         async def publish() -> Any:
             return await publish_acked(js, subject, body, timeout_s=PUBLISH_TIMEOUT_S, headers=headers, stream=PROMPTS_STREAM)
 
-        ack = await with_retries(f"publish prompt {task.prompt_id}", publish, self.settings.bus_retry_timeout_s)
+        ack = await with_retries(f"publish prompt {task.prompt_id}", publish, self.settings.bus_retry_timeout_s, policy=self.retry)
         if ack.duplicate:  # an earlier attempt got through; its acknowledgement was lost
             log.info("prompt already queued (duplicate dropped)", prompt_id=task.prompt_id)
 
@@ -216,7 +218,8 @@ class Feeder:
         async def on_advisory(msg: Any) -> None:
             try:
                 seq = int(json.loads(msg.data)["stream_seq"])
-                stored = await with_retries(f"read dead letter {seq}", functools.partial(js.get_msg, PROMPTS_STREAM, seq), budget)
+                stored = await with_retries(f"read dead letter {seq}", functools.partial(js.get_msg, PROMPTS_STREAM, seq), budget,
+                                            policy=self.retry)
                 task = decode(PromptTask, stored.data or b"")  # no payload: MessageError below
             except (MessageError, KeyError, ValueError, NotFoundError) as exc:
                 log.warning("dead-letter advisory not usable", error=repr(exc))
@@ -230,7 +233,8 @@ class Feeder:
                 self.wake()
             log.warning("prompt dead-lettered; treated as rejected", prompt_id=task.prompt_id, stream_seq=seq)
             try:
-                await with_retries(f"delete dead letter {seq}", functools.partial(js.delete_msg, PROMPTS_STREAM, seq), budget)
+                await with_retries(f"delete dead letter {seq}", functools.partial(js.delete_msg, PROMPTS_STREAM, seq), budget,
+                                   policy=self.retry)
             except NotFoundError:
                 pass
             except BusUnavailable as exc:  # counted and re-issued; only the stream keeps a copy

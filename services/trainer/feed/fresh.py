@@ -35,6 +35,7 @@ from nats.js.errors import NotFoundError
 from schemas.messages import MessageError, WeightsPublished, decode
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, WEIGHT_SYNC_STREAM, Subjects
 from services.common.bus import js_api_call
+from services.common.busretry import RetryPolicy
 from services.common.logging import get_logger
 from services.common.streaminfo import leader_stream_info
 
@@ -62,12 +63,13 @@ class Leftovers:
         return self.weights_version + 1 if self.weights_version is not None and self.weights_version >= 0 else 0
 
 
-async def clear_leftovers(js: JetStreamContext, subjects: Subjects) -> Leftovers:
-    """Measure and drop what an earlier incarnation of the run left; warn about what cannot be dropped."""
-    info = await leader_stream_info(js, TRAJECTORIES_STREAM, subjects.trajectories)  # where the consumer starts
+async def clear_leftovers(js: JetStreamContext, subjects: Subjects, policy: RetryPolicy) -> Leftovers:
+    """Measure and drop what an earlier incarnation of the run left; warn about what cannot be dropped.
+    (`policy`, here and below: the trainer's, `Bus.retry`.)"""
+    info = await leader_stream_info(js, TRAJECTORIES_STREAM, subjects.trajectories, policy=policy)  # where the consumer starts
     trajectories = sum((info.state.subjects or {}).values())
-    prompts = await purge_prompts(js, subjects)
-    found = Leftovers(info.state.last_seq, trajectories, prompts, await announced_version(js, subjects))
+    prompts = await purge_prompts(js, subjects, policy)
+    found = Leftovers(info.state.last_seq, trajectories, prompts, await announced_version(js, subjects, policy))
     if found.used_before:
         log.warning(
             "run name used before; starting it afresh (a new run name avoids this)", run=subjects.run,
@@ -76,25 +78,25 @@ async def clear_leftovers(js: JetStreamContext, subjects: Subjects) -> Leftovers
     return found
 
 
-async def _count(js: JetStreamContext, stream: str, subject: str) -> int:
-    info = await leader_stream_info(js, stream, subject)
+async def _count(js: JetStreamContext, stream: str, subject: str, policy: RetryPolicy) -> int:
+    info = await leader_stream_info(js, stream, subject, policy=policy)
     return sum((info.state.subjects or {}).values())
 
 
-async def purge_prompts(js: JetStreamContext, subjects: Subjects) -> int:
+async def purge_prompts(js: JetStreamContext, subjects: Subjects, policy: RetryPolicy) -> int:
     """Drop the run's queued prompts (train and eval); returns how many there were."""
-    prompts = await _count(js, PROMPTS_STREAM, subjects.prompts_all)
+    prompts = await _count(js, PROMPTS_STREAM, subjects.prompts_all, policy)
     if prompts:
         await js_api_call(f"stream {PROMPTS_STREAM}: purge the run's prompts",
-                          functools.partial(js.purge_stream, PROMPTS_STREAM, subject=subjects.prompts_all))
+                          functools.partial(js.purge_stream, PROMPTS_STREAM, subject=subjects.prompts_all), policy=policy)
     return prompts
 
 
-async def announced_version(js: JetStreamContext, subjects: Subjects) -> int | None:
+async def announced_version(js: JetStreamContext, subjects: Subjects, policy: RetryPolicy) -> int | None:
     """The weight version last announced for the run (None: none; -1: one that does not decode)."""
     try:
         msg = await js_api_call(f"stream {WEIGHT_SYNC_STREAM}: last announced version",
-                                functools.partial(js.get_last_msg, WEIGHT_SYNC_STREAM, subjects.weights_published))
+                                functools.partial(js.get_last_msg, WEIGHT_SYNC_STREAM, subjects.weights_published), policy=policy)
         return decode(WeightsPublished, msg.data or b"").version
     except NotFoundError:
         return None

@@ -20,7 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
 from services.common.bus import unsubscribe_quietly
-from services.common.busretry import Backoff, retryable
+from services.common.busretry import Backoff, RetryPolicy, retryable
 from services.common.consumers import add_consumer, delete_consumer_if_present
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
@@ -33,12 +33,15 @@ log = get_logger("trainer")
 
 
 class TrajectoryConsumer:
-    def __init__(self, settings: TrainerSettings, intake: Intake, *, on_judged: Callable[[], None] = lambda: None) -> None:
-        """`on_judged`: called after each message judged and not trained (its prompt's slot is free)."""
+    def __init__(self, settings: TrainerSettings, intake: Intake, *, on_judged: Callable[[], None] = lambda: None,
+                 retry: RetryPolicy | None = None) -> None:
+        """`on_judged`: called after each message judged and not trained (its prompt's slot is free);
+        `retry`: the trainer's retry policy (`Bus.retry`; None: a fresh one)."""
         self.settings = settings
         self.intake = intake
         self.subjects = Subjects(settings.run)
         self.on_judged = on_judged
+        self.retry = retry if retry is not None else RetryPolicy()
         self.read_seq = 0
         """Highest stream sequence judged so far (each collect returns it as its `last_seq`)."""
         self.nc: NATS | None = None
@@ -60,14 +63,14 @@ class TrajectoryConsumer:
         js = nc.jetstream()
         name = self.subjects.trainer_consumer
         # A bus still electing (a cluster forming, the stream's leader just lost) is waited out.
-        await delete_consumer_if_present(js, TRAJECTORIES_STREAM, name)
+        await delete_consumer_if_present(js, TRAJECTORIES_STREAM, name, policy=self.retry)
         cfg = ConsumerConfig(
             durable_name=name, ack_policy=AckPolicy.EXPLICIT, filter_subject=self.subjects.trajectories,
             ack_wait=300.0, max_ack_pending=-1,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after_seq else DeliverPolicy.ALL,
             opt_start_seq=after_seq + 1 if after_seq else None,
         )
-        await add_consumer(js, TRAJECTORIES_STREAM, cfg)
+        await add_consumer(js, TRAJECTORIES_STREAM, cfg, policy=self.retry)
         self._sub = await js.pull_subscribe_bind(name, stream=TRAJECTORIES_STREAM)
 
     async def close(self) -> None:
@@ -86,7 +89,7 @@ class TrajectoryConsumer:
         """Pull until `batch_groups` groups are accepted at `version`; None if stopping first (the groups
         accepted so far stay held, untrained and unacknowledged: see the module doc)."""
         s, held = self.settings, self._held
-        backoff = Backoff("fetch trajectories", s.bus_retry_timeout_s)
+        backoff = Backoff("fetch trajectories", s.bus_retry_timeout_s, policy=self.retry)
         while len(held) < s.batch_groups:
             if stopping is not None and stopping.is_set():
                 return None
@@ -105,9 +108,7 @@ class TrajectoryConsumer:
                     backoff.reset()
                 continue
             except Exception as exc:
-                if not retryable(exc):
-                    raise
-                await backoff.failed(exc)
+                await backoff.failed(exc)  # raises it when no retry can help
                 continue
             backoff.reset()
             self._unjudged = await self._judge_into(held, msgs, version)

@@ -38,7 +38,7 @@ from nats.aio.client import Client as NATS
 from schemas.messages import Message, WeightsLoaded, WeightsLoadFailed, WeightsPublished, encode
 from schemas.subjects import WEIGHTS_BUCKET, Subjects
 from services.common.bus import Bus, close_connection
-from services.common.busretry import BusUnavailable, with_retries
+from services.common.busretry import BusUnavailable, RetryPolicy, retry, with_retries
 from services.common.health import http_check, register_check
 from services.common.logging import bind_context, get_logger
 from services.common.metrics import MetricsPublisher
@@ -59,8 +59,11 @@ REPORT_TIMEOUT_S = 5.0
 
 
 class WeightsAgent:
-    def __init__(self, nc: NATS, server: ServerClient, settings: WeightsSettings, metrics: MetricsPublisher) -> None:
+    def __init__(self, nc: NATS, server: ServerClient, settings: WeightsSettings, metrics: MetricsPublisher,
+                 retry: RetryPolicy | None = None) -> None:
+        """`retry`: the service's retry policy (`Bus.retry`; None: a fresh one)."""
         self.nc = nc
+        self.retry = retry if retry is not None else RetryPolicy()
         self.js = nc.jetstream()
         self.server = server
         self.settings = settings
@@ -84,7 +87,7 @@ class WeightsAgent:
         """Follow the weight-sync subject from its last message on (late joiners catch up at once), and
         re-read its last message as soon as NATS is back after an outage (`listen.AnnouncementFeed`)."""
         feed = AnnouncementFeed(self.nc, self.subjects.weights_published, self.offer, self.metrics,
-                                self.settings.bus_retry_timeout_s, missing=self.missing)
+                                self.settings.bus_retry_timeout_s, missing=self.missing, policy=self.retry)
         await feed.run(stopping)
 
     def missing(self, announced: WeightsPublished) -> bool:
@@ -189,9 +192,9 @@ class WeightsAgent:
         """Fetch, verify and load one version. True if the server now serves it."""
         t0 = time.perf_counter()
         bind_context(version=target.version)
-        retry = Retry(self.settings.chunk_timeout_s, self.settings.bus_retry_timeout_s,
-                      on_retry=lambda _: self.metrics.count("fetch_retries"))
-        fetch = asyncio.ensure_future(fetch_version(self.js, target, self.cache_dir, retry))
+        patience = Retry(self.settings.chunk_timeout_s, self.settings.bus_retry_timeout_s,
+                         on_retry=lambda _: self.metrics.count("fetch_retries"), policy=self.retry)
+        fetch = asyncio.ensure_future(fetch_version(self.js, target, self.cache_dir, patience))
         self._fetching = (target.version, fetch)
         try:
             path: Path | None = await fetch
@@ -250,14 +253,18 @@ class WeightsAgent:
         return not reason, reason, time.perf_counter() - t0
 
     async def _resume(self) -> bool:
-        for attempt in range(RESUME_ATTEMPTS):
-            try:
-                await self.server.resume()
-                return True
-            except ServerError as exc:
-                log.error("continue_generation failed", attempt=attempt + 1, error=str(exc))
-                await asyncio.sleep(min(0.2 * 2**attempt, 2.0))
-        return False
+        """`continue_generation`, tried RESUME_ATTEMPTS times (each failure logged); False if none succeeded."""
+
+        def failed(exc: BaseException, attempt: int) -> None:
+            log.error("continue_generation failed", attempt=attempt, error=str(exc))
+
+        try:
+            await retry(self.server.resume, when=lambda exc: isinstance(exc, ServerError), attempts=RESUME_ATTEMPTS,
+                        initial_s=0.2, max_s=2.0, on_retry=failed)
+            return True
+        except ServerError as exc:
+            failed(exc, RESUME_ATTEMPTS)
+            return False
 
     async def _failed(self, version: int, reason: str) -> None:
         log.error("weights load failed; server keeps its current version", version=version, serving=self.loaded_version, reason=reason)
@@ -280,7 +287,7 @@ class WeightsAgent:
 
         try:
             await with_retries(f"weights report {subject}", publish, self.settings.report_retry_s,
-                               on_retry=lambda _: self.metrics.count("report_retries"))
+                               on_retry=lambda _: self.metrics.count("report_retries"), policy=self.retry)
             return True
         except (BusUnavailable, nats.errors.Error) as exc:  # gone too long, or refused: no retry helps
             log.error("weights report lost", subject=subject, error=repr(exc))
@@ -308,7 +315,7 @@ def _current_task_cancelling() -> bool:
 
 
 async def run_agent(settings: WeightsSettings, bus: Bus) -> None:
-    await supervise("weights", lambda sup: _start(sup, settings, bus), settings.shutdown_timeout_s)
+    await supervise("weights", lambda sup: _start(sup, settings, bus), settings.shutdown_timeout_s, retry=bus.retry)
 
 
 async def _start(sup: Supervisor, settings: WeightsSettings, bus: Bus) -> None:
@@ -321,7 +328,8 @@ async def _start(sup: Supervisor, settings: WeightsSettings, bus: Bus) -> None:
     register_check("inference reachable", http_check(*readiness_urls(settings.server), timeout_s=READY_POLL_TIMEOUT_S))
     if not await server.wait_ready(settings.server_ready_timeout_s, sup.stopping):
         return
-    agent = WeightsAgent(nc, server, settings, MetricsPublisher(nc, settings.run, "weights", worker=settings.server_name))
+    agent = WeightsAgent(nc, server, settings, MetricsPublisher(nc, settings.run, "weights", worker=settings.server_name),
+                         bus.retry)
     agent.loaded_version = await server.get_weight_version()
     agent._clean_cache()
     log.info("agent ready", server=settings.server, serving=agent.loaded_version)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats.errors
@@ -20,7 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import ObjectNotFoundError
 
 from schemas.messages import WeightFile, WeightsPublished
-from services.common.busretry import BusUnavailable
+from services.common.busretry import BusUnavailable, RetryPolicy
 from services.weights import objstore
 from services.weights.agent import objread
 from services.weights.files import ChecksumError, parallel, parse_uri, remove_tree, safe_name, verify_file
@@ -39,10 +39,13 @@ class Retry:
     retry_s: float = 0.0
     """How long retryable failures are retried before the fetch fails."""
     on_retry: Callable[[BaseException], None] | None = None
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    """The service's (`Bus.retry`)."""
 
 
-async def fetch_version(js: JetStreamContext, msg: WeightsPublished, cache_dir: Path, retry: Retry = Retry()) -> Path:
-    """Return a local directory holding exactly the announced files of `msg`."""
+async def fetch_version(js: JetStreamContext, msg: WeightsPublished, cache_dir: Path, retry: Retry | None = None) -> Path:
+    """Return a local directory holding exactly the announced files of `msg` (`retry` None: no retries)."""
+    retry = retry if retry is not None else Retry()
     if not msg.files:
         raise FetchError(f"v{msg.version}: the announcement lists no files")
     where = parse_uri(msg.uri)
@@ -82,7 +85,7 @@ async def _download(js: JetStreamContext, bucket: str, prefix: str, msg: Weights
                 # opened in a thread too; objread.get_file hashes and writes in executor threads
                 with await asyncio.to_thread(open, dest, "wb") as out:
                     info, digest = await objread.get_file(js, bucket, f"{prefix}/{f.name}", out, timeout_s=retry.timeout_s,
-                                                           retry_s=retry.retry_s, on_retry=retry.on_retry)
+                                                           retry_s=retry.retry_s, on_retry=retry.on_retry, policy=retry.policy)
             except ObjectNotFoundError as exc:  # a deleted object too (get_info says so)
                 raise FetchError(f"v{msg.version}: {f.name}: missing from {bucket}/{prefix}") from exc
             except (objstore.ObjectStoreError, BusUnavailable, nats.errors.Error) as exc:

@@ -23,7 +23,7 @@ from nats.js.errors import NotFoundError
 
 from schemas.messages import MessageError, WeightsPublished, decode
 from schemas.subjects import WEIGHT_SYNC_STREAM
-from services.common.busretry import BusUnavailable, with_retries
+from services.common.busretry import BusUnavailable, RetryPolicy, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
 from services.common.poison import terminate_poison
@@ -37,8 +37,11 @@ class AnnouncementFeed:
     """Calls `offer` with each announcement newer (by stream sequence) than any offered before."""
 
     def __init__(self, nc: NATS, subject: str, offer: Callable[[WeightsPublished], None], metrics: MetricsPublisher,
-                 retry_s: float, missing: Callable[[WeightsPublished], bool] = lambda _: False) -> None:
+                 retry_s: float, missing: Callable[[WeightsPublished], bool] = lambda _: False, *,
+                 policy: RetryPolicy) -> None:
+        """`policy`: the service's retry policy (`Bus.retry`)."""
         self.nc = nc
+        self.policy = policy
         self.js = nc.jetstream()
         self.subject = subject
         self.offer = offer
@@ -123,7 +126,8 @@ class AnnouncementFeed:
         """`call()` retried while the bus is away, however long; None if stopping meanwhile."""
         while not stopping.is_set():
             try:
-                return await with_retries(what, call, self.retry_s, on_retry=lambda _: self.metrics.count("bus_retries"))
+                return await with_retries(what, call, self.retry_s, on_retry=lambda _: self.metrics.count("bus_retries"),
+                                          policy=self.policy)
             except BusUnavailable as exc:
                 log.error("nats still unavailable; still trying", what=what, error=str(exc))
         return None

@@ -20,7 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ObjectInfo
 from nats.js.errors import NotFoundError
 from nats.js.object_store import ObjectStore
 
-from services.common.busretry import with_retries
+from services.common.busretry import RetryPolicy, with_retries
 from services.common.logging import get_logger
 from services.weights.objstore import (
     ACK_TIMEOUT_S,
@@ -45,6 +45,7 @@ async def get_file(
     timeout_s: float = ACK_TIMEOUT_S,
     retry_s: float = 0.0,
     on_retry: Callable[[BaseException], None] | None = None,
+    policy: RetryPolicy,
 ) -> tuple[ObjectInfo, str]:
     """Download object `name` into the open file `dest`; returns (info, sha256 hex of what was written).
     Raises `ObjectNotFoundError` if there is no such object, `ObjectStoreError` if it changed while
@@ -54,7 +55,7 @@ async def get_file(
     drops it after `inactive_threshold` if that delete is lost), so a reader holds at most one. An
     attempt that fails the way a NATS restart looks (a batch not delivered within `timeout_s`
     included) is resumed after the last chunk written, with capped backoff, until `retry_s` has passed
-    (then `BusUnavailable`)."""
+    (then `BusUnavailable`; `policy`: the service's, `Bus.retry`)."""
     store = ObjectStore(bucket, stream_name(bucket), js)
     reader: _Reader | None = None
 
@@ -68,7 +69,7 @@ async def get_file(
         await reader.read(js, bucket, timeout_s)
         return reader
 
-    done = await with_retries(f"download {bucket}/{name}", attempt, retry_s, on_retry)
+    done = await with_retries(f"download {bucket}/{name}", attempt, retry_s, on_retry, policy=policy)
     return done.info, done.sha.hexdigest()
 
 

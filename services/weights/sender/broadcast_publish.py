@@ -31,7 +31,7 @@ from nats.aio.client import Client as NATS
 
 from schemas.messages import Message, WeightsLoaded, WeightsLoadFailed, WeightsPublished, encode
 from schemas.subjects import Subjects
-from services.common.bus import LOCAL_BUS, Bus
+from services.common.bus import Bus
 from services.common.busretry import BusUnavailable, with_retries
 from services.common.logging import get_logger
 from services.common.metrics import MetricsPublisher
@@ -49,10 +49,10 @@ log = get_logger("weights.broadcast")
 
 class BroadcastPublisher:
     def __init__(self, nc: NATS, run: str, broadcaster: VersionSender, disk: WeightPublisher | None, disk_every: int,
-                 retry_s: float = 300.0, background: bool = True, bus: Bus = LOCAL_BUS) -> None:
+                 retry_s: float = 300.0, background: bool = True, bus: Bus | None = None) -> None:
         self.js = nc.jetstream()
-        self.bus = bus
-        """Replicas and declare policy of the WEIGHT_SYNC stream it declares (the trainer's `Bus`)."""
+        self.bus = bus if bus is not None else Bus()
+        """Replicas, declare and retry policy of the WEIGHT_SYNC stream it declares (the trainer's `Bus`)."""
         self.nc = nc
         self.run = run
         self.subjects = Subjects(run)
@@ -177,7 +177,8 @@ class BroadcastPublisher:
             if self.last_disk is None and self.disk is not None:
                 self.last_disk = await self._latest_disk()
             # one epoch for the broadcast and the disk announcements: the disk publisher's, if any
-            self.epoch = await with_retries("read the last announcement", lambda: next_epoch(self.nc, self.run), self.retry_s)
+            self.epoch = await with_retries("read the last announcement", lambda: next_epoch(self.nc, self.run), self.retry_s,
+                                            policy=self.bus.retry)
             if self.disk is not None:
                 self.epoch = self.disk.epoch = self.disk.epoch or self.epoch
             self._ready = True
@@ -207,7 +208,8 @@ class BroadcastPublisher:
         data = encode(msg)
         # the reports and the announcement at once: each is a round trip to JetStream
         await asyncio.gather(
-            with_retries(f"announce weights v{version}", lambda: self.js.publish(self.subjects.weights_published, data), self.retry_s),
+            with_retries(f"announce weights v{version}", lambda: self.js.publish(self.subjects.weights_published, data), self.retry_s,
+                         policy=self.bus.retry),
             *reports)
         if self.metrics is not None:
             await self.metrics.emit({
@@ -227,7 +229,7 @@ class BroadcastPublisher:
                     raise BusUnavailable(f"weights v{version}: {hf_dir} was taken over by a failed publish")
                 return await writer.publish_dir(version, version, hf_dir, consume=True)
 
-            self.last_disk = await with_retries(f"publish weights v{version}", publish_disk, self.retry_s)
+            self.last_disk = await with_retries(f"publish weights v{version}", publish_disk, self.retry_s, policy=self.bus.retry)
             log.info("disk copy published", version=version, seconds=round(time.perf_counter() - t0, 3))
             return self.last_disk
         return msg

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from nats.aio.client import Client as NATS
 
-from services.common.bus import LOCAL_BUS, Bus
+from services.common.bus import Bus
 from services.weights.sender.publisher import WeightPublisher
 from services.weights.sender.settings import (
     BroadcastSync,
@@ -23,18 +23,20 @@ from services.weights.sender.sync import DiskWeights, NoWeights, WeightSync
 
 def make_weight_sync(s: WeightSyncSettings, nc: NATS, run: str, *, retry_s: float, announce_key: bytes = b"",
                      inference_keys: Callable[[], tuple[str, str]] = lambda: ("", ""), streamed: bool = True,
-                     bus: Bus = LOCAL_BUS) -> WeightSync:
+                     bus: Bus | None = None) -> WeightSync:
     """The transport `s` names. `retry_s`: how long a NATS call is retried through an outage;
     `announce_key`: signs the announcements; `inference_keys`: reads the keys shown to the servers
     (in-memory transports only); `streamed`: the training call can gather bucket by bucket (not with LoRA);
-    `bus`: the replicas and declare policy of the stream and bucket it declares (the service's)."""
+    `bus`: the replicas, declare and retry policy of the stream and bucket it declares (the service's;
+    None: a lone local server)."""
     if isinstance(s, NoSync):
         return NoWeights()
     shared = s.dir if isinstance(s, SharedDirSync) else s.disk_dir if isinstance(s, ColocatedSync | BroadcastSync) else None
     disk = WeightPublisher(nc, run, shared_dir=shared, keep_last=s.keep_last, bus_retry_timeout_s=retry_s,
                            announce_key=announce_key, bus=bus)
     if isinstance(s, StoreSync | SharedDirSync):
-        return DiskWeights(functools.partial(disk.publish_dir, consume=True), retry_s=retry_s)  # the trainer hands each dir over
+        # the trainer hands each dir over
+        return DiskWeights(functools.partial(disk.publish_dir, consume=True), retry_s=retry_s, retry=disk.bus.retry)
     return _in_memory(s, nc, run, disk, retry_s=retry_s, keys=inference_keys, streamed=streamed)
 
 

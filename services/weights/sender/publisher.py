@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 
 from schemas.messages import WeightFile, WeightsPublished, encode
 from schemas.subjects import WEIGHTS_BUCKET, Subjects
-from services.common.bus import LOCAL_BUS, Bus
+from services.common.bus import Bus
 from services.common.busretry import with_retries
 from services.common.logging import get_logger
 from services.weights import objstore
@@ -54,9 +54,10 @@ class WeightPublisher:
         chunk_timeout_s: float = objstore.ACK_TIMEOUT_S,
         on_retry: Callable[[BaseException], None] | None = None,
         announce_key: bytes = b"",
-        bus: Bus = LOCAL_BUS,
+        bus: Bus | None = None,
     ) -> None:
-        """bus: the replicas and declare policy of the stream and bucket it declares (the service's);
+        """bus: the replicas, declare and retry policy of the stream and bucket it declares (the service's;
+        None: a lone local server);
         bus_retry_timeout_s: how long a NATS call that fails the way a server restart looks is
         retried; chunk_timeout_s: longest wait for one object chunk's ack, per attempt; on_retry:
         called with the error before each retry (e.g. to count them in metrics); announce_key: signs
@@ -75,7 +76,7 @@ class WeightPublisher:
         self.chunk_timeout_s = chunk_timeout_s
         self.on_retry = on_retry
         self.announce_key = announce_key
-        self.bus = bus
+        self.bus = bus if bus is not None else Bus()
         self._ready = False
         self.epoch: int | None = None
         """This trainer's epoch (`next_epoch`), read once at the first publish; every announcement carries it."""
@@ -89,10 +90,10 @@ class WeightPublisher:
             await ensure_weight_sync_stream(self.nc, self.bus_retry_timeout_s, self.on_retry, bus=self.bus)
             if self.shared_dir is None:
                 await objstore.open_bucket(self.js, self.bucket, replicas=self.bus.replicas, declare=self.bus.declare,
-                                           budget_s=self.bus_retry_timeout_s, on_retry=self.on_retry)
+                                           budget_s=self.bus_retry_timeout_s, on_retry=self.on_retry, policy=self.bus.retry)
             if self.epoch is None:
                 self.epoch = await with_retries("read the last announcement", lambda: next_epoch(self.nc, self.run),
-                                                self.bus_retry_timeout_s, self.on_retry)
+                                                self.bus_retry_timeout_s, self.on_retry, policy=self.bus.retry)
             self._ready = True
 
     async def publish_dir(self, version: int, step: int, hf_dir: str | Path, *, consume: bool = False) -> WeightsPublished:
@@ -115,7 +116,7 @@ class WeightPublisher:
         data = encode(msg)
         # A repeat after a lost ack is harmless: agents skip the version they already hold.
         await with_retries(f"announce weights v{version}", lambda: self.js.publish(self.subjects.weights_published, data),
-                           self.bus_retry_timeout_s, self.on_retry)
+                           self.bus_retry_timeout_s, self.on_retry, policy=self.bus.retry)
         total = sum(f.size for f in entries)
         log.info("weights published", version=version, step=step, uri=uri, bytes=total, seconds=round(upload_s, 3))
         await self._collect_garbage(version)
@@ -131,7 +132,8 @@ class WeightPublisher:
         for path in files:
             name = path.relative_to(hf_dir).as_posix()
             info = await objstore.put_file(self.js, self.bucket, f"{prefix}/{name}", path, self.chunk_size,
-                                           timeout_s=self.chunk_timeout_s, retry_s=self.bus_retry_timeout_s, on_retry=self.on_retry)
+                                           timeout_s=self.chunk_timeout_s, retry_s=self.bus_retry_timeout_s, on_retry=self.on_retry,
+                                           policy=self.bus.retry)
             entries.append(WeightFile(name=name, sha256=objstore.digest_hex(info), size=int(info.size or 0)))
             self._uploaded.setdefault(version, []).append(f"{prefix}/{name}")
         return object_uri(self.bucket, prefix), entries

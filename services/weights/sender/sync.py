@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from services.common.busretry import with_retries
+from services.common.busretry import RetryPolicy, with_retries
 from services.common.logging import get_logger
 
 if TYPE_CHECKING:
@@ -111,10 +111,12 @@ class DiskWeights:
 
     publishes = True
 
-    def __init__(self, publish: PublishDir, *, retry_s: float = 300.0) -> None:
+    def __init__(self, publish: PublishDir, *, retry_s: float = 300.0, retry: RetryPolicy | None = None) -> None:
         self.publish = publish
         self.retry_s = retry_s
         """How long a publish is retried through a NATS outage (the trainer's bus_retry_timeout_s)."""
+        self.retry = retry if retry is not None else RetryPolicy()
+        """The trainer's retry policy (`Bus.retry`; None: a fresh one)."""
 
     def begin(self, version: int, staging: Path) -> Shipment:
         return _DiskShipment(self, version, staging / f"v{version}")
@@ -156,7 +158,7 @@ class _DiskShipment(Shipment):
                 return None
             return await publish(version, version, hf_dir)
 
-        await with_retries(f"publish weights v{version}", attempt, self.owner.retry_s)
+        await with_retries(f"publish weights v{version}", attempt, self.owner.retry_s, policy=self.owner.retry)
         if taken:
             # A shared directory on our filesystem: the failed attempt moved the weights there before
             # its announcement failed, so this version cannot be published again. Skipping it costs
