@@ -150,6 +150,7 @@ def main() -> None:
     shape = report.shape(args.task)
     report.print_mapping(args, shape)
     work = Path(tempfile.mkdtemp(prefix=f"jetrl-vs-trl-{args.task}-"))
+    print(f"work directory (the runs' files, kept): {work}", flush=True)
     inputs = make_inputs(args.task, work)
     trl_settings = [{"batch": b, "lr": lr} for b in args.batches for lr in args.lrs]
     jetrl_settings = [{"batch": b, "eta": e, "lr": lr} for b in args.batches for e in args.etas for lr in args.lrs]
