@@ -27,14 +27,16 @@ def shape(task: str) -> dict[str, Any]:
     if task == "copy3":
         r = DEMO_PRESET["rollout"]
         return {"group": r["group_size"], "new_tokens": r["max_new_tokens"], "temperature": r["temperature"],
-                "entropy": DEMO_PRESET["trainer"]["ppo"]["entropy_coef"], "lora": None}
+                "entropy": DEMO_PRESET["trainer"]["ppo"]["entropy_coef"], "lora": None,
+                "filter": bool(DEMO_PRESET["trainer"]["ppo"].get("dynamic_filtering", False))}
     from services.trainer.settings import LoRASettings
 
     cfg = yaml.safe_load((ROOT / "examples" / "smollm2_arith.yaml").read_text())
     r, t = cfg["rollout"], cfg["trainer"]
     lora = {"rank": t["lora"]["rank"], "alpha": t["lora"]["alpha"], "target_modules": LoRASettings().target_modules}
     return {"group": r["group_size"], "new_tokens": r["max_new_tokens"], "temperature": r["temperature"],
-            "entropy": t["ppo"]["entropy_coef"], "lora": lora}
+            "entropy": t["ppo"]["entropy_coef"], "lora": lora,
+            "filter": bool(t["ppo"].get("dynamic_filtering", False))}
 
 
 def print_mapping(args: argparse.Namespace, sh: dict[str, Any]) -> None:
@@ -52,6 +54,8 @@ def print_mapping(args: argparse.Namespace, sh: dict[str, Any]) -> None:
         ("ratio clip / KL", "ppo.eps_clip=0.2, kl_coef=0", "epsilon=0.2, beta=0.0"),
         ("entropy bonus", f"ppo.entropy_coef={sh['entropy']}", f"entropy_coef={sh['entropy']}"),
         ("loss / advantages", "token-mean, (r - mean) / (std + 1e-6)", "loss_type=dapo, scale_rewards=group (std + 1e-4)"),
+        ("equal-reward groups", f"ppo.dynamic_filtering={str(sh['filter']).lower()}" + (" (dropped, counted)" if sh["filter"] else ""),
+         "kept in the batch (zero advantage: TRL has no filter)"),
         ("updates per batch", "ppo.n_minibatches=1", "num_iterations=1"),
         ("LoRA", f"r={lora['rank']} alpha={lora['alpha']} on {','.join(lora['target_modules'])}" if lora else "off (full)",
          "the same (peft LoraConfig)" if lora else "off (full)"),
