@@ -229,6 +229,14 @@ class TrainerSettings(ServiceSettings):
     computed; varlen attention with flash-attention-2, a block-diagonal causal mask with sdpa/eager);
     `max_tokens_per_microbatch` then counts the samples' real tokens. The log-probs and loss are those
     of the padded path."""
+    share_prompts: bool = False
+    """With `pack_sequences`: the samples of one prompt (a group) share a single copy of its tokens in
+    the packed row, under a 4-D attention mask in which each answer sees its prompt and itself only; the
+    model computes each prompt once per micro-batch instead of once per sample, and the log-probs come
+    from the answer tokens only. The log-probs, loss and gradients are the padded path's. Pays when
+    prompts are long against answers (a chat template, a question, short answers: ~3x fewer tokens at
+    8 samples a prompt). sdpa or eager attention (not flash_attention_2, which takes no 4-D mask); the
+    mask is (tokens x tokens) per micro-batch, so keep `max_tokens_per_microbatch` in the thousands."""
     attn_implementation: str | None = None
     """The model's attention kernel (transformers' `attn_implementation`): flash_attention_2 for varlen
     packed attention on GPUs with flash-attn installed, sdpa, eager; unset: transformers' default."""
@@ -321,6 +329,10 @@ class TrainerSettings(ServiceSettings):
             raise ValueError("resume: expected auto, never or a checkpoint directory")
         if self.feeder.enabled and self.feeder.eval_every and not self.feeder.eval_dataset_path:
             raise ValueError("feeder.eval_every is set but feeder.eval_dataset_path is not")
+        if self.share_prompts and not self.pack_sequences:
+            raise ValueError("share_prompts needs pack_sequences: true (the shared prompt lives in the packed row)")
+        if self.share_prompts and self.attn_implementation == "flash_attention_2":
+            raise ValueError("share_prompts needs attn_implementation sdpa or eager: flash_attention_2 takes no 4-D attention mask")
         if self.lr_schedule != "constant" and not (self.lr_decay_steps or self.total_steps):
             raise ValueError(f"lr_schedule {self.lr_schedule} needs lr_decay_steps or total_steps (the decay's length)")
         return self

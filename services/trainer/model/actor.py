@@ -25,10 +25,11 @@ from services.trainer.algorithms.calls import attach_advantages, checked_loss, l
 from services.trainer.algorithms.kl import kl_estimate
 from services.trainer.algorithms.registry import load_algorithm
 from services.trainer.model.engine import TrainEngine
-from services.trainer.model.fused_head import head_logp_entropy, output_head
-from services.trainer.model.logprobs import lean_logp_entropy, logp_entropy_from_logits
-from services.trainer.model.packing import target_ids, unpack
+from services.trainer.model.fused_head import head_logp_entropy, head_rows_logp_entropy, output_head
+from services.trainer.model.logprobs import lean_logp_entropy, logp_entropy_from_logits, rows_logp_entropy
+from services.trainer.model.packing import KEY, target_ids, tree_of, unpack
 from services.trainer.model.ppo import aggregate
+from services.trainer.model.prompt_tree import scatter
 from services.trainer.settings import PPOSettings
 
 log = get_logger("trainer.actor")
@@ -80,6 +81,8 @@ class PPOActor:
         hidden states), else the whole-vocabulary way; computed on the packed row when `mb` is packed,
         then put back."""
         chunk, temp = self.engine.settings.logp_chunk_tokens, self.cfg.temperature
+        if tree_of(mb) is not None:
+            return self._tree_logp_entropy(logits, mb, entropy=entropy, fused=fused)
         ids = target_ids(mb).long().to(logits.device)
         ent: torch.Tensor | None
         if fused and self.head is not None:
@@ -90,6 +93,21 @@ class PPOActor:
         else:
             logp, ent = logp_entropy_from_logits(logits, ids, temp, entropy=entropy)
         return unpack(logp, mb), unpack(ent, mb) if ent is not None and entropy else None
+
+    def _tree_logp_entropy(self, logits: torch.Tensor, mb: dict[str, Any], *, entropy: bool,
+                           fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_logp_entropy` of a row packed with shared prompts: the outputs at the positions that
+        predict answer tokens only (services.trainer.model.prompt_tree), then put in the padded layout."""
+        tree, shape = tree_of(mb), mb[KEY].shape
+        assert tree is not None
+        chunk, temp = self.engine.settings.logp_chunk_tokens, self.cfg.temperature
+        rows = logits.reshape(-1, logits.shape[-1]).index_select(0, tree.src.to(logits.device))
+        if fused and self.head is not None:
+            logp, ent = head_rows_logp_entropy(rows, self.head.weight, self.head.bias, tree.targets, temp, chunk,
+                                               keep_mb=self.engine.settings.fused_keep_probs_mb, into_grad=self.engine.grads_in_params)
+        else:
+            logp, ent = rows_logp_entropy(rows, tree.targets, temp, chunk)
+        return scatter(logp, tree, shape), scatter(ent, tree, shape) if entropy else None
 
     def compute_advantages(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Adds `advantages` (per token) and `sample_advantages` to a collated batch (whole groups),

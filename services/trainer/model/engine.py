@@ -19,7 +19,7 @@ import torch
 from services.common.logging import get_logger
 from services.common.stores import init_default_group
 from services.trainer.model import checkpoint as ckpt
-from services.trainer.model import fused_head, lora, micro, packing
+from services.trainer.model import fused_head, lora, micro, packing, prompt_tree
 from services.trainer.model import stage as zero
 from services.trainer.model.reference import Reference
 from services.trainer.model.schedule import scheduler
@@ -200,7 +200,7 @@ class TrainEngine:
         return self.rank == 0
 
     def _inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return packing.model_inputs(batch, self.device)
+        return packing.model_inputs(batch, self.device, torch.bfloat16 if self.settings.dtype == "bfloat16" else torch.float32)
 
     @torch.no_grad()
     def forward(self, batch: dict[str, Any], *, reference: bool = False, hidden: bool = False) -> torch.Tensor:
@@ -231,16 +231,19 @@ class TrainEngine:
         0), each packed into one row with `pack_sequences`. Collective when the budget is on and there
         are several ranks: every rank gets as many micro-batches as the rank that needs the most
         (ZeRO-3 gathers parameters in every pass)."""
-        budget, packed = self.settings.max_tokens_per_microbatch, self.settings.pack_sequences
+        budget, packed, share = self.settings.max_tokens_per_microbatch, self.settings.pack_sequences, self.settings.share_prompts
         if budget <= 0:
-            return [packing.pack(piece)] if packed else [piece]
-        groups = micro.plan(packing.lengths(piece), budget, packed=packed)
+            return [packing.pack(piece, share_prompts=share)] if packed else [piece]
+        sizes = packing.lengths(piece)
+        # Shared prompts: a row whose prompt is already in the micro-batch costs its answer only.
+        groups = (prompt_tree.plan(prompt_tree.prompt_keys(piece, sizes), sizes, budget) if share and packed
+                  else micro.plan(sizes, budget, packed=packed))
         if self.world_size > 1:
             count = torch.tensor([len(groups)], dtype=torch.int64, device=self.device)  # NCCL reduces GPU tensors only
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
             groups = micro.widen(groups, int(count.item()))
         micros = micro.split(piece, groups)
-        return [packing.pack(m) for m in micros] if packed else micros
+        return [packing.pack(m, share_prompts=share) for m in micros] if packed else micros
 
     def train_batch(
         self,

@@ -152,6 +152,18 @@ def head_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return (F.pad(logp.view(b, t)[:, :-1], (1, 0), value=0.0), F.pad(ent.view(b, t)[:, :-1], (1, 0), value=0.0))
 
 
+def head_rows_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                           temperature: float = 1.0, chunk_tokens: int = 1024, keep_mb: float = 0,
+                           into_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`head_logp_entropy` for hidden states (K, hidden) given row by row, each predicting its own id of
+    `ids` (K,) (no shift): (logp, entropy), each (K,) float32."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    logp, ent = _HeadLogpEntropy.apply(hidden, weight, bias, ids.to(hidden.device).long(), float(temperature),
+                                      int(chunk_tokens), int(keep_mb * 2**20), into_grad)
+    return logp, ent
+
+
 HIDDEN_KWARGS: dict[str, Any] = {"output_hidden_states": True, "logits_to_keep": 1}
 """How the model is called when the loss owns the output projection: the hidden states out, the
 logits of the last position only (HF causal LMs' `logits_to_keep`), not the whole (tokens x vocabulary)."""

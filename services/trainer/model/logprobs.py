@@ -81,3 +81,14 @@ def lean_logp_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperature
     ids = F.pad(input_ids[:, 1:].to(logits.device).long(), (0, 1)).reshape(-1)
     logp, ent = _LogpEntropy.apply(logits.reshape(-1, v), ids, float(temperature), int(chunk_tokens))
     return (F.pad(logp.view(b, t)[:, :-1], (1, 0), value=0.0), F.pad(ent.view(b, t)[:, :-1], (1, 0), value=0.0))
+
+
+def rows_logp_entropy(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0,
+                      chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy), each (K,) float32, of `ids` (K,) under the next-token logits (K, V) given row by
+    row (no shift): chunked with `chunk_tokens` > 0, else the whole-vocabulary log-softmax."""
+    if chunk_tokens > 0:
+        logp, ent = _LogpEntropy.apply(logits, ids.to(logits.device).long(), float(temperature), int(chunk_tokens))
+        return logp, ent
+    lp = F.log_softmax(logits.float() / temperature, dim=-1)
+    return lp.gather(-1, ids.to(logits.device).long().unsqueeze(-1)).squeeze(-1), -(lp.exp() * lp).sum(-1)

@@ -7,6 +7,9 @@ cross-sample attention, no padding) and as a block-diagonal causal mask with sdp
 per-token log-probs and entropy computed on the packed row are put back into the micro-batch's padded
 (rows x length) layout before the loss, so the loss, its aggregation (token- or sequence-level) and any
 algorithm see exactly the tensors of the padded path: the same numbers, only the forward is packed.
+
+With `share_prompts` the samples of one prompt share a single copy of it in the row, under a 4-D
+attention mask (services.trainer.model.prompt_tree).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from services.trainer.model import prompt_tree
 
 KEY = "_packed"
 """Where a packed micro-batch keeps its `Packed` (beside its padded columns, which the loss uses)."""
@@ -34,6 +39,9 @@ class Packed:
     """(K,): the packed positions whose values go back (every sample's tokens but its first)."""
     shape: tuple[int, int]
     """The padded layout's (rows, length)."""
+    tree: prompt_tree.Tree | None = None
+    """With shared prompts: the attention mask and where each answer token's log-prob comes from and
+    goes (`index` and `kept` are then unused)."""
 
 
 def lengths(mb: dict[str, Any]) -> list[int]:
@@ -48,11 +56,19 @@ def lengths(mb: dict[str, Any]) -> list[int]:
     return [int(x) for x in n.tolist()]
 
 
-def pack(mb: dict[str, Any]) -> dict[str, Any]:
-    """`mb` with its `Packed` row attached under `KEY` (its padded columns kept for the loss)."""
+def pack(mb: dict[str, Any], *, share_prompts: bool = False) -> dict[str, Any]:
+    """`mb` with its `Packed` row attached under `KEY` (its padded columns kept for the loss);
+    `share_prompts`: each distinct prompt once in the row (services.trainer.model.prompt_tree)."""
     ids = mb["input_ids"]
     rows, width = int(ids.shape[0]), int(ids.shape[1])
     sizes = lengths(mb)
+    if share_prompts:
+        tokens, positions, tree = prompt_tree.layout(mb, sizes, width)
+        out = dict(mb)
+        none = torch.zeros(0, dtype=torch.long)
+        out[KEY] = Packed(input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0), index=none, kept=none,
+                          shape=(rows, width), tree=tree)
+        return out
     index = torch.cat([torch.arange(n) + r * width for r, n in enumerate(sizes)])
     positions = torch.cat([torch.arange(n) for n in sizes])
     out = dict(mb)
@@ -61,16 +77,26 @@ def pack(mb: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def model_inputs(mb: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """What the model is called with: the packed row and its position ids when `mb` is packed,
-    else the padded rows and their attention mask. Never a KV cache: training needs none, and
-    transformers reads packed boundaries from the position ids only when there is none."""
+def model_inputs(mb: dict[str, Any], device: torch.device, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """What the model is called with: the packed row and its position ids when `mb` is packed (and
+    with shared prompts its 4-D attention mask in the model's `dtype`), else the padded rows and their
+    attention mask. Never a KV cache: training needs none, and transformers reads packed boundaries
+    from the position ids only when there is none."""
     packed: Packed | None = mb.get(KEY)
     if packed is not None:
-        return {"input_ids": packed.input_ids.to(device).long(), "position_ids": packed.position_ids.to(device).long(),
-                "use_cache": False}
+        out = {"input_ids": packed.input_ids.to(device).long(), "position_ids": packed.position_ids.to(device).long(),
+               "use_cache": False}
+        if packed.tree is not None:
+            out["attention_mask"] = prompt_tree.attention_mask(packed.tree, device, dtype)
+        return out
     return {"input_ids": mb["input_ids"].to(device).long(), "attention_mask": mb["attention_mask"].to(device).long(),
             "use_cache": False}
+
+
+def tree_of(mb: dict[str, Any]) -> prompt_tree.Tree | None:
+    """The shared-prompt layout of a packed `mb`, or None (padded, or packed the plain way)."""
+    packed: Packed | None = mb.get(KEY)
+    return packed.tree if packed is not None else None
 
 
 def target_ids(mb: dict[str, Any]) -> torch.Tensor:

@@ -1,0 +1,65 @@
+"""Shared prompts on the real DeepSpeed engine (one CPU rank): a group's samples share one copy of their
+prompt in the packed row; the log-probs are the padded path's, fewer tokens go through the model, and
+an update trains to the same loss, gradients and weights (to 1e-5), fused output projection or not,
+with and without a token budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.trainer.intake.batch import collate, shard
+from services.trainer.model.actor import PPOActor, to_tensors
+from services.trainer.model.engine import TrainEngine
+from services.trainer.settings import TrainerSettings
+from tests.support.updates import assert_same_update, one_update, uneven_groups
+
+
+@pytest.mark.timeout(300)
+def test_shared_prompts_give_the_padded_logprobs_through_fewer_tokens(tiny_model: Path) -> None:
+    s = TrainerSettings(model_path=str(tiny_model), pack_sequences=True, share_prompts=True, max_tokens_per_microbatch=40)
+    engine = TrainEngine(s)
+    actor = PPOActor(engine, s.ppo)
+    piece = to_tensors(shard(actor.compute_advantages(collate(uneven_groups(tiny_model))), 1, 1)[0][0])
+    seen: list[dict[str, Any]] = []
+    forward = engine.engine.forward
+
+    def probed(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs)
+        return forward(*args, **kwargs)
+
+    engine.engine.forward = probed
+    micros = engine.micro_batches(piece)
+    shared = torch.cat([actor.compute_logp(m) for m in micros])
+    engine.engine.forward = forward
+    padded = actor.compute_logp(piece)
+    real_tokens = int(piece["attention_mask"].sum())
+    computed = sum(kw["input_ids"].numel() for kw in seen)
+    prompt = int(piece["loss_mask"][0].int().argmax())  # every row of these groups: <bos>ddd=
+    rows = int(piece["input_ids"].shape[0])
+    assert len(micros) > 1 and all(kw["attention_mask"].dim() == 4 for kw in seen)
+    # each micro-batch computes each of its distinct prompts once, not once per row
+    assert computed < real_tokens and computed <= real_tokens - (rows - 2 * len(micros)) * prompt
+    trained = piece["loss_mask"] != 0
+    assert shared.shape == padded.shape
+    assert torch.allclose(shared[trained], padded[trained], atol=1e-5)
+    assert (shared[~trained] == 0).all()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("budget", "chunk"), [(0, 7), (40, 7), (40, 0)])
+def test_a_shared_prompt_update_gives_the_padded_loss_gradients_and_weights(tiny_model: Path, budget: int, chunk: int) -> None:
+    padded = one_update(tiny_model, zero_stage=2)
+    shared = one_update(tiny_model, zero_stage=2, pack_sequences=True, share_prompts=True, max_tokens_per_microbatch=budget,
+                        logp_chunk_tokens=chunk)
+    assert_same_update(padded, shared)
+
+
+def test_shared_prompts_need_packing_and_a_kernel_that_takes_a_mask(tiny_model: Path) -> None:
+    with pytest.raises(ValueError, match="share_prompts needs pack_sequences"):
+        TrainerSettings(model_path=str(tiny_model), share_prompts=True)
+    with pytest.raises(ValueError, match="flash_attention_2 takes no 4-D attention mask"):
+        TrainerSettings(model_path=str(tiny_model), pack_sequences=True, share_prompts=True, attn_implementation="flash_attention_2")
