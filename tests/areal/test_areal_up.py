@@ -19,7 +19,7 @@ import yaml
 from tests.areal.areal_pkg import install
 from tests.areal.port import port
 from tests.areal.test_areal_port import FILES, MAX_POSITIONS, PACKAGE, PIECES, STATS
-from tests.support.up import ROOT, finish, processes_of, up_env
+from tests.support.up import ROOT, finish, left_behind, up_env
 
 STEPS = 20
 SELECTED = [p.strip() for p in os.environ.get("JETRL_AREAL_PIECES", "").split(",") if p.strip()] or list(PIECES)
@@ -68,4 +68,4 @@ def test_areal_piece_trains_20_steps_in_jetrl_up(piece: str, tmp_path: Path) -> 
     assert summary and f"{STATS[piece]} " in summary[-1], out[-3000:]  # the run summary names the workflow's scalars
     print(f"{piece}: {metrics['steps'][-1]['step']} steps, rollout outcomes {metrics['rollout_outcomes']}, "
           f"workflow stats {sorted({k for s in metrics['workflow_stats'] for k in s})}")
-    assert not processes_of(tmp_path)
+    assert not left_behind(tmp_path)

@@ -18,7 +18,7 @@ import pytest
 from schemas.headers import is_rejection
 from schemas.subjects import HDR_HEAD_VERSION
 from schemas.trajectory import decode_group
-from tests.support.up import DEMO, ROOT, finish, processes_of, read_recording, start_up, step_of
+from tests.support.up import DEMO, ROOT, finish, left_behind, read_recording, start_up, step_of
 
 
 def status_shows_workers(status: dict[str, Any] | None, run_dir: Path) -> bool:
@@ -69,7 +69,7 @@ def test_default_up_learns_copy3_to_0_9_publishes_versions_and_leaves_nothing_be
     assert status["weights"]["published_version"] >= 1
     assert status["weights"]["servers"][0]["loaded_version"] >= 1
     assert status["weights"]["servers"][0]["transport"] == "colocated"  # the default: weights in shared memory
-    assert processes_of(tmp_path) == [], "processes left behind after jetrl up exited"
+    assert left_behind(tmp_path) == [], "processes left behind after jetrl up exited"
 
     # learned: a 10-step mean reward of 0.9 (chance is ~0.02) within the default step budget
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -128,7 +128,7 @@ def test_up_survives_a_rollout_worker_killed_mid_run(tmp_path: Path) -> None:
     assert killed, out[-3000:]
     assert proc.returncode == 0, out[-4000:]
     assert f"step {steps}/{steps}" in out
-    assert processes_of(tmp_path) == []
+    assert left_behind(tmp_path) == []
     # nothing trained twice: one result per prompt id in the recording (Nats-Msg-Id de-duplication)
     recording = asyncio.run(read_recording(run_dir, "e2e-kill"))
     ids = [decode_group(d).meta.prompt_id for h, d in recording if not is_rejection(h)]

@@ -23,7 +23,7 @@ import yaml
 from schemas import metric_names as names
 from schemas.headers import is_rejection
 from schemas.trajectory import decode_group
-from tests.support.up import ROOT, finish, processes_of, read_recording, start_up
+from tests.support.up import ROOT, finish, left_behind, read_recording, start_up
 
 SMALL = {"up": {"stop_at_reward": 0}, "rollout": {"group_size": 4, "max_concurrent": 8},
          "trainer": {"batch_groups": 2, "eta": 1, "checkpoint_every": 0, "feeder": {"max_in_flight": 4}}}
@@ -50,7 +50,7 @@ def run_example(tmp_path: Path, config: str, model: Path, overrides: dict[str, A
     proc = start_up(tmp_path, run, steps, deep_merge(yaml.safe_load((ROOT / "examples" / config).read_text()), overrides))
     out = finish(proc, timeout=1100)
     assert proc.returncode == 0 and f"step {steps}/{steps}" in out, out[-4000:]
-    assert processes_of(tmp_path) == []
+    assert left_behind(tmp_path) == []
     run_dir = tmp_path / run
     outcomes = json.loads((run_dir / "metrics.json").read_text())["rollout_outcomes"]
     assert outcomes["episodes_failed_total"] == 0 and outcomes[names.CONSTRAINT_UNMET_TOTAL] == 0, outcomes

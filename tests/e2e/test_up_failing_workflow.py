@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.up import finish, processes_of, start_up
+from tests.support.up import finish, left_behind, start_up
 
 
 def test_up_stops_when_every_episode_fails_with_the_exception_on_screen(tmp_path: Path) -> None:
@@ -22,4 +22,4 @@ def test_up_stops_when_every_episode_fails_with_the_exception_on_screen(tmp_path
     assert "failures by type: {'KeyError': " in out
     # the summary counts what failed, by type, instead of saying only "no trainer step was recorded"
     assert "rollout: episodes failed" in out and "(KeyError " in out, out[-3000:]
-    assert not processes_of(tmp_path)
+    assert not left_behind(tmp_path)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.up import finish, processes_of, start_up
+from tests.support.up import finish, left_behind, start_up
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible")]
 
@@ -37,7 +37,7 @@ def test_up_on_cuda_learns_copy3_to_0_9(tmp_path: Path) -> None:
     out = finish(proc, timeout=220)
     assert proc.returncode == 0, out[-4000:]
     run_dir = tmp_path / "gpu"
-    assert processes_of(tmp_path) == [], "processes left behind after jetrl up exited"
+    assert left_behind(tmp_path) == [], "processes left behind after jetrl up exited"
 
     # where it ran: printed at the start, kept in metrics.json, and what the trainer and the server say
     assert "up: device=cuda, dtype=bfloat16" in out, out[:3000]

@@ -21,7 +21,7 @@ from services.trainer.model.collective import Command, execute
 from services.trainer.model.engine import TrainEngine
 from services.trainer.settings import TrainerSettings
 from tests.support.trainer import make_group
-from tests.support.up import finish, processes_of, start_up
+from tests.support.up import finish, left_behind, start_up
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +100,7 @@ def test_one_file_custom_algorithm_learns_copy3_in_the_real_stack(tmp_path: Path
     proc = start_up(tmp_path, "cispo", STEPS, config)
     out = finish(proc, timeout=1100)
     assert proc.returncode == 0, out[-4000:]
-    assert processes_of(tmp_path) == []
+    assert left_behind(tmp_path) == []
     history = json.loads((tmp_path / "cispo" / "metrics.json").read_text())["steps"]
     assert [s["step"] for s in history][-1] == STEPS
     # the custom loss ran: it reports its importance ratios, which only examples/cispo.py emits

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.up import finish, processes_of, start_up
+from tests.support.up import finish, left_behind, start_up
 
 
 def events(log: Path, name: str) -> list[dict]:
@@ -35,4 +35,4 @@ def test_the_trainer_runs_the_torch_threads_and_up_the_rollout_workers_that_up_s
     # the worker waited for its server before pulling, then pulled
     log = run_dir / "logs" / "rollout-0.log"
     assert events(log, "inference servers serving") and events(log, "rollout worker pulling")
-    assert processes_of(tmp_path) == []
+    assert left_behind(tmp_path) == []

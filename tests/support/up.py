@@ -59,6 +59,15 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
     return found
 
 
+def left_behind(run_dir: Path, grace_s: float = 15.0) -> list[psutil.Process]:
+    """The processes of runs under `run_dir` still alive `grace_s` after the run ended, waiting on their
+    exit: torch's `torch_shm_manager` (a daemon torch starts for shared tensors, not `jetrl up`'s
+    child) exits on its own once its last client has gone, which on a loaded machine can be a moment
+    after `jetrl up` returns."""
+    _, alive = psutil.wait_procs(processes_of(run_dir), timeout=grace_s)
+    return alive
+
+
 async def read_recording(run_dir: Path, run: str) -> list[tuple[dict[str, str], bytes]]:
     with run_nats(run_dir) as url:
         # the whole recording: the run's admin user (`jetrl up` locks its bus; replay and export run as it)
