@@ -5,32 +5,16 @@ weights (to 1e-5) on ZeRO-2 and ZeRO-3, with and without a token budget."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from services.trainer.intake.batch import collate, shard
-from services.trainer.model.actor import PPOActor, to_tensors
-from services.trainer.model.engine import TrainEngine
-from services.trainer.settings import TrainerSettings
-from tests.support.updates import assert_same_update, one_update, uneven_groups
+from tests.support.updates import assert_same_update, one_update, probed_piece
 
 
 @pytest.mark.timeout(300)
 def test_packed_and_padded_batches_give_the_same_logprobs_and_no_padding_is_computed(tiny_model: Path) -> None:
-    s = TrainerSettings(model_path=str(tiny_model), pack_sequences=True, max_tokens_per_microbatch=24)
-    engine = TrainEngine(s)
-    actor = PPOActor(engine, s.ppo)
-    piece = to_tensors(shard(actor.compute_advantages(collate(uneven_groups(tiny_model))), 1, 1)[0][0])
-    seen: list[dict[str, Any]] = []
-    forward = engine.engine.forward
-
-    def probed(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs)
-        return forward(*args, **kwargs)
-
-    engine.engine.forward = probed
+    engine, actor, piece, seen, _ = probed_piece(tiny_model, pack_sequences=True, max_tokens_per_microbatch=24)
     micros = engine.micro_batches(piece)
     packed = torch.cat([actor.compute_logp(m) for m in micros])
     real_tokens = int(piece["attention_mask"].sum())

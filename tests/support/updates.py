@@ -28,6 +28,26 @@ def uneven_groups(model: Path) -> list[dict[str, np.ndarray]]:
     return groups
 
 
+def probed_piece(model: Path, **settings: Any) -> tuple[TrainEngine, PPOActor, dict[str, Any], list[dict[str, Any]], Any]:
+    """(engine, actor, one piece of `uneven_groups`, the keyword arguments of every model call from
+    now on, the model's own forward) for a one-rank trainer with `settings`."""
+    from services.trainer.model.actor import to_tensors
+
+    s = TrainerSettings(model_path=str(model), **settings)
+    engine = TrainEngine(s)
+    actor = PPOActor(engine, s.ppo)
+    piece = to_tensors(shard(actor.compute_advantages(collate(uneven_groups(model))), 1, 1)[0][0])
+    seen: list[dict[str, Any]] = []
+    forward = engine.engine.forward
+
+    def probed(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs)
+        return forward(*args, **kwargs)
+
+    engine.engine.forward = probed
+    return engine, actor, piece, seen, forward
+
+
 def one_update(model: Path, **settings: Any) -> tuple[dict[str, float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor], int]:
     """(stats, grads before each optimizer step, weights after, forward passes) of one update."""
     from deepspeed.utils import safe_get_full_grad
