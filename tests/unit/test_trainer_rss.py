@@ -65,9 +65,14 @@ def test_the_resident_peak_is_per_call() -> None:
 def test_the_resident_size_is_split_by_kind() -> None:
     """Shared memory (the colocated weight path's buffers, mapped by the servers too) is told apart from
     the heap: a trainer's resident size counts both."""
+    memory.release_freed()
     before = memory.resident_parts()
     shared = torch.ones(128 * MB // 4).share_memory_()  # a /dev/shm file, as the weight buffer sets are
+    # as the trainer does after each step: the freed heap copy goes back even where glibc carved it out
+    # of a heap arena instead of mapping it (a full CI run's worker did: +128 MB anon until trimmed;
+    # reproduced here with a raised M_MMAP_THRESHOLD)
+    memory.release_freed()
     after = memory.resident_parts()
     assert after["shmem"] - before["shmem"] >= 120 * MB, (before, after)
-    assert abs(after["anon"] - before["anon"]) < 100 * MB, (before, after)  # the copy into it was freed
+    assert after["anon"] - before["anon"] < 100 * MB, (before, after)  # the copy into it is not counted twice
     assert shared[0].item() == 1.0
