@@ -196,7 +196,9 @@ class TrainerSettings(ServiceSettings):
     else 0 on one rank and 2 on several. A checkpoint resumes only on the stage it was written with."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training precision: bfloat16 turns on DeepSpeed's bf16 mode (bf16 forward/backward, fp32 master
-    weights and Adam states in the optimizer), meant for GPUs; keep float32 on CPU. fp16 is not offered."""
+    weights and Adam states in the optimizer): on a GPU, and on a CPU with native bf16 arithmetic (AVX512-BF16
+    or AMX), where it halves a real model's matmul time (docs/trainer.md "Choosing settings"); float32 on
+    other CPUs, which emulate bf16 slowly. fp16 is not offered."""
     publish_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the published weights (cast from the fp32 master copy): bfloat16 halves what is hashed,
     moved and loaded, for a server that serves in bf16."""
@@ -229,6 +231,13 @@ class TrainerSettings(ServiceSettings):
     computed; varlen attention with flash-attention-2, a block-diagonal causal mask with sdpa/eager);
     `max_tokens_per_microbatch` then counts the samples' real tokens. The log-probs and loss are those
     of the padded path."""
+    pack_rounding: float = Field(0.125, ge=0, lt=1)
+    """With `pack_sequences`: each packed row's length L (and with `share_prompts` its count of answer
+    tokens) is rounded up to a multiple of the largest power of two at most `pack_rounding` x L, the
+    extra tokens a sample of their own that nothing attends to or reads: at most that fraction more
+    tokens, and a few lengths per doubling instead of a new one each step. On a CPU, oneDNN (which runs
+    bf16 matmuls) builds and keeps a kernel per shape: a bf16 SmolLM2 trainer's memory grew 10-25 MB a
+    step with a new length each step, and each new shape paid a kernel build. 0: no rounding."""
     share_prompts: bool = False
     """With `pack_sequences`: the samples of one prompt (a group) share a single copy of its tokens in
     the packed row, under a 4-D attention mask in which each answer sees its prompt and itself only; the

@@ -54,8 +54,9 @@ class UpSettings(ServiceSettings):
     GPU. A `trainer:` / `inference:` section's own `dtype`, `device`, `memory_fraction` win (docs/gpu.md)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The precision the trainer trains in (DeepSpeed's bf16 mode: fp32 master weights), the versions
-    travel in and the servers serve in. auto: bfloat16 with `device: cuda`, float32 on the CPU (where
-    bf16 matmuls are slow)."""
+    travel in and the servers serve in. auto: bfloat16 with `device: cuda`, float32 on the CPU (the tiny
+    model's work is too small to gain). A real model on a CPU with AVX512-BF16 or AMX trains and serves
+    faster in bfloat16 (examples/smollm2_arith.yaml sets it: docs/trainer.md "Choosing settings")."""
     serving_memory_fraction: float = Field(0.3, gt=0, lt=1)
     """`device: cuda`: the share of the GPU's memory the inference servers may take together (each an
     equal part, its `memory_fraction`: model and KV cache); the trainer takes the rest."""

@@ -232,8 +232,9 @@ class TrainEngine:
         are several ranks: every rank gets as many micro-batches as the rank that needs the most
         (ZeRO-3 gathers parameters in every pass)."""
         budget, packed, share = self.settings.max_tokens_per_microbatch, self.settings.pack_sequences, self.settings.share_prompts
+        rounding = self.settings.pack_rounding
         if budget <= 0:
-            return [packing.pack(piece, share_prompts=share)] if packed else [piece]
+            return [packing.pack(piece, share_prompts=share, rounding=rounding)] if packed else [piece]
         sizes = packing.lengths(piece)
         # Shared prompts: a row whose prompt is already in the micro-batch costs its answer only.
         groups = (prompt_tree.plan(prompt_tree.prompt_keys(piece, sizes), sizes, budget) if share and packed
@@ -243,7 +244,7 @@ class TrainEngine:
             torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
             groups = micro.widen(groups, int(count.item()))
         micros = micro.split(piece, groups)
-        return [packing.pack(m, share_prompts=share) for m in micros] if packed else micros
+        return [packing.pack(m, share_prompts=share, rounding=rounding) for m in micros] if packed else micros
 
     def train_batch(
         self,

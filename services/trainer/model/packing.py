@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from services.trainer.model import prompt_tree
+from services.trainer.model.rounding import rounded
 
 KEY = "_packed"
 """Where a packed micro-batch keeps its `Packed` (beside its padded columns, which the loss uses)."""
@@ -30,9 +31,9 @@ class Packed:
     """One packed row and the way back to the padded layout."""
 
     input_ids: torch.Tensor
-    """(1, L): the samples' tokens, back to back."""
+    """(1, L): the samples' tokens, back to back (then the padding that rounds L up, if any)."""
     position_ids: torch.Tensor
-    """(1, L): 0..n_i - 1 per sample."""
+    """(1, L): 0..n_i - 1 per sample (and per the padding)."""
     index: torch.Tensor
     """(L,): for each packed token, its flat index in the padded (rows x length) layout."""
     kept: torch.Tensor
@@ -56,14 +57,17 @@ def lengths(mb: dict[str, Any]) -> list[int]:
     return [int(x) for x in n.tolist()]
 
 
-def pack(mb: dict[str, Any], *, share_prompts: bool = False) -> dict[str, Any]:
+def pack(mb: dict[str, Any], *, share_prompts: bool = False, rounding: float = 0.0) -> dict[str, Any]:
     """`mb` with its `Packed` row attached under `KEY` (its padded columns kept for the loss);
-    `share_prompts`: each distinct prompt once in the row (services.trainer.model.prompt_tree)."""
+    `share_prompts`: each distinct prompt once in the row (services.trainer.model.prompt_tree).
+    `rounding`: the row's length is rounded up (`rounded`), the extra tokens (id 0) a sample of their
+    own at the end whose outputs are never read: the model sees a few shapes, not a new one per step
+    (`TrainerSettings.pack_rounding`)."""
     ids = mb["input_ids"]
     rows, width = int(ids.shape[0]), int(ids.shape[1])
     sizes = lengths(mb)
     if share_prompts:
-        tokens, positions, tree = prompt_tree.layout(mb, sizes, width)
+        tokens, positions, tree = prompt_tree.layout(mb, sizes, width, rounding)
         out = dict(mb)
         none = torch.zeros(0, dtype=torch.long)
         out[KEY] = Packed(input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0), index=none, kept=none,
@@ -71,9 +75,15 @@ def pack(mb: dict[str, Any], *, share_prompts: bool = False) -> dict[str, Any]:
         return out
     index = torch.cat([torch.arange(n) + r * width for r, n in enumerate(sizes)])
     positions = torch.cat([torch.arange(n) for n in sizes])
+    kept = (positions > 0).nonzero().squeeze(-1)
+    tokens = ids.reshape(-1)[index]
+    extra = rounded(int(tokens.numel()), rounding) - int(tokens.numel())
+    if extra:  # a sample of padding after the real ones: outside `kept`, so nothing of it goes back
+        tokens = torch.cat([tokens, torch.zeros(extra, dtype=tokens.dtype)])
+        positions = torch.cat([positions, torch.arange(extra)])
     out = dict(mb)
-    out[KEY] = Packed(input_ids=ids.reshape(-1)[index].unsqueeze(0), position_ids=positions.unsqueeze(0),
-                      index=index, kept=(positions > 0).nonzero().squeeze(-1), shape=(rows, width))
+    out[KEY] = Packed(input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                      index=index, kept=kept, shape=(rows, width))
     return out
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from services.trainer.model.rounding import rounded
+
 
 @dataclass(frozen=True)
 class Tree:
@@ -36,12 +38,13 @@ class Tree:
     allowed: torch.Tensor
     """(L, L) bool: query i may attend to key j."""
     src: torch.Tensor
-    """(K,): for each answer token, the packed position whose output predicts it (its previous token,
-    the prompt's last for an answer's first token)."""
+    """(K',): for each answer token, the packed position whose output predicts it (its previous token,
+    the prompt's last for an answer's first token); K' >= K: rounded up like the row (see `layout`),
+    the extra entries reading position 0 and ignored."""
     targets: torch.Tensor
-    """(K,): those answer tokens' ids."""
+    """(K',): those answer tokens' ids (0 for the extra entries)."""
     dest: torch.Tensor
-    """(K,): their flat indices in the padded (rows x length) layout."""
+    """(K,): the answer tokens' flat indices in the padded (rows x length) layout."""
 
 
 def prompt_lengths(mb: dict[str, Any], sizes: list[int]) -> list[int]:
@@ -77,9 +80,11 @@ def plan(keys: list[tuple[bytes, int]], sizes: list[int], budget: int) -> list[l
     return groups
 
 
-def layout(mb: dict[str, Any], sizes: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor, Tree]:
+def layout(mb: dict[str, Any], sizes: list[int], width: int, rounding: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, Tree]:
     """(packed ids (L,), position ids (L,), the tree) of a right-padded micro-batch whose rows have
-    `sizes` tokens, in a padded layout `width` wide."""
+    `sizes` tokens, in a padded layout `width` wide. `rounding`: L and the answer tokens' count K are
+    rounded up (`rounded`: the shapes the model and the output projection see), the extra tokens a
+    causal segment of their own at the end that no other token attends to."""
     ids = mb["input_ids"]
     keys = prompt_keys(mb, sizes)
     tokens: list[torch.Tensor] = []
@@ -109,6 +114,16 @@ def layout(mb: dict[str, Any], sizes: list[int], width: int) -> tuple[torch.Tens
             src.append(prompt_at[key][1] + t - 1 if t - 1 < p else start + t - 1 - p)
             targets.append(int(ids[r, t]))
             dest.append(r * width + t)
+    extra = rounded(offset, rounding) - offset
+    if extra:  # the padding: token 0 at positions 0.., its own segment (each pad token sees the pads before it)
+        parent.append(len(parent))
+        tokens.append(torch.zeros(extra, dtype=ids.dtype))
+        positions.append(torch.arange(extra))
+        segment += [parent[-1]] * extra
+        offset += extra
+    answers = len(src)
+    src += [0] * (rounded(answers, rounding) - answers)  # extra output rows, read from position 0, never scattered back
+    targets += [0] * (rounded(answers, rounding) - answers)
     seg = torch.tensor(segment, dtype=torch.long)
     up = torch.tensor(parent, dtype=torch.long)[seg]
     order = torch.arange(offset)
@@ -128,6 +143,7 @@ def attention_mask(tree: Tree, device: torch.device, dtype: torch.dtype) -> torc
 
 
 def scatter(values: torch.Tensor, tree: Tree, shape: tuple[int, int]) -> torch.Tensor:
-    """Per-answer-token values (K,) in the padded (rows, length) layout, 0 elsewhere. Differentiable."""
+    """Per-answer-token values (K', `tree.src`'s order; the extra entries past K dropped) in the padded
+    (rows, length) layout, 0 elsewhere. Differentiable."""
     out = values.new_zeros(shape[0] * shape[1])
-    return out.index_put((tree.dest.to(values.device),), values).view(shape)
+    return out.index_put((tree.dest.to(values.device),), values[: tree.dest.numel()]).view(shape)
