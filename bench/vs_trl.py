@@ -22,7 +22,7 @@ scoring, training), and CPU-seconds and peak resident size per process.
 
     python bench/vs_trl.py                                  # copy3, 3 seeds, 16 and 32 prompts a step
     python bench/vs_trl.py --seeds 1 --batches 32           # a quick run
-    python bench/vs_trl.py --task arith --seeds 1 --batches 4 --max-steps 120   # the real model
+    python bench/vs_trl.py --task arith --seeds 1 --batches 4 --max-steps 60   # the real model
 
 TRL comes from the optional extra `.[peer]` (`pip install "trl>=1.16"`).
 """
@@ -70,7 +70,8 @@ def run_trl(task: str, setting: dict[str, Any], seed: int, inputs: tuple[Path, P
     model, dataset, eval_set = inputs
     out = work / f"trl-{report.label(setting)}-{seed}.json"
     spec = {"task": task, "model": str(model), "dataset": str(dataset), "eval": str(eval_set) if eval_set else None, "seed": seed,
-            "out": str(out), "batch": setting["batch"], "lr": setting["lr"], "clip": CLIP, **shape}
+            "out": str(out), "batch": setting["batch"], "lr": setting["lr"], "dtype": setting.get("dtype", "float32"), "clip": CLIP,
+            **shape}
     if task == "copy3":
         spec.update(steps=args.steps, target=args.target)
     else:
@@ -126,8 +127,11 @@ def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=("copy3", "arith"), default="copy3")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--batches", default=None, help="prompts per step, both sides (copy3: 16,32; arith: 4,8)")
-    parser.add_argument("--lrs", default=None, help="learning rates, both sides (copy3: 1e-3; arith: 1e-4, the presets')")
+    parser.add_argument("--batches", default=None, help="prompts per step, both sides (copy3: 16,32; arith: 2,4)")
+    parser.add_argument("--lrs", default=None, help="learning rates, both sides (copy3: 1e-3; arith: 3e-4, the example's)")
+    parser.add_argument("--trl-dtypes", default=None,
+                        help="TRL's precisions, swept (copy3: float32; arith: float32,bfloat16: bf16 mixed precision, as jetrl's "
+                             "example trains in bf16)")
     parser.add_argument("--etas", default="2", help="jetrl's staleness budgets (the presets': 2)")
     parser.add_argument("--steps", type=int, default=500, help="copy3: step budget of every run (the demo's)")
     parser.add_argument("--target", type=float, default=0.9, help="copy3: 10-step mean reward to reach")
@@ -139,8 +143,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--skip-jetrl", action="store_true")
     args = parser.parse_args()
     copy3 = args.task == "copy3"
-    args.batches = [int(b) for b in (args.batches or ("16,32" if copy3 else "4,8")).split(",") if b.strip()]
-    args.lrs = [float(x) for x in (args.lrs or ("1e-3" if copy3 else "1e-4")).split(",") if x.strip()]
+    args.batches = [int(b) for b in (args.batches or ("16,32" if copy3 else "2,4")).split(",") if b.strip()]
+    args.lrs = [float(x) for x in (args.lrs or ("1e-3" if copy3 else "3e-4")).split(",") if x.strip()]
+    args.trl_dtypes = [d for d in (args.trl_dtypes or ("float32" if copy3 else "float32,bfloat16")).split(",") if d.strip()]
     args.etas = [int(e) for e in args.etas.split(",") if e.strip()] or [2]  # "": the presets' eta
     return args
 
@@ -152,7 +157,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix=f"jetrl-vs-trl-{args.task}-"))
     print(f"work directory (the runs' files, kept): {work}", flush=True)
     inputs = make_inputs(args.task, work)
-    trl_settings = [{"batch": b, "lr": lr} for b in args.batches for lr in args.lrs]
+    trl_settings = [{"batch": b, "lr": lr, **({"dtype": d} if args.trl_dtypes != ["float32"] else {})}
+                    for b in args.batches for lr in args.lrs for d in args.trl_dtypes]
     jetrl_settings = [{"batch": b, "eta": e, "lr": lr} for b in args.batches for e in args.etas for lr in args.lrs]
     runs: list[dict[str, Any]] = []
     for seed in range(args.seeds):

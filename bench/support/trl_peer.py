@@ -9,6 +9,7 @@ template with the generation prompt, as jetrl's rollout does. The reward is jetr
 called in process. Written to SPEC["out"]: one record per step (mean reward, time from the bench's
 launch, the step's seconds and the part of them in `_generate_and_score_completions`: generation and
 scoring; the rest is training), the eval rounds (arith) and the process's peak resident size.
+`dtype` bfloat16: transformers' bf16 mixed precision (autocast on the CPU; fp32 weights and optimizer).
 
 The arith eval: before the first step and every `eval_every` steps, the first `eval_size` eval rows,
 `group` samples each at the training temperature (no top-k / top-p, as jetrl's server samples), scored
@@ -128,7 +129,7 @@ def main(spec_path: str) -> None:
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, max_completion_length=spec["new_tokens"],
         temperature=spec["temperature"], epsilon=spec["clip"], entropy_coef=spec["entropy"], loss_type="dapo", scale_rewards="group",
         beta=0.0, num_iterations=1, max_steps=spec["steps"], logging_steps=1, save_strategy="no", report_to="none", seed=seed,
-        use_cpu=True, bf16=False, disable_tqdm=True, dataloader_num_workers=0,
+        use_cpu=True, bf16=spec.get("dtype") == "bfloat16", disable_tqdm=True, dataloader_num_workers=0,
     )
     trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=config, train_dataset=data, processing_class=tok,
                           callbacks=[Record()], peft_config=peft_config)

@@ -18,7 +18,8 @@ INF = float("inf")
 
 
 def label(setting: dict[str, Any]) -> str:
-    parts = [f"b{setting['batch']}"] + ([f"eta{setting['eta']}"] if "eta" in setting else []) + [f"lr{setting['lr']:g}"]
+    parts = ([f"b{setting['batch']}"] + ([f"eta{setting['eta']}"] if "eta" in setting else []) + [f"lr{setting['lr']:g}"]
+             + ([{"float32": "fp32", "bfloat16": "bf16"}[setting["dtype"]]] if "dtype" in setting else []))
     return " ".join(parts)
 
 
@@ -28,7 +29,8 @@ def shape(task: str) -> dict[str, Any]:
         r = DEMO_PRESET["rollout"]
         return {"group": r["group_size"], "new_tokens": r["max_new_tokens"], "temperature": r["temperature"],
                 "entropy": DEMO_PRESET["trainer"]["ppo"]["entropy_coef"], "lora": None,
-                "filter": bool(DEMO_PRESET["trainer"]["ppo"].get("dynamic_filtering", False))}
+                "filter": bool(DEMO_PRESET["trainer"]["ppo"].get("dynamic_filtering", False)), "dtype": "float32",
+                "threads": "one thread per process (OMP_NUM_THREADS=1)"}
     from services.trainer.settings import LoRASettings
 
     cfg = yaml.safe_load((ROOT / "examples" / "smollm2_arith.yaml").read_text())
@@ -36,7 +38,8 @@ def shape(task: str) -> dict[str, Any]:
     lora = {"rank": t["lora"]["rank"], "alpha": t["lora"]["alpha"], "target_modules": LoRASettings().target_modules}
     return {"group": r["group_size"], "new_tokens": r["max_new_tokens"], "temperature": r["temperature"],
             "entropy": t["ppo"]["entropy_coef"], "lora": lora,
-            "filter": bool(t["ppo"].get("dynamic_filtering", False))}
+            "filter": bool(t["ppo"].get("dynamic_filtering", False)), "dtype": cfg["up"].get("dtype", "float32"),
+            "threads": f"trainer and server {cfg['up'].get('torch_threads')} torch threads each (waiting passively), the rest 1"}
 
 
 def print_mapping(args: argparse.Namespace, sh: dict[str, Any]) -> None:
@@ -60,11 +63,14 @@ def print_mapping(args: argparse.Namespace, sh: dict[str, Any]) -> None:
         ("LoRA", f"r={lora['rank']} alpha={lora['alpha']} on {','.join(lora['target_modules'])}" if lora else "off (full)",
          "the same (peft LoraConfig)" if lora else "off (full)"),
         ("prompt", "the model's chat template, one user message", "the same (conversational prompts)"),
+        ("precision", f"up.dtype={sh['dtype']}" + (" (trainer: fp32 master weights; server)" if sh["dtype"] != "float32" else ""),
+         f"bf16 in {{{','.join('true' if d == 'bfloat16' else 'false' for d in args.trl_dtypes)}}}"
+         + (" (swept; mixed precision, fp32 weights)" if len(args.trl_dtypes) > 1 else "")),
     ]
     print(f"{'setting':<20} {'jetrl':<60} TRL GRPOTrainer")
     for what, ours, theirs in rows:
         print(f"{what:<20} {ours:<60} {theirs}")
-    print(f"CPU: {os.cpu_count()} cores; jetrl: one thread per process (OMP_NUM_THREADS=1); TRL: one process, torch's threads")
+    print(f"CPU: {os.cpu_count()} cores; jetrl: {sh['threads']}; TRL: one process, torch's threads")
 
 
 def crossings(series: list[tuple[int, float, float]], target: float) -> dict[str, Any]:
