@@ -238,6 +238,8 @@ class Trainer:
             log.warning("stopping with NATS unavailable", version=self.version, error=str(exc))
         if self.version != saved_at or self.done:
             await self.checkpoint()
+        if self.done and self.feeder is not None:  # e.g. total_steps a multiple of eval_every: the last round is read
+            await self.feeder.evals_reported(stopping)
         log.info("training finished" if self.done else "stopped; checkpoint saved", version=self.version)
 
     async def step(self, stopping: asyncio.Event | None = None) -> dict[str, float] | None:

@@ -176,3 +176,54 @@ async def test_an_unfinished_eval_round_is_reported_at_its_timeout(nats_url: str
     finally:
         await rounds.close()
         await nc.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_run_that_ends_at_an_eval_step_reports_that_round_before_it_finishes(nats_url: str, tiny_model: Path,
+                                                                                      tmp_path: Path) -> None:
+    """total_steps a multiple of eval_every: the round issued after the last step is waited for and
+    reported (a user's last eval point), not dropped as the trainer exits; a stop ends the wait."""
+    import asyncio
+
+    settings = TrainerSettings(
+        run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), batch_groups=1,
+        total_steps=1, checkpoint_every=0, publish_weights=False, fetch_timeout_s=0.2,
+        feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1,
+                "eval_dataset_path": str(write_dataset(tmp_path / "e.jsonl", 5)), "eval_every": 1, "eval_size": 2},
+    )
+    nc = await connect(nats_url, "test")
+    trainer = Trainer(settings, TrainEngine(settings))
+    stopping = asyncio.Event()
+    try:
+        await trainer.start(nc)
+        js = nc.jetstream()
+        events = await nc.subscribe(S.metrics("eval"))
+        await trainer.feeder.feed_once()
+        [task] = await take_prompts(js, S.prompts_train, S.rollout_consumer, 1)
+        await publish_group(js, RUN, task.prompt_id, make_group(tiny_model, task.data["answer"]))
+        rounds = trainer.feeder.evals
+        assert rounds is not None
+        run = asyncio.create_task(trainer.run(stopping))
+        open_at_end: list[list[int]] = []
+        run.add_done_callback(lambda _: open_at_end.append(sorted(rounds.rounds)))
+        evals = await take_prompts(js, S.prompts_eval, "eval-test", 2)  # issued after the last step
+        await asyncio.sleep(1.0)  # the trainer's checkpoint is written by now: it is waiting for the answers
+        assert trainer.done and not run.done()
+        for t in evals:
+            await _answer(js, tiny_model, t.prompt_id, [1.0, 0.0])
+        await asyncio.wait_for(run, 30)
+        assert open_at_end == [[]]  # the run ended once the round was reported, not with it open
+        event = decode(MetricsEvent, (await events.next_msg(timeout=10)).data)
+        assert (event.service, event.step) == ("eval", 1) and event.values["eval_complete"] == 1
+        assert event.values["eval_accuracy"] == pytest.approx(0.5)
+
+        # the same wait ends with a stop (Ctrl-C while the last round is out)
+        rounds.expect(2, ["eval2-0"])
+        waiting = asyncio.create_task(trainer.feeder.evals_reported(stopping))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        stopping.set()
+        await asyncio.wait_for(waiting, 5)
+    finally:
+        await trainer.close()
+        await nc.close()

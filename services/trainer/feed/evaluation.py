@@ -66,6 +66,9 @@ class EvalRounds:
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._emitting: set[asyncio.Task[None]] = set()
         self._sub: Any = None
+        self._idle = asyncio.Event()
+        """Set while no round is open."""
+        self._idle.set()
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(self.subjects.trajectories_eval, cb=self._on_msg)
@@ -79,6 +82,7 @@ class EvalRounds:
         if old is not None:  # the same step trained again after a resume: the new round replaces it
             old.cancel()
         self.rounds[step] = Round(step, ids)
+        self._idle.clear()
         self._round_of.update(dict.fromkeys(ids, step))
         self._timers[step] = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, step)
 
@@ -140,6 +144,21 @@ class EvalRounds:
         task = asyncio.get_running_loop().create_task(self.metrics.emit(values, step=step, version=step), name=f"eval-emit-{step}")
         self._emitting.add(task)
         task.add_done_callback(self._emitting.discard)
+        if not self.rounds:
+            self._idle.set()
+
+    async def settled(self, stopping: asyncio.Event) -> None:
+        """Until every open round is reported (answered in full, or at its timeout) or `stopping` is set:
+        a run that ends at an eval step reports that round instead of dropping it."""
+        if self._idle.is_set():
+            return
+        log.info("waiting for the open eval rounds to be answered", steps=sorted(self.rounds), timeout_s=self.timeout_s)
+        idle, stop = asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(stopping.wait())
+        try:
+            await asyncio.wait({idle, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            idle.cancel()
+            stop.cancel()
 
     async def close(self) -> None:
         """Stop listening; rounds still open are dropped (logged), pending reports are sent."""

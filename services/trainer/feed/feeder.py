@@ -90,6 +90,12 @@ class Feeder:
             await self.evals.start()
         await self._watch_dead_letters()
 
+    async def evals_reported(self, stopping: asyncio.Event) -> None:
+        """Until every eval round issued is reported (answered, or timed out after `feeder.eval_timeout_s`)
+        or `stopping` is set: the round after a run's last step is read, not dropped."""
+        if self.evals is not None:
+            await self.evals.settled(stopping)
+
     async def close(self) -> None:
         """End the feeder's subscriptions (before the connection is drained)."""
         if self.evals is not None:
