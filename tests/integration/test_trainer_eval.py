@@ -207,8 +207,11 @@ async def test_a_run_that_ends_at_an_eval_step_reports_that_round_before_it_fini
         open_at_end: list[list[int]] = []
         run.add_done_callback(lambda _: open_at_end.append(sorted(rounds.rounds)))
         evals = await take_prompts(js, S.prompts_eval, "eval-test", 2)  # issued after the last step
-        await asyncio.sleep(1.0)  # the trainer's checkpoint is written by now: it is waiting for the answers
-        assert trainer.done and not run.done()
+        for _ in range(600):  # until the trainer's last step is done (under load that takes longer than any fixed sleep)
+            if trainer.done or run.done():
+                break
+            await asyncio.sleep(0.05)
+        assert trainer.done and not run.done()  # done training, still waiting for the round's answers
         for t in evals:
             await _answer(js, tiny_model, t.prompt_id, [1.0, 0.0])
         await asyncio.wait_for(run, 30)
