@@ -31,6 +31,8 @@ FEEDER_DROPPED = "feeder_dropped"
 TOTAL_PREFIX = "total_"
 """`total_<outcome>`: the intake's verdicts since the run started (accepted, stale, terminated_<cause>...)."""
 EVAL_REWARD_MEAN = "eval_reward_mean"
+EVAL_ACCURACY = "eval_accuracy"
+"""An eval round's pass rate: the share of its samples whose reward is 1."""
 
 # a rollout worker
 EPISODES_PER_S = "episodes_per_s"

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         data = read_yaml(line.config) if line.config else {}
         sections = _service_sections(line.config, data)
         settings = load_settings(UpSettings, overrides=line.overrides, values=data.get("up") or {})
-        validate_sections(sections, settings.dataset_path)
+        validate_sections(sections, settings.dataset_path, settings.stop_at_eval_lift)
     except SettingsError as exc:
         print(f"jetrl up: {exc}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ REWARD_KEYS = (names.REWARD_MEAN,)
 ACCURACY_KEYS = (names.ACCURACY,)
 STALENESS_KEYS = (names.STALENESS_MEAN,)
 WAIT_KEYS = (names.DATA_WAIT_FRACTION,)
+EVAL_PASS = names.EVAL_ACCURACY
 OUTCOME_KEYS = ("episodes_failed_total", "rejected_total", "groups_shrunk_total", "groups_not_accepted_total",
                 *names.CONSTRAINT_COUNTERS)
 
@@ -63,6 +64,10 @@ class RunView:
     """The first step whose 10-step mean reward reached `target`, checked at every step as it arrives
     (a display refresh every 0.5 s sees only the window at that moment: a mean can cross and fall back
     between two refreshes)."""
+    eval_lift: float | None = None
+    """An eval pass-rate gain to watch for (`stop_at_eval_lift`): over the run's first round; None: none."""
+    lifted_at: int | None = None
+    """The step of the first eval round whose pass rate is `eval_lift` over the step-0 round's."""
 
     def add(self, event: MetricsEvent) -> None:
         self.latest[f"{event.service}/{event.worker}"] = event
@@ -72,6 +77,7 @@ class RunView:
                 self.workflow_stats.append({"time": event.time - self.started, "worker": event.worker, **scoped})
         if event.service == "eval" and event.step is not None:
             self.evals.append({"step": event.step, "time": event.time - self.started, **event.values})
+            self._check_lift()
         if event.service == "trainer" and event.step is not None:
             if not self.steps or self.steps[-1]["step"] != event.step:
                 values = dict(event.values)
@@ -81,6 +87,22 @@ class RunView:
                 self.steps.append({"step": event.step, "version": event.version, "time": event.time - self.started, **values})
                 if self.target and self.reached_at is None and len(self.steps) >= 10 and (self.recent(REWARD_KEYS) or 0) >= self.target:
                     self.reached_at = event.step
+
+    def _check_lift(self) -> None:
+        """Rounds arrive as they are answered, not in step order: each is held against the step-0 round
+        once that is in (a later round that came first counts then)."""
+        if self.eval_lift is None or self.lifted_at is not None:
+            return
+        base = next((e.get(EVAL_PASS) for e in self.evals if e["step"] == 0), None)
+        if base is None:
+            return
+        lifted = [e["step"] for e in self.evals if e["step"] > 0 and (e.get(EVAL_PASS) or 0.0) >= base + self.eval_lift - 1e-9]
+        if lifted:
+            self.lifted_at = min(lifted)
+
+    def eval_at(self, step: int) -> float | None:
+        """The pass rate of the eval round of `step`, if it is in."""
+        return next((e.get(EVAL_PASS) for e in self.evals if e["step"] == step), None)
 
     @property
     def step(self) -> int:

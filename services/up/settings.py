@@ -67,6 +67,11 @@ class UpSettings(ServiceSettings):
     """Stop early once the 10-step mean reward reaches this (0 = run all `total_steps`). Unset: 0.9 for
     the demo (no `dataset_path`: copy3 is learned there, and the run ends instead of idling on), 0 with
     a dataset of your own."""
+    stop_at_eval_lift: float | None = Field(None, gt=0, le=1)
+    """Stop early at the first eval round whose pass rate (the share of eval samples with reward 1) is
+    this much over the run's first round, e.g. 0.15 for +15 points; the round's step counts, whenever
+    its answers come in. Needs a round at step 0 (`trainer.feeder.eval_at_start`) and an eval set.
+    Unset: no such stop."""
     pass_env: list[str] = []
     """Environment variables of `jetrl up`'s own environment passed through to every service, beside the
     few it always passes (PATH, HOME, ...), e.g. `[OPENAI_API_KEY, HF_HOME]` for an agent that reads

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from nats.aio.client import Client as NATS
 
+from schemas import metric_names as names
 from schemas.headers import is_rejection
 from schemas.messages import MessageError, RejectionMarker, decode
 from schemas.subjects import HDR_PROMPT_ID, Subjects
@@ -48,7 +49,7 @@ class Round:
                   "eval_complete": float(self.complete)}
         if self.rewards:  # no groups: no reward to report (a 0 would read as a wrong answer)
             r = np.concatenate(self.rewards)
-            values.update({"eval_reward_mean": float(r.mean()), "eval_accuracy": float((r >= 1.0).mean()),
+            values.update({names.EVAL_REWARD_MEAN: float(r.mean()), names.EVAL_ACCURACY: float((r >= 1.0).mean()),
                            "eval_samples": float(r.size)})
         return values
 
