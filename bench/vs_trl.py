@@ -71,7 +71,7 @@ def run_trl(task: str, setting: dict[str, Any], seed: int, inputs: tuple[Path, P
     out = work / f"trl-{report.label(setting)}-{seed}.json"
     spec = {"task": task, "model": str(model), "dataset": str(dataset), "eval": str(eval_set) if eval_set else None, "seed": seed,
             "out": str(out), "batch": setting["batch"], "lr": setting["lr"], "dtype": setting.get("dtype", "float32"), "clip": CLIP,
-            **shape}
+            **shape, "threads": setting["threads"]}  # TRL's own threads (shape's "threads" describes jetrl's)
     if task == "copy3":
         spec.update(steps=args.steps, target=args.target)
     else:
@@ -80,8 +80,9 @@ def run_trl(task: str, setting: dict[str, Any], seed: int, inputs: tuple[Path, P
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     spec["launched"] = launched = time.time()
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "bench.support.trl_peer", str(spec_path)], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    threads = str(setting["threads"])
+    proc = subprocess.run([sys.executable, "-m", "bench.support.trl_peer", str(spec_path)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
     wall, cpu = time.time() - launched, cpu_since(before)
     if proc.returncode != 0:
         raise RuntimeError(f"TRL {report.label(setting)} seed {seed} failed:\n{proc.stderr[-3000:]}")
@@ -132,6 +133,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--trl-dtypes", default=None,
                         help="TRL's precisions, swept (copy3: float32; arith: float32,bfloat16: bf16 mixed precision, as jetrl's "
                              "example trains in bf16)")
+    parser.add_argument("--trl-threads", default=None,
+                        help="TRL's torch threads, swept (default: the cores this process may use, torch's own default; the "
+                             "caller's OMP_NUM_THREADS is not inherited: ./dev sets 1, which would hold TRL to one core)")
     parser.add_argument("--etas", default="2", help="jetrl's staleness budgets (the presets': 2)")
     parser.add_argument("--steps", type=int, default=500, help="copy3: step budget of every run (the demo's)")
     parser.add_argument("--target", type=float, default=0.9, help="copy3: 10-step mean reward to reach")
@@ -147,6 +151,7 @@ def parse() -> argparse.Namespace:
     args.lrs = [float(x) for x in (args.lrs or ("1e-3" if copy3 else "3e-4")).split(",") if x.strip()]
     args.trl_dtypes = [d for d in (args.trl_dtypes or ("float32" if copy3 else "float32,bfloat16")).split(",") if d.strip()]
     args.etas = [int(e) for e in args.etas.split(",") if e.strip()] or [2]  # "": the presets' eta
+    args.trl_threads = [int(t) for t in (args.trl_threads or str(len(os.sched_getaffinity(0)))).split(",") if t.strip()]
     return args
 
 
@@ -157,8 +162,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix=f"jetrl-vs-trl-{args.task}-"))
     print(f"work directory (the runs' files, kept): {work}", flush=True)
     inputs = make_inputs(args.task, work)
-    trl_settings = [{"batch": b, "lr": lr, **({"dtype": d} if args.trl_dtypes != ["float32"] else {})}
-                    for b in args.batches for lr in args.lrs for d in args.trl_dtypes]
+    trl_settings = [{"batch": b, "lr": lr, **({"dtype": d} if args.trl_dtypes != ["float32"] else {}), "threads": t}
+                    for b in args.batches for lr in args.lrs for d in args.trl_dtypes for t in args.trl_threads]
     jetrl_settings = [{"batch": b, "eta": e, "lr": lr} for b in args.batches for e in args.etas for lr in args.lrs]
     runs: list[dict[str, Any]] = []
     for seed in range(args.seeds):

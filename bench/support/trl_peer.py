@@ -70,6 +70,7 @@ def main(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     launched, task, seed = spec["launched"], spec["task"], spec["seed"]
+    torch.set_num_threads(int(spec.get("threads", torch.get_num_threads())))
     torch.manual_seed(seed)
     score = reward_fn(task)
     rows = [json.loads(line) for line in Path(spec["dataset"]).read_text().splitlines()]

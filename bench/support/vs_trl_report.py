@@ -19,7 +19,8 @@ INF = float("inf")
 
 def label(setting: dict[str, Any]) -> str:
     parts = ([f"b{setting['batch']}"] + ([f"eta{setting['eta']}"] if "eta" in setting else []) + [f"lr{setting['lr']:g}"]
-             + ([{"float32": "fp32", "bfloat16": "bf16"}[setting["dtype"]]] if "dtype" in setting else []))
+             + ([{"float32": "fp32", "bfloat16": "bf16"}[setting["dtype"]]] if "dtype" in setting else [])
+             + ([f"t{setting['threads']}"] if "threads" in setting else []))
     return " ".join(parts)
 
 
@@ -70,7 +71,9 @@ def print_mapping(args: argparse.Namespace, sh: dict[str, Any]) -> None:
     print(f"{'setting':<20} {'jetrl':<60} TRL GRPOTrainer")
     for what, ours, theirs in rows:
         print(f"{what:<20} {ours:<60} {theirs}")
-    print(f"CPU: {os.cpu_count()} cores; jetrl: {sh['threads']}; TRL: one process, torch's threads")
+    print(f"CPU: {len(os.sched_getaffinity(0))} cores; jetrl: {sh['threads']}; TRL: one process, "
+          f"{' or '.join(str(t) for t in args.trl_threads)} torch threads (OMP_NUM_THREADS, set per run"
+          f"{'; swept' if len(args.trl_threads) > 1 else ''})")
 
 
 def crossings(series: list[tuple[int, float, float]], target: float) -> dict[str, Any]:
