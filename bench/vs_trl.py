@@ -81,11 +81,20 @@ def run_trl(task: str, setting: dict[str, Any], seed: int, inputs: tuple[Path, P
     spec["launched"] = launched = time.time()
     spec_path.write_text(json.dumps(spec))
     threads = str(setting["threads"])
-    proc = subprocess.run([sys.executable, "-m", "bench.support.trl_peer", str(spec_path)], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+    log_path = work / f"trl-{report.label(setting)}-{seed}.log"
+    with log_path.open("w") as log_file:  # its progress lines ("trl ...") shown as they come; everything kept in the log
+        proc = subprocess.Popen([sys.executable, "-m", "bench.support.trl_peer", str(spec_path)], cwd=ROOT, text=True,
+                                stdout=subprocess.PIPE, stderr=log_file,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log_file.write(line)
+            if line.startswith("trl "):
+                print(f"    {line.rstrip()}", flush=True)
+        returncode = proc.wait()
     wall, cpu = time.time() - launched, cpu_since(before)
-    if proc.returncode != 0:
-        raise RuntimeError(f"TRL {report.label(setting)} seed {seed} failed:\n{proc.stderr[-3000:]}")
+    if returncode != 0:
+        raise RuntimeError(f"TRL {report.label(setting)} seed {seed} failed (log: {log_path}):\n{log_path.read_text()[-3000:]}")
     got = json.loads(out.read_text())
     steps = [s for s in got["steps"] if "reward" in s]
     first = steps[0]["t"] - steps[0]["step_s"] if steps else None

@@ -34,18 +34,29 @@ def cpu_since(before: resource.struct_rusage) -> float:
 
 
 def run_up(name: str, sections: dict[str, Any], work: Path, args: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`jetrl up --config <sections> run=<name> run_dir=<work> display=none *args`; returns metrics.json
+    """`jetrl up --config <sections> run=<name> run_dir=<work> display=lines *args` (each new eval round's line
+    printed as it comes); returns metrics.json
     and what the bench measured around it (wall, CPU, per-process CPU and peak RSS, launch offset)."""
     cfg = work / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(sections))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     launched = time.time()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.up", "--config", str(cfg), f"run={name}", f"run_dir={work}", "display=none", *args],
+        [sys.executable, "-m", "services.up", "--config", str(cfg), f"run={name}", f"run_dir={work}", "display=lines", *args],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    lines: list[str] = []
+    shown = ""
     with TreeCPU(proc.pid) as tree:
-        stdout, _ = proc.communicate()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            round_ = eval_round(line)
+            if round_ and round_ != shown:  # progress of a long run: a line as each eval round comes in
+                shown = round_
+                print(f"    jetrl {line.strip()}", flush=True)
+        proc.wait()
+    stdout = "".join(lines)
     measured: dict[str, Any] = {"wall_s": time.time() - launched, "cpu_s": cpu_since(before), "tree": tree}
     metrics_path = work / name / "metrics.json"
     if not metrics_path.exists():
@@ -53,6 +64,11 @@ def run_up(name: str, sections: dict[str, Any], work: Path, args: list[str]) -> 
     metrics = json.loads(metrics_path.read_text())
     measured["offset"] = metrics.get("started_at", launched) - launched  # the command's start to up's own clock
     return metrics, measured
+
+
+def eval_round(line: str) -> str:
+    """The eval round a step line of `display=lines` shows ("eval@<step>"), "" where none."""
+    return "eval@" + line.rsplit("| eval@", 1)[1].split()[0] if "| eval@" in line else ""
 
 
 def step_split(history: list[dict[str, Any]], until_step: int | None) -> dict[str, float]:

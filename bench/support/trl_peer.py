@@ -105,6 +105,9 @@ def main(spec_path: str) -> None:
                 return
             steps[-1]["reward"] = logs["reward"]
             recent = [s["reward"] for s in steps[-10:] if "reward" in s]
+            if task != "copy3" or state.global_step % 50 == 0:  # progress, shown by bench/vs_trl.py as it comes
+                print(f"trl step {state.global_step}: reward {logs['reward']:.3f}, {steps[-1]['step_s']:.1f} s a step, "
+                      f"{steps[-1]['t']:.0f} s on the clock", flush=True)
             if target is not None and len(recent) == 10 and sum(recent) / 10 >= target:
                 control.should_training_stop = True
 
