@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from services.bus.nats_server import NatsServer, free_port
+from services.bus.nats_server import ExitedEarly, NatsServer, free_port
 
 NODE_CONF = """
 server_name: {name}
@@ -29,8 +29,15 @@ class NatsCluster:
         if size < 1:
             raise ValueError(f"a cluster needs at least one node, got {size}")
         self.root = Path(root).resolve()
-        self.host, self.name = host, name
-        self.cluster_ports = [free_port(host) for _ in range(size)]
+        self.host, self.name, self.size = host, name, size
+        self.cluster_ports: list[int] = []
+        self.nodes: list[NatsServer] = []
+        self._place()
+
+    def _place(self) -> None:
+        """Pick every node's ports (client, monitor, cluster) and write their configuration."""
+        host, name = self.host, self.name
+        self.cluster_ports = [free_port(host) for _ in range(self.size)]
         routes = ", ".join(f"nats-route://{host}:{p}" for p in self.cluster_ports)
         self.nodes = [
             NatsServer(
@@ -55,8 +62,22 @@ class NatsCluster:
                 return node
         raise KeyError(f"no node named {server_name!r} in cluster {self.name}")
 
-    def start(self, timeout_s: float = 60.0) -> NatsCluster:
-        """Start every node (a node waits for its routes), then wait until JetStream has a meta leader."""
+    def start(self, timeout_s: float = 60.0, attempts: int = 3) -> NatsCluster:
+        """Start every node (a node waits for its routes), then wait until JetStream has a meta leader.
+        Ports picked by `free_port` can be taken by another process before a node binds them (two test
+        runs side by side): if a node exits while starting, every node is stopped and the cluster starts
+        again on fresh ports (the stores stay: the nodes know each other by name, not by port)."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout_s)
+            except ExitedEarly:
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
+                self._place()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout_s: float) -> NatsCluster:
         for node in self.nodes:
             node.start_detached()
         for node in self.nodes:

