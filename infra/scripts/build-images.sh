@@ -6,6 +6,12 @@
 # latest), --builder podman|docker (default: podman if present), then the targets (default: all).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+# One build of the images at a time on this machine (two test runs side by side build the same tags):
+# the second waits, then builds from the layer cache. flock -o: the lock is not inherited by the builds.
+LOCKS=${JETRL_CACHE:-$HOME/.cache/jetrl}
+if [ -z "${_JETRL_IMAGES_LOCKED:-}" ] && command -v flock >/dev/null && mkdir -p "$LOCKS"; then
+  exec env _JETRL_IMAGES_LOCKED=1 flock -o "$LOCKS/.build-images.lock" "$0" "$@"
+fi
 TAG=latest BASE="" WHEELS="" OFFLINE=0
 BUILDER=${BUILDER:-$(command -v podman >/dev/null && echo podman || echo docker)}
 TARGETS=()

@@ -4,10 +4,15 @@
 # current Python environment has installed, so the images run what the tests ran.
 # Usage: infra/scripts/wheelhouse.sh [DIR]   (default ~/.cache/jetrl/wheelhouse)
 set -euo pipefail
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 cd "$(dirname "$0")/../.."
 DIR=${1:-${JETRL_CACHE:-$HOME/.cache/jetrl}/wheelhouse}
 PY=${PYTHON:-python}
 mkdir -p "$DIR"
+# One build at a time per wheelhouse (two test runs side by side share it): the second waits, then reuses.
+if [ -z "${_JETRL_WHEELS_LOCKED:-}" ] && command -v flock >/dev/null; then
+  exec env _JETRL_WHEELS_LOCKED=1 flock -o "$DIR/.lock" "$SELF" "$@"
+fi
 stamp="$DIR/.stamp"
 want=$(cat infra/requirements/*.txt | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
