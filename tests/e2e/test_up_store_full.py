@@ -31,9 +31,11 @@ from tests.support.up import DEMO, ROOT, start_up, step_of
 
 RUN = "full"
 ETA = 1
-STEPS = 3 + 2 * ETA
-"""More than the groups recorded before the store fills can train (the rollout runs up to `eta` versions
-ahead): the run cannot finish before space returns."""
+STEPS = 30
+"""Far more than the groups recorded before the store fills can train (the feeder issues prompts up to
+`eta` + 1 steps ahead), so the run cannot finish before space returns. The test fills the store once it
+reads a step line; on a quiet machine (~0.1 s a step) the run is a few steps further by then, and a run
+of 3 + 2 * eta steps once trained its last step before the fill and ended without the store recovered."""
 DETECT_S = 10.0
 STREAMS = (*(spec.name for spec in stream_specs()), OBJ_STREAM)
 
