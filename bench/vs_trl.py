@@ -65,17 +65,25 @@ def make_inputs(task: str, work: Path) -> tuple[Path, Path, Path | None]:
     return Path(resolve_model_path("smollm2-135m-instruct")), train, held_out
 
 
-def run_trl(task: str, setting: dict[str, Any], seed: int, inputs: tuple[Path, Path, Path | None], args: argparse.Namespace,
-            shape: dict[str, Any], work: Path) -> dict[str, Any]:
+def trl_spec(task: str, setting: dict[str, Any], seed: int, inputs: tuple[Path, Path, Path | None], args: argparse.Namespace,
+             shape: dict[str, Any], out: Path) -> dict[str, Any]:
+    """What the TRL peer process runs: the shape both sides share, then this run's own setting over it
+    (the swept precision and threads are TRL's; the shape's "dtype" and "threads" describe jetrl's)."""
     model, dataset, eval_set = inputs
-    out = work / f"trl-{report.label(setting)}-{seed}.json"
-    spec = {"task": task, "model": str(model), "dataset": str(dataset), "eval": str(eval_set) if eval_set else None, "seed": seed,
-            "out": str(out), "batch": setting["batch"], "lr": setting["lr"], "dtype": setting.get("dtype", "float32"), "clip": CLIP,
-            **shape, "threads": setting["threads"]}  # TRL's own threads (shape's "threads" describes jetrl's)
+    spec = {**shape, "task": task, "model": str(model), "dataset": str(dataset), "eval": str(eval_set) if eval_set else None,
+            "seed": seed, "out": str(out), "batch": setting["batch"], "lr": setting["lr"], "dtype": setting.get("dtype", "float32"),
+            "clip": CLIP, "threads": setting["threads"]}
     if task == "copy3":
         spec.update(steps=args.steps, target=args.target)
     else:
         spec.update(steps=args.max_steps, lift=args.lift, eval_every=args.eval_every, eval_size=args.eval_size)
+    return spec
+
+
+def run_trl(task: str, setting: dict[str, Any], seed: int, inputs: tuple[Path, Path, Path | None], args: argparse.Namespace,
+            shape: dict[str, Any], work: Path) -> dict[str, Any]:
+    out = work / f"trl-{report.label(setting)}-{seed}.json"
+    spec = trl_spec(task, setting, seed, inputs, args, shape, out)
     spec_path = work / f"trl-{report.label(setting)}-{seed}.spec.json"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     spec["launched"] = launched = time.time()
@@ -137,6 +145,8 @@ def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=("copy3", "arith"), default="copy3")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="the first seed (runs seeds first..first+seeds-1): more seeds for an earlier run's settings")
     parser.add_argument("--batches", default=None, help="prompts per step, both sides (copy3: 16,32; arith: 2,4)")
     parser.add_argument("--lrs", default=None, help="learning rates, both sides (copy3: 1e-3; arith: 3e-4, the example's)")
     parser.add_argument("--trl-dtypes", default=None,
@@ -175,7 +185,7 @@ def main() -> None:
                     for b in args.batches for lr in args.lrs for d in args.trl_dtypes for t in args.trl_threads]
     jetrl_settings = [{"batch": b, "eta": e, "lr": lr} for b in args.batches for e in args.etas for lr in args.lrs]
     runs: list[dict[str, Any]] = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for b in args.batches:
             if not args.skip_trl:
                 for s in (s for s in trl_settings if s["batch"] == b):

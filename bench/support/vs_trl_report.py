@@ -180,7 +180,8 @@ def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str,
     bests = {side: [r for r in runs if r["side"] == side and label(r["setting"]) == best[side][0]] for side in best}
     breakdown = print_breakdown(bests)
     processes = print_processes(bests.get("jetrl", []))
-    return {"score": round(score, 3), "task": args.task, "seeds": args.seeds, "batches": args.batches, "lrs": args.lrs, "etas": args.etas,
+    return {"score": round(score, 3), "task": args.task, "seeds": args.seeds, "first_seed": args.first_seed,
+            "batches": args.batches, "lrs": args.lrs, "etas": args.etas,
             "trl_best": {"setting": best.get("trl", (None,))[0], "median_t_s": t_trl},
             "jetrl_best": {"setting": best.get("jetrl", (None,))[0], "median_t_s": t_jetrl},
             "settings": table, "breakdown": breakdown, "jetrl_processes": processes}
