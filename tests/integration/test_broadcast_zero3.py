@@ -35,10 +35,10 @@ def start_zero3_trainer(nats_url: str, model: Path, out: Path, servers: list[str
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "services.trainer", f"run={RUN}", f"nats_url={nats_url}",
            f"model_path={model}", f"output_dir={out}", "feeder.enabled=false", "batch_groups=2", "eta=100",
-           "checkpoint_every=0", "zero_stage=3", "seed=0", "ppo.n_minibatches=1", "publish_weights=true",
-           f"weights_shared_dir={out.parent / 'shared'}", "total_steps=4", "fetch_timeout_s=0.2", "log_format=json",
-           "weights_broadcast.enabled=true", f"weights_broadcast.servers={','.join(servers)}",
-           f"weights_broadcast.bucket_mb={BUCKET_MB}", "weights_broadcast.timeout_s=20", "weights_broadcast.disk_every=2"]
+           "checkpoint_every=0", "zero_stage=3", "seed=0", "ppo.n_minibatches=1",
+           "total_steps=4", "fetch_timeout_s=0.2", "log_format=json", "weights.transport=broadcast",
+           f"weights.disk_dir={out.parent / 'shared'}", f"weights.servers={','.join(servers)}",
+           f"weights.bucket_mb={BUCKET_MB}", "weights.timeout_s=20", "weights.disk_every=2"]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(out.parent / "trainer.log", "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 

@@ -39,7 +39,7 @@ def jetrl_status(nats_url: str, fmt: str) -> str:
 async def test_status_shows_stale_reissues_and_dropped_rows_by_cause(nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
     settings = TrainerSettings(
         run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), batch_groups=1, eta=0,
-        checkpoint_every=0, publish_weights=False, fetch_timeout_s=0.2,
+        checkpoint_every=0, weights={"transport": "none"}, fetch_timeout_s=0.2,
         feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1, "max_attempts": 1},
     )
     nc = await connect(nats_url, "test")

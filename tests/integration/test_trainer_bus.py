@@ -172,7 +172,7 @@ async def test_the_trainer_service_continues_and_finishes_after_a_server_restart
     out.mkdir()
     proc = start_trainer(
         nats_server.url, tiny_model, out, "feeder.enabled=true", f"feeder.dataset_path={_dataset(tmp_path / 'd.jsonl', 30)}",
-        "feeder.max_in_flight=2", "total_steps=4", "checkpoint_every=0", "publish_weights=true", "bus_retry_timeout_s=120",
+        "feeder.max_in_flight=2", "total_steps=4", "checkpoint_every=0", "weights.transport=store", "bus_retry_timeout_s=120",
     )
     S = Subjects(SERVICE_RUN)
     nc = await connect(nats_server.url, "test")

@@ -29,7 +29,7 @@ async def test_the_first_prompts_go_out_while_the_engine_is_built(
 ) -> None:
     settings = TrainerSettings(
         run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), batch_groups=2,
-        eta=1, total_steps=1, checkpoint_every=0, publish_weights=False, fetch_timeout_s=0.2,
+        eta=1, total_steps=1, checkpoint_every=0, weights={"transport": "none"}, fetch_timeout_s=0.2,
         feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 16)), "max_in_flight": 2},
     )
     release = asyncio.Event()

@@ -42,7 +42,7 @@ async def _reject(js: Any, prompt_id: str) -> None:
 async def test_trainer_reports_an_eval_round_once_every_prompt_is_answered(nats_url: str, tiny_model: Path, tmp_path: Path) -> None:
     settings = TrainerSettings(
         run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), batch_groups=1,
-        checkpoint_every=0, publish_weights=False, fetch_timeout_s=0.2,
+        checkpoint_every=0, weights={"transport": "none"}, fetch_timeout_s=0.2,
         feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1,
                 "eval_dataset_path": str(write_dataset(tmp_path / "e.jsonl", 5)), "eval_every": 1, "eval_size": 3},
     )
@@ -85,7 +85,7 @@ async def test_an_eval_round_issued_again_after_a_resume_is_answered(nats_url: s
     JetStream's de-duplication window: its answers must not be dropped as repeats of the first round's."""
     settings = TrainerSettings(
         run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), batch_groups=1,
-        checkpoint_every=0, publish_weights=False, fetch_timeout_s=0.2, resume="auto",
+        checkpoint_every=0, weights={"transport": "none"}, fetch_timeout_s=0.2, resume="auto",
         feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1,
                 "eval_dataset_path": str(write_dataset(tmp_path / "e.jsonl", 5)), "eval_every": 1, "eval_size": 2,
                 "eval_timeout_s": 20},
@@ -125,7 +125,7 @@ async def test_eval_at_start_issues_the_baseline_round_before_the_first_step(nat
     s0 = Subjects(run)
     settings = TrainerSettings(
         run=run, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), batch_groups=1,
-        checkpoint_every=0, publish_weights=False, fetch_timeout_s=0.2,
+        checkpoint_every=0, weights={"transport": "none"}, fetch_timeout_s=0.2,
         feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1,
                 "eval_dataset_path": str(write_dataset(tmp_path / "e.jsonl", 5)), "eval_every": 10, "eval_size": 2,
                 "eval_at_start": True},
@@ -187,7 +187,7 @@ async def test_a_run_that_ends_at_an_eval_step_reports_that_round_before_it_fini
 
     settings = TrainerSettings(
         run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), batch_groups=1,
-        total_steps=1, checkpoint_every=0, publish_weights=False, fetch_timeout_s=0.2,
+        total_steps=1, checkpoint_every=0, weights={"transport": "none"}, fetch_timeout_s=0.2,
         feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 10)), "max_in_flight": 1,
                 "eval_dataset_path": str(write_dataset(tmp_path / "e.jsonl", 5)), "eval_every": 1, "eval_size": 2},
     )

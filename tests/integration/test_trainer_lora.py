@@ -115,7 +115,7 @@ async def test_a_lora_trainer_publishes_weights_a_server_loads(nats_url: str, ti
         await wait_healthy(url, server, tmp_path / "server.log")
         proc = start_trainer(nats_url, tiny_model, out, "feeder.enabled=true", "feeder.max_in_flight=2",
                              f"feeder.dataset_path={write_dataset(tmp_path / 'd.jsonl', 20)}", "total_steps=2",
-                             "checkpoint_every=0", "publish_weights=true", "lr=1e-2", "lora.enabled=true", "lora.rank=2",
+                             "checkpoint_every=0", "weights.transport=store", "lr=1e-2", "lora.enabled=true", "lora.rank=2",
                              "lora.alpha=4", 'lora.target_modules=["q_proj","v_proj"]')
         try:
             await until("the trainer to start", lambda: any(r.get("event") == "start" for r in read_steps(out)), 180, proc)

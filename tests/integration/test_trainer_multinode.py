@@ -28,7 +28,7 @@ def torchrun(nats_url: str, model: Path, run: str, out: Path, *, nnodes: int, no
            f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "services.trainer",
            f"run={run}", f"nats_url={nats_url}", f"model_path={model}", f"output_dir={out}", "feeder.enabled=false",
            f"batch_groups={GROUPS}", "eta=100", "checkpoint_every=0", "zero_stage=3", "seed=0", "ppo.n_minibatches=1",
-           "publish_weights=true", f"weights_shared_dir={out.parent / (run + '-published')}", f"total_steps={STEPS}",
+           "weights.transport=shared_dir", f"weights.dir={out.parent / (run + '-published')}", f"total_steps={STEPS}",
            "fetch_timeout_s=0.2", "log_format=json"]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 

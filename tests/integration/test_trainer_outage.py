@@ -107,7 +107,7 @@ async def test_an_announcement_lost_in_an_outage_skips_that_version_instead_of_s
     run, shared = "shared-outage", tmp_path / "shared"
     settings = TrainerSettings(run=run, nats_url=nats_server.url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"),
                                batch_groups=2, eta=100, checkpoint_every=0, fetch_timeout_s=0.2, feeder={"enabled": False},
-                               weights_shared_dir=str(shared))
+                               weights={"transport": "shared_dir", "dir": str(shared)})
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
     publisher = WeightPublisher(nc, run, shared_dir=shared)

@@ -94,7 +94,7 @@ async def test_bus_lost_mid_collect_then_resume_trains_the_held_group(nats_serve
     run = "busloss"
     settings = TrainerSettings(run=run, nats_url=nats_server.url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"),
                                batch_groups=2, eta=100, checkpoint_every=0, fetch_timeout_s=0.2, feeder={"enabled": False},
-                               publish_weights=False, bus_retry_timeout_s=2)
+                               weights={"transport": "none"}, bus_retry_timeout_s=2)
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
     await declare_streams(js)

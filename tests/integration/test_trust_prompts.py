@@ -47,7 +47,7 @@ async def _answer(js: Any, model: Path, prompt_id: str, answer: str, tag: str, s
 def _settings(nats_url: str, model: Path, tmp_path: Path, **extra: Any) -> TrainerSettings:
     return TrainerSettings(
         run=RUN, nats_url=nats_url, model_path=str(model), output_dir=str(tmp_path / "out"), zero_stage=2,
-        batch_groups=2, eta=100, checkpoint_every=0, fetch_timeout_s=0.2, publish_weights=False,
+        batch_groups=2, eta=100, checkpoint_every=0, fetch_timeout_s=0.2, weights={"transport": "none"},
         feeder={"dataset_path": str(write_dataset(tmp_path / "d.jsonl", 20)), "max_in_flight": 4}, **extra,
     )
 
@@ -124,7 +124,7 @@ async def test_pushed_prompts_are_trained_only_when_tagged_by_the_configured_iss
     def settings(issuer: str) -> TrainerSettings:
         return TrainerSettings(
             run=RUN, nats_url=nats_url, model_path=str(tiny_model), output_dir=str(tmp_path / "out"), zero_stage=2,
-            batch_groups=2, eta=100, checkpoint_every=0, fetch_timeout_s=0.2, publish_weights=False,
+            batch_groups=2, eta=100, checkpoint_every=0, fetch_timeout_s=0.2, weights={"transport": "none"},
             feeder={"enabled": False}, trust={"prompt_issuer_key": issuer},
         )
 

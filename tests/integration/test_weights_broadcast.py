@@ -391,10 +391,9 @@ async def test_trainer_process_broadcasts_and_carries_on_when_a_server_is_sigkil
             for i in range(first, first + n):
                 await publish_group(js, SERVICE_RUN, f"p{i}", make_group(tiny_model, f"{i:03d}", seed=i))
 
-        trainer = start_trainer(nats_url, tiny_model, out, "publish_weights=true", "total_steps=3", "checkpoint_every=0",
-                                f"weights_shared_dir={tmp_path / 'shared'}", "weights_broadcast.enabled=true",
-                                f"weights_broadcast.servers={a.url},{b.url}", "weights_broadcast.timeout_s=20",
-                                "weights_broadcast.disk_every=2")
+        trainer = start_trainer(nats_url, tiny_model, out, "total_steps=3", "checkpoint_every=0",
+                                "weights.transport=broadcast", f"weights.disk_dir={tmp_path / 'shared'}",
+                                f"weights.servers={a.url},{b.url}", "weights.timeout_s=20", "weights.disk_every=2")
         try:
             await publish(0, 2)
             for s in (a, b):

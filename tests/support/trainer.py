@@ -122,7 +122,7 @@ def start_trainer(nats_url: str, model: Path, out: Path, *extra: str) -> subproc
         env.pop(k, None)
     cmd = [sys.executable, "-m", "services.trainer", f"run={SERVICE_RUN}", f"nats_url={nats_url}", f"model_path={model}",
            f"output_dir={out}", "feeder.enabled=false", "batch_groups=2", "eta=100", "checkpoint_every=2",
-           "publish_weights=false", "total_steps=6", "fetch_timeout_s=0.2", "log_format=json", *extra]
+           "weights.transport=none", "total_steps=6", "fetch_timeout_s=0.2", "log_format=json", *extra]
     log_file = open(out.parent / f"trainer-{len(list(out.parent.glob('trainer-*.log')))}.log", "wb")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
