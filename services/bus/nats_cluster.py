@@ -67,15 +67,19 @@ class NatsCluster:
         Ports picked by `free_port` can be taken by another process before a node binds them (two test
         runs side by side): if a node exits while starting, every node is stopped and the cluster starts
         again on fresh ports (the stores stay: the nodes know each other by name, not by port)."""
-        for attempt in range(attempts):
+        if attempts < 1:
+            raise ValueError(f"NatsCluster.start: attempts must be at least 1, got {attempts}")
+        for _ in range(attempts - 1):
             try:
                 return self._start_once(timeout_s)
             except ExitedEarly:
                 self.stop()
-                if attempt == attempts - 1:
-                    raise
                 self._place()
-        raise AssertionError("unreachable")
+        try:
+            return self._start_once(timeout_s)
+        except ExitedEarly:
+            self.stop()
+            raise
 
     def _start_once(self, timeout_s: float) -> NatsCluster:
         for node in self.nodes:

@@ -87,17 +87,19 @@ class NatsServer:
     def start(self, timeout_s: float = 15.0, attempts: int = 3) -> NatsServer:
         """Start and wait until ready. Ports picked by `free_port` can be taken by someone else before
         the server binds them: if it exits while starting, try again on fresh ports."""
-        for attempt in range(attempts):
+        if attempts < 1:
+            raise ValueError(f"NatsServer.start: attempts must be at least 1, got {attempts}")
+        for _ in range(attempts - 1):
             try:
                 return self._start_once(timeout_s)
             except ExitedEarly:
-                if attempt == attempts - 1 or not (self._picked_port or self._picked_monitor):
-                    raise
+                if not (self._picked_port or self._picked_monitor):
+                    raise  # the ports were given: another try would meet the same taken port
                 if self._picked_port:
                     self.port = free_port(self.host)
                 if self._picked_monitor:
                     self.monitor_port = free_port(self.host)
-        raise AssertionError("unreachable")
+        return self._start_once(timeout_s)
 
     def _start_once(self, timeout_s: float) -> NatsServer:
         self.start_detached()
