@@ -2,7 +2,7 @@
 
 Both sides run every setting of a sweep (prompts per step `--batches`, learning rate `--lrs`; jetrl also
 its staleness budget `--etas`), `--seeds` seeds each, one run at a time, each in its own process, seeds
-interleaved (seed 0 of every setting on both sides, then seed 1, ...) so a change in the machine's load
+interleaved (the first seed of every setting on both sides, then the next, ...) so a change in the machine's load
 falls on both. A setting's figure is its median over seeds (a run that never reaches the target counts
 as infinitely slow); each side's best setting is compared with the other's best:
 `score` = TRL's best median time / jetrl's best median time, >= 1.0 when jetrl is no slower.
@@ -18,7 +18,9 @@ rate is `--lift` over the run's own step-0 pass rate (TRL's eval time is taken o
 
 For jetrl's best setting the bench prints where its time to the target went (start-up until the first
 step, waiting for data, training, publishing, gaps between steps) beside TRL's (start-up, generation and
-scoring, training), and CPU-seconds and peak resident size per process.
+scoring, training), CPU-seconds and peak resident size per process, and the most that CPU per sample
+allows against TRL's best run on these cores (bench/support/vs_trl_ceiling.py: TRL's steps, every core
+busy all the time).
 
     python bench/vs_trl.py                                  # copy3, 3 seeds, 16 and 32 prompts a step
     python bench/vs_trl.py --seeds 1 --batches 32           # a quick run
@@ -141,11 +143,18 @@ def run_jetrl(task: str, setting: dict[str, Any], seed: int, inputs: tuple[Path,
     return out
 
 
+def _nonnegative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a seed is 0 or more, got {value}")
+    return value
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=("copy3", "arith"), default="copy3")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--first-seed", type=int, default=0,
+    parser.add_argument("--first-seed", type=_nonnegative, default=0,
                         help="the first seed (runs seeds first..first+seeds-1): more seeds for an earlier run's settings")
     parser.add_argument("--batches", default=None, help="prompts per step, both sides (copy3: 16,32; arith: 2,4)")
     parser.add_argument("--lrs", default=None, help="learning rates, both sides (copy3: 1e-3; arith: 3e-4, the example's)")

@@ -135,6 +135,7 @@ def _med(values: list[float]) -> float:
 
 def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
     from bench.support.vs_trl_breakdown import print_breakdown, print_processes
+    from bench.support.vs_trl_ceiling import print_ceiling
 
     unit = "10-step mean reward " + str(args.target) if args.task == "copy3" else f"eval pass rate +{args.lift:.2f}"
     print(f"\nevery run (time to the {unit}, seconds from the command's start)")
@@ -180,11 +181,13 @@ def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str,
     bests = {side: [r for r in runs if r["side"] == side and label(r["setting"]) == best[side][0]] for side in best}
     breakdown = print_breakdown(bests)
     processes = print_processes(bests.get("jetrl", []))
+    cap = print_ceiling(breakdown, processes, bests.get("trl", []), shape(args.task)["group"])
     return {"score": round(score, 3), "task": args.task, "seeds": args.seeds, "first_seed": args.first_seed,
             "batches": args.batches, "lrs": args.lrs, "etas": args.etas,
             "trl_best": {"setting": best.get("trl", (None,))[0], "median_t_s": t_trl},
             "jetrl_best": {"setting": best.get("jetrl", (None,))[0], "median_t_s": t_jetrl},
-            "settings": table, "breakdown": breakdown, "jetrl_processes": processes}
+            "settings": table, "breakdown": breakdown, "jetrl_processes": processes,
+            "ceiling": cap}
 
 
 def finite(value: Any) -> Any:

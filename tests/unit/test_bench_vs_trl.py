@@ -32,3 +32,22 @@ def test_trl_spec_on_copy3_defaults_to_fp32(tmp_path: Path) -> None:
     spec = trl_spec("copy3", {"batch": 16, "lr": 1e-3, "threads": 1}, 0, (tmp_path / "m", tmp_path / "d", None),
                     args, report.shape("copy3"), tmp_path / "out.json")
     assert (spec["dtype"], spec["threads"], spec["steps"], spec["target"], spec["eval"]) == ("float32", 1, 500, 0.9, None)
+
+
+def test_ceiling_caps_the_score_at_what_jetrl_cpu_per_sample_allows(capsys: pytest.CaptureFixture[str]) -> None:
+    """The bench's 'at most' line: jetrl's CPU-seconds per 1000 samples over the cores is the floor of a
+    step; TRL's steps at that floor after jetrl's start-up is the best jetrl could do."""
+    from bench.support.vs_trl_ceiling import print_ceiling
+
+    breakdown = {"trl": {"to_target_s": 21.8, "steps": 242, "startup_s": 5.7}, "jetrl": {"to_target_s": 33.0, "startup_s": 9.0}}
+    processes = {"trainer": {"per_1k_samples_s": 0.56}, "rollout": {"per_1k_samples_s": 0.23},
+                 "server": {"per_1k_samples_s": 0.21}, "rest": {"per_1k_samples_s": 0.17}}
+    trl_runs = [{"setting": {"batch": 16, "lr": 1e-3, "threads": 2}}]
+    cap = print_ceiling(breakdown, processes, trl_runs, group=8, cores=2)
+    # 1.17 CPU-s per 1000 samples x 128 samples / 2 cores = 0.0749 s a step; 9.0 + 242 x 0.0749 = 27.1 s
+    assert cap["floor_step_s"] == pytest.approx(0.0749, abs=1e-4)
+    assert cap["best_possible_s"] == pytest.approx(27.12, abs=0.01)
+    assert cap["ceiling_score"] == pytest.approx(21.8 / 27.12, abs=1e-3)
+    assert "a score of at most 0.80" in capsys.readouterr().out
+    assert print_ceiling(breakdown, processes, trl_runs, group=8, cores=4)["ceiling_score"] > cap["ceiling_score"]  # more cores, higher cap
+    assert print_ceiling({"jetrl": breakdown["jetrl"]}, processes, [], group=8) == {}  # no TRL side (--skip-trl): no line
