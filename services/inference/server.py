@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -309,7 +310,8 @@ async def run(settings: InferenceSettings) -> None:
         sup.spawn("unready-on-stop", _mark_stopping(sup, server))
         sup.stack.callback(_log_totals, server)
         log.info("ready", url=f"http://{settings.host}:{port}", model_path=backend.model_path, version=backend.version,
-                 device=settings.device, dtype=settings.dtype, startup_cpu_s=round(time.process_time(), 3))
+                 device=settings.device, dtype=settings.dtype, startup_cpu_s=round(time.process_time(), 3),
+                 cpus=sorted(os.sched_getaffinity(0)))
 
     await supervise("inference", main, settings.shutdown_timeout_s)
 

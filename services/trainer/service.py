@@ -70,7 +70,8 @@ async def _build_engine(settings: TrainerSettings) -> TrainEngine:
     # the engine (DeepSpeed's init, the model) is most of a trainer's start: its time, and the process's
     # CPU-seconds so far (imports included; on a busy machine the wall time says little), for start-up reports
     log.info("engine ready", seconds=round(time.perf_counter() - t0, 2), cpu_s=round(time.process_time(), 2),
-             torch_threads=torch.get_num_threads(), device=str(engine.device), dtype=settings.dtype)
+             torch_threads=torch.get_num_threads(), cpus=sorted(os.sched_getaffinity(0)), device=str(engine.device),
+             dtype=settings.dtype)
     return engine
 
 

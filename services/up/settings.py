@@ -35,6 +35,13 @@ class UpSettings(ServiceSettings):
     """torch intra-op threads (OMP_NUM_THREADS) of the trainer and of each inference server (an
     `inference: {torch_threads}` section overrides the servers'). Unset: the cores shared equally
     among the trainer and the servers, at least 1. Every other process runs one thread."""
+    pin_trainer: bool = True
+    """Give the trainer cores of its own: it runs on the first `torch_threads` cores this process may
+    use and every other service (servers, rollout workers, reward, weights agents) on the rest, where
+    `torch_threads` leaves cores to the rest (on 2 cores: the trainer on one, everything else on the
+    other; with `torch_threads` 2 there, as the real-model example sets, nothing is pinned). Off: every
+    process may run on every core. On 2 cores the first step came ~1-3 s sooner pinned (docs/up.md
+    "Processes and threads")."""
     serving_nice: int = Field(0, ge=0, le=19)
     """Niceness (`os.nice`) of the inference servers, rollout workers and reward service, against the
     trainer's 0: above 0, on shared cores the trainer's step (on the path of every version) runs

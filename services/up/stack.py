@@ -36,12 +36,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child_setup(nice: int) -> Callable[[], None]:
-    """What runs in the child before exec: `_die_with_parent`, then `os.nice(nice)` when asked."""
+def _child_setup(nice: int, cpus: tuple[int, ...] = ()) -> Callable[[], None]:
+    """What runs in the child before exec: `_die_with_parent`, then `os.nice(nice)` and
+    `os.sched_setaffinity(cpus)` when asked."""
     def setup() -> None:
         _die_with_parent()
         if nice:
             os.nice(nice)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
 
     return setup
 
@@ -86,6 +89,8 @@ class Proc:
     """A required process ending (even cleanly) before the run is done is a failure."""
     nice: int = 0
     """Its niceness above `jetrl up`'s own (`os.nice`): lower priority for the cores."""
+    cpus: tuple[int, ...] = ()
+    """The cores it is pinned to (`up.pin_trainer`); empty: any this process may use."""
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -111,11 +116,13 @@ class Stack:
         self.procs: list[Proc] = []
         self.nice: dict[str, int] = {}
         """Niceness by module (`services.<name>`) for the processes started without one of their own."""
+        self.cpus: Callable[[str], tuple[int, ...]] = lambda module: ()
+        """The cores a module's processes are pinned to (`Layout.cpus`); empty: not pinned."""
         self._reported: set[str] = set()
 
     def start(self, name: str, module: str, env: dict[str, str], required: bool = True, nice: int | None = None) -> Proc:
         nice = self.nice.get(module, 0) if nice is None else nice
-        proc = Proc(name, module, env, self.logs / f"{name}.log", required, nice)
+        proc = Proc(name, module, env, self.logs / f"{name}.log", required, nice, self.cpus(module))
         # Only the machine's basics plus this service's settings: exactly what a container gets.
         full_env = {**self.base_env, **env}
         with open(proc.log_path, "ab") as out:
@@ -125,9 +132,10 @@ class Stack:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_child_setup(nice),
+                preexec_fn=_child_setup(nice, proc.cpus),
             )
-        log.info("started", service=name, pid=proc.pid, log=str(proc.log_path), **({"nice": nice} if nice else {}))
+        log.info("started", service=name, pid=proc.pid, log=str(proc.log_path), **({"nice": nice} if nice else {}),
+                 **({"cpus": list(proc.cpus)} if proc.cpus else {}))
         self.procs.append(proc)
         # which process is which, for `jetrl status` and for tests that kill one on purpose
         (self.run_dir / "procs.json").write_text(json.dumps({p.name: p.pid for p in self.procs}))

@@ -36,3 +36,22 @@ def test_the_trainer_runs_the_torch_threads_and_up_the_rollout_workers_that_up_s
     log = run_dir / "logs" / "rollout-0.log"
     assert events(log, "inference servers serving") and events(log, "rollout worker pulling")
     assert left_behind(tmp_path) == []
+
+
+@pytest.mark.timeout(900)
+def test_pin_trainer_runs_the_trainer_on_a_core_of_its_own_and_every_other_service_on_the_rest(tmp_path: Path) -> None:
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("pinning needs 2 cores or more")
+    config = {"up": {"pin_trainer": True, "torch_threads": 1}, "trainer": {"checkpoint_every": 0}}
+    proc = start_up(tmp_path, "pin", 2, config)
+    out = finish(proc, timeout=800)
+    assert proc.returncode == 0, out[-4000:]
+    logs = tmp_path / "pin" / "logs"
+    [ready] = events(logs / "trainer.log", "engine ready")
+    [served] = events(logs / "inference-0.log", "ready")
+    assert ready["cpus"] == cpus[:1], ready  # what the trainer process itself runs on, as it reports
+    assert served["cpus"] == cpus[1:], served
+    assert left_behind(tmp_path) == []

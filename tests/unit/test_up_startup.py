@@ -65,3 +65,35 @@ def test_a_process_started_nice_runs_at_that_lower_priority(tmp_path: Path) -> N
     finally:
         stack.stop(5.0)
     assert plain.poll() is not None and nice.poll() is not None
+
+
+@pytest.mark.parametrize(
+    ("cpus", "threads", "trainer", "others"),
+    [([0, 1], None, (0,), (1,)), ([2, 5, 7, 9], None, (2, 5), (7, 9)), ([0, 1, 2, 3], 3, (0, 1, 2), (3,))],
+)
+def test_pin_trainer_gives_the_trainer_its_threads_cores_and_the_rest_to_every_other_service(
+        cpus: list[int], threads: int | None, trainer: tuple[int, ...], others: tuple[int, ...]) -> None:
+    shape = layout(UpSettings(pin_trainer=True, torch_threads=threads), cpus=cpus)
+    assert (shape.trainer_cpus, shape.other_cpus) == (trainer, others)  # at least one core is left to the others
+    assert shape.cpus("services.trainer") == trainer
+    assert shape.cpus("services.inference") == shape.cpus("services.rollout") == shape.cpus("services.reward") == others
+
+
+def test_pinned_by_default_unless_turned_off_or_no_core_is_left_to_the_others() -> None:
+    assert layout(UpSettings(), cpus=[0, 1]).cpus("services.trainer") == (0,)
+    assert layout(UpSettings(pin_trainer=False), cpus=[0, 1]).cpus("services.trainer") == ()
+    assert layout(UpSettings(), cpus=[3]).cpus("services.trainer") == ()  # one core
+    assert layout(UpSettings(torch_threads=2), cpus=[0, 1]).cpus("services.inference") == ()  # the real-model example's layout
+
+
+def test_a_pinned_child_runs_only_on_its_cores() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from services.up.stack import _child_setup
+
+    first = min(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], capture_output=True,
+                         text=True, check=True, preexec_fn=_child_setup(0, (first,))).stdout
+    assert out.strip() == f"[{first}]"
