@@ -125,7 +125,11 @@ def run_jetrl(task: str, setting: dict[str, Any], seed: int, inputs: tuple[Path,
         sections = arith_sections(setting, seed, args.max_steps)
         sections["trainer"]["feeder"].update(eval_every=args.eval_every, eval_size=args.eval_size)
         extra = [f"stop_at_eval_lift={args.lift}"]  # ends at the round that lifts, as TRL's run does
-    metrics, measured = run_up(name, sections, work, extra)
+    try:
+        metrics, measured = run_up(name, sections, work, extra)
+    except RuntimeError as exc:  # e.g. a server's port taken before it bound it: the sweep goes on, the retry is printed
+        print(f"    jetrl {name} failed to run ({str(exc).splitlines()[0][:200]}); running it again", flush=True)
+        metrics, measured = run_up(name + "-again", sections, work, extra)
     tree = measured["tree"]
     offset = measured["offset"]
     history = [s | {"t": s["time"] + offset} for s in metrics["steps"]]
@@ -165,6 +169,8 @@ def parse() -> argparse.Namespace:
                         help="TRL's torch threads, swept (default: the cores this process may use, torch's own default; the "
                              "caller's OMP_NUM_THREADS is not inherited: ./dev sets 1, which would hold TRL to one core)")
     parser.add_argument("--etas", default="2", help="jetrl's staleness budgets (the presets': 2)")
+    parser.add_argument("--pins", default="on", help="jetrl's up.pin_trainer, swept: on (its default), off or on,off (the "
+                        "trainer on a core of its own, every other service on the rest)")
     parser.add_argument("--steps", type=int, default=500, help="copy3: step budget of every run (the demo's)")
     parser.add_argument("--target", type=float, default=0.9, help="copy3: 10-step mean reward to reach")
     parser.add_argument("--max-steps", type=int, default=120, help="arith: step budget of every run")
@@ -179,6 +185,11 @@ def parse() -> argparse.Namespace:
     args.lrs = [float(x) for x in (args.lrs or ("1e-3" if copy3 else "3e-4")).split(",") if x.strip()]
     args.trl_dtypes = [d for d in (args.trl_dtypes or ("float32" if copy3 else "float32,bfloat16")).split(",") if d.strip()]
     args.etas = [int(e) for e in args.etas.split(",") if e.strip()] or [2]  # "": the presets' eta
+    pins = {"off": False, "on": True}
+    bad = [p for p in args.pins.split(",") if p.strip() not in pins]
+    if bad:
+        parser.error(f"--pins takes on, off or on,off; got {args.pins!r}")
+    args.pins = [pins[p.strip()] for p in args.pins.split(",")]
     args.trl_threads = [int(t) for t in (args.trl_threads or str(len(os.sched_getaffinity(0)))).split(",") if t.strip()]
     return args
 
@@ -192,7 +203,8 @@ def main() -> None:
     inputs = make_inputs(args.task, work)
     trl_settings = [{"batch": b, "lr": lr, **({"dtype": d} if args.trl_dtypes != ["float32"] else {}), "threads": t}
                     for b in args.batches for lr in args.lrs for d in args.trl_dtypes for t in args.trl_threads]
-    jetrl_settings = [{"batch": b, "eta": e, "lr": lr} for b in args.batches for e in args.etas for lr in args.lrs]
+    jetrl_settings = [{"batch": b, "eta": e, "lr": lr, "pin": pin}
+                      for b in args.batches for e in args.etas for lr in args.lrs for pin in args.pins]
     runs: list[dict[str, Any]] = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for b in args.batches:

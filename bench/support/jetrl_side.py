@@ -85,11 +85,12 @@ def step_split(history: list[dict[str, Any]], until_step: int | None) -> dict[st
 
 def copy3_sections(preset: dict[str, dict[str, Any]], setting: dict[str, Any], seed: int) -> dict[str, Any]:
     trainer = {"seed": seed, "batch_groups": setting["batch"], "eta": setting["eta"], "lr": setting["lr"]}
-    return {"rollout": preset["rollout"], "trainer": deep_merge(preset["trainer"], trainer)}
+    return {"rollout": preset["rollout"], "trainer": deep_merge(preset["trainer"], trainer),
+            "up": {"pin_trainer": bool(setting.get("pin", True))}}
 
 
 def arith_sections(setting: dict[str, Any], seed: int, steps: int) -> dict[str, Any]:
     base = yaml.safe_load((ROOT / "examples" / "smollm2_arith.yaml").read_text())
-    over = {"up": {"total_steps": steps}, "trainer": {"seed": seed, "batch_groups": setting["batch"], "eta": setting["eta"],
-                                                      "lr": setting["lr"]}}
+    trainer = {"seed": seed, "batch_groups": setting["batch"], "eta": setting["eta"], "lr": setting["lr"]}
+    over = {"up": {"total_steps": steps, "pin_trainer": bool(setting.get("pin", True))}, "trainer": trainer}
     return deep_merge(base, over)

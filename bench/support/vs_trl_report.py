@@ -20,7 +20,7 @@ INF = float("inf")
 def label(setting: dict[str, Any]) -> str:
     parts = ([f"b{setting['batch']}"] + ([f"eta{setting['eta']}"] if "eta" in setting else []) + [f"lr{setting['lr']:g}"]
              + ([{"float32": "fp32", "bfloat16": "bf16"}[setting["dtype"]]] if "dtype" in setting else [])
-             + ([f"t{setting['threads']}"] if "threads" in setting else []))
+             + ([f"t{setting['threads']}"] if "threads" in setting else []) + (["unpinned"] if setting.get("pin") is False else []))
     return " ".join(parts)
 
 
@@ -52,6 +52,8 @@ def print_mapping(args: argparse.Namespace, sh: dict[str, Any]) -> None:
         ("samples per prompt", f"rollout.group_size={sh['group']}", f"num_generations={sh['group']}"),
         ("learning rate", f"trainer.lr in {{{lrs}}} (swept)", "learning_rate, the same values (constant, no warmup)"),
         ("staleness", f"trainer.eta in {{{etas}}} (swept)", "none: on-policy (generation waits for training)"),
+        ("cores", "up.pin_trainer in {" + ",".join("on" if p else "off" for p in args.pins) + "} (swept; on: trainer's own cores)",
+         "one process on every core"),
         ("optimizer", "torch AdamW (0.9/0.999, 1e-8, wd 0), clip 1.0", "adamw_torch_fused (0.9/0.999, 1e-8, wd 0), max_grad_norm=1.0"),
         ("new tokens", f"rollout.max_new_tokens={sh['new_tokens']}", f"max_completion_length={sh['new_tokens']}"),
         ("temperature", f"rollout.temperature={sh['temperature']}", f"temperature={sh['temperature']} (top_k 0, top_p 1)"),
@@ -183,7 +185,7 @@ def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str,
     processes = print_processes(bests.get("jetrl", []))
     cap = print_ceiling(breakdown, processes, bests.get("trl", []), shape(args.task)["group"])
     return {"score": round(score, 3), "task": args.task, "seeds": args.seeds, "first_seed": args.first_seed,
-            "batches": args.batches, "lrs": args.lrs, "etas": args.etas,
+            "batches": args.batches, "lrs": args.lrs, "etas": args.etas, "pins": args.pins,
             "trl_best": {"setting": best.get("trl", (None,))[0], "median_t_s": t_trl},
             "jetrl_best": {"setting": best.get("jetrl", (None,))[0], "median_t_s": t_jetrl},
             "settings": table, "breakdown": breakdown, "jetrl_processes": processes,

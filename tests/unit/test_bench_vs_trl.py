@@ -51,3 +51,15 @@ def test_ceiling_caps_the_score_at_what_jetrl_cpu_per_sample_allows(capsys: pyte
     assert "a score of at most 0.80" in capsys.readouterr().out
     assert print_ceiling(breakdown, processes, trl_runs, group=8, cores=4)["ceiling_score"] > cap["ceiling_score"]  # more cores, higher cap
     assert print_ceiling({"jetrl": breakdown["jetrl"]}, processes, [], group=8) == {}  # no TRL side (--skip-trl): no line
+
+
+def test_an_unpinned_jetrl_setting_runs_up_with_pin_trainer_off_and_says_so_in_its_label() -> None:
+    from bench.support.jetrl_side import arith_sections, copy3_sections
+    from services.up.presets import DEMO_PRESET
+
+    pinned = {"batch": 32, "eta": 1, "lr": 1e-3, "pin": True}
+    assert copy3_sections(DEMO_PRESET, pinned, 0)["up"] == {"pin_trainer": True}
+    assert copy3_sections(DEMO_PRESET, {**pinned, "pin": False}, 0)["up"] == {"pin_trainer": False}
+    assert arith_sections({**pinned, "pin": False}, 0, 60)["up"]["pin_trainer"] is False
+    assert report.label(pinned) == "b32 eta1 lr0.001"  # jetrl's default
+    assert report.label({**pinned, "pin": False}) == "b32 eta1 lr0.001 unpinned"
