@@ -5,6 +5,7 @@ within a deadline and leaves nothing behind."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import json
@@ -44,7 +45,8 @@ def _child_setup(nice: int, cpus: tuple[int, ...] = ()) -> Callable[[], None]:
         if nice:
             os.nice(nice)
         if cpus:
-            os.sched_setaffinity(0, cpus)
+            with contextlib.suppress(OSError):  # pinning only speeds a start up: a process runs unpinned rather than not at all
+                os.sched_setaffinity(0, cpus)  # (the trainer and the servers log the cores they got)
 
     return setup
 

@@ -97,3 +97,15 @@ def test_a_pinned_child_runs_only_on_its_cores() -> None:
     out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], capture_output=True,
                          text=True, check=True, preexec_fn=_child_setup(0, (first,))).stdout
     assert out.strip() == f"[{first}]"
+
+
+def test_a_child_that_cannot_be_pinned_still_runs_unpinned() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from services.up.stack import _child_setup
+
+    out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], capture_output=True,
+                         text=True, check=True, preexec_fn=_child_setup(0, (4095,))).stdout  # no such core here
+    assert out.strip() == str(sorted(os.sched_getaffinity(0)))
