@@ -12,8 +12,9 @@ best median time / that time: no schedule reaches a higher score unless a sample
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from services.up.layout import cores as allowed_cores
 
 
 def ceiling(t_trl: float, trl_steps: int, trl_batch_samples: int, jetrl_startup_s: float, cpu_per_1k: float,
@@ -33,7 +34,7 @@ def print_ceiling(breakdown: dict[str, Any], processes: dict[str, dict[str, floa
     trl, jetrl = breakdown.get("trl"), breakdown.get("jetrl")
     if not trl or not jetrl or not processes or not trl_runs:
         return {}
-    n = cores or len(os.sched_getaffinity(0))
+    n = cores or allowed_cores()  # the cores jetrl up lays its processes out on
     out = ceiling(trl["to_target_s"], int(trl.get("steps", 0)), trl_runs[0]["setting"]["batch"] * group,
                   jetrl.get("startup_s", 0.0), sum(p["per_1k_samples_s"] for p in processes.values()), n)
     print(f"\nthe most jetrl's CPU per sample allows here: {out['cpu_per_1k_samples_s']:.2f} CPU-s per 1000 samples over "
