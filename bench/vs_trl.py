@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -114,10 +115,16 @@ def run_trl(task: str, setting: dict[str, Any], seed: int, inputs: tuple[Path, P
     return run | report.outcome(task, [(s["step"], s["reward"], s["t"]) for s in steps], got["evals"], args)
 
 
+def run_name(task: str, setting: dict[str, Any], seed: int) -> str:
+    """The `jetrl up` run name of a setting's run: a NATS subject token, so the label's spaces, dots and
+    other signs (':' and '+' of `--beside`) become characters `jetrl up` takes."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", f"vs-trl-{task}-{report.label(setting)}-{seed}".replace(" ", "-").replace(".", "p"))
+
+
 def run_jetrl(task: str, setting: dict[str, Any], seed: int, inputs: tuple[Path, Path, Path | None], args: argparse.Namespace,
               shape: dict[str, Any], work: Path) -> dict[str, Any]:
     model, dataset, _ = inputs
-    name = f"vs-trl-{task}-{report.label(setting)}-{seed}".replace(" ", "-").replace(".", "p")
+    name = run_name(task, setting, seed)
     if task == "copy3":
         sections = copy3_sections(DEMO_PRESET, setting, seed)
         extra = [f"model_path={model}", f"dataset_path={dataset}", f"total_steps={args.steps}", f"stop_at_reward={args.target}"]
@@ -154,6 +161,18 @@ def _nonnegative(text: str) -> int:
     return value
 
 
+BESIDE = ("reward", "weights", "rollout", "track")
+
+
+def _beside(parser: argparse.ArgumentParser, value: str) -> list[str]:
+    """One `--beside` value: "none" or service names joined by "+"."""
+    names = [] if value == "none" else value.split("+")
+    bad = [n for n in names if n not in BESIDE]
+    if bad:
+        parser.error(f"--beside: {', '.join(bad)} is not one of none, {', '.join(BESIDE)} (joined by '+'); got {value!r}")
+    return names
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=("copy3", "arith"), default="copy3")
@@ -171,6 +190,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--etas", default="2", help="jetrl's staleness budgets (the presets': 2)")
     parser.add_argument("--pins", default="on", help="jetrl's up.pin_trainer, swept: on (its default), off or on,off (the "
                         "trainer on a core of its own, every other service on the rest)")
+    parser.add_argument("--beside", default="", help="jetrl's up.beside_trainer, swept: the services on the pinned trainer's "
+                        "cores, each value 'none' or names joined by '+' (reward+weights,none); default: up's own")
     parser.add_argument("--steps", type=int, default=500, help="copy3: step budget of every run (the demo's)")
     parser.add_argument("--target", type=float, default=0.9, help="copy3: 10-step mean reward to reach")
     parser.add_argument("--max-steps", type=int, default=120, help="arith: step budget of every run")
@@ -190,6 +211,7 @@ def parse() -> argparse.Namespace:
     if bad:
         parser.error(f"--pins takes on, off or on,off; got {args.pins!r}")
     args.pins = [pins[p.strip()] for p in args.pins.split(",")]
+    args.beside = [_beside(parser, b.strip()) for b in args.beside.split(",") if b.strip()]
     args.trl_threads = [int(t) for t in (args.trl_threads or str(len(os.sched_getaffinity(0)))).split(",") if t.strip()]
     return args
 
@@ -203,8 +225,9 @@ def main() -> None:
     inputs = make_inputs(args.task, work)
     trl_settings = [{"batch": b, "lr": lr, **({"dtype": d} if args.trl_dtypes != ["float32"] else {}), "threads": t}
                     for b in args.batches for lr in args.lrs for d in args.trl_dtypes for t in args.trl_threads]
-    jetrl_settings = [{"batch": b, "eta": e, "lr": lr, "pin": pin}
-                      for b in args.batches for e in args.etas for lr in args.lrs for pin in args.pins]
+    jetrl_settings = [{"batch": b, "eta": e, "lr": lr, "pin": pin, **({"beside": bs} if bs is not None else {})}
+                      for b in args.batches for e in args.etas for lr in args.lrs for pin in args.pins
+                      for bs in (args.beside or [None])]
     runs: list[dict[str, Any]] = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for b in args.batches:

@@ -85,12 +85,17 @@ def step_split(history: list[dict[str, Any]], until_step: int | None) -> dict[st
 
 def copy3_sections(preset: dict[str, dict[str, Any]], setting: dict[str, Any], seed: int) -> dict[str, Any]:
     trainer = {"seed": seed, "batch_groups": setting["batch"], "eta": setting["eta"], "lr": setting["lr"]}
-    return {"rollout": preset["rollout"], "trainer": deep_merge(preset["trainer"], trainer),
-            "up": {"pin_trainer": bool(setting.get("pin", True))}}
+    return {"rollout": preset["rollout"], "trainer": deep_merge(preset["trainer"], trainer), "up": up_section(setting)}
 
 
 def arith_sections(setting: dict[str, Any], seed: int, steps: int) -> dict[str, Any]:
     base = yaml.safe_load((ROOT / "examples" / "smollm2_arith.yaml").read_text())
     trainer = {"seed": seed, "batch_groups": setting["batch"], "eta": setting["eta"], "lr": setting["lr"]}
-    over = {"up": {"total_steps": steps, "pin_trainer": bool(setting.get("pin", True))}, "trainer": trainer}
+    over = {"up": {"total_steps": steps, **up_section(setting)}, "trainer": trainer}
     return deep_merge(base, over)
+
+
+def up_section(setting: dict[str, Any]) -> dict[str, Any]:
+    """The sweep's process layout: `up.pin_trainer`, and `up.beside_trainer` where the sweep sets it."""
+    return {"pin_trainer": bool(setting.get("pin", True)),
+            **({"beside_trainer": list(setting["beside"])} if setting.get("beside") is not None else {})}

@@ -20,8 +20,14 @@ INF = float("inf")
 def label(setting: dict[str, Any]) -> str:
     parts = ([f"b{setting['batch']}"] + ([f"eta{setting['eta']}"] if "eta" in setting else []) + [f"lr{setting['lr']:g}"]
              + ([{"float32": "fp32", "bfloat16": "bf16"}[setting["dtype"]]] if "dtype" in setting else [])
-             + ([f"t{setting['threads']}"] if "threads" in setting else []) + (["unpinned"] if setting.get("pin") is False else []))
+             + ([f"t{setting['threads']}"] if "threads" in setting else []) + (["unpinned"] if setting.get("pin") is False else [])
+             + ([beside_label(setting["beside"])] if setting.get("beside") is not None else []))
     return " ".join(parts)
+
+
+def beside_label(beside: list[str]) -> str:
+    """How a sweep's `up.beside_trainer` value is spelled (`--beside`): "none" or the services joined by "+"."""
+    return "beside:" + ("+".join(beside) or "none")
 
 
 def shape(task: str) -> dict[str, Any]:
@@ -52,7 +58,8 @@ def print_mapping(args: argparse.Namespace, sh: dict[str, Any]) -> None:
         ("samples per prompt", f"rollout.group_size={sh['group']}", f"num_generations={sh['group']}"),
         ("learning rate", f"trainer.lr in {{{lrs}}} (swept)", "learning_rate, the same values (constant, no warmup)"),
         ("staleness", f"trainer.eta in {{{etas}}} (swept)", "none: on-policy (generation waits for training)"),
-        ("cores", "up.pin_trainer in {" + ",".join("on" if p else "off" for p in args.pins) + "} (swept; on: trainer's own cores)",
+        ("cores", "up.pin_trainer in {" + ",".join("on" if p else "off" for p in args.pins) + "} (swept; on: trainer's own cores)"
+         + ("; up.beside_trainer in {" + ", ".join(beside_label(b)[7:] for b in args.beside) + "} (swept)" if args.beside else ""),
          "one process on every core"),
         ("optimizer", "torch AdamW (0.9/0.999, 1e-8, wd 0), clip 1.0", "adamw_torch_fused (0.9/0.999, 1e-8, wd 0), max_grad_norm=1.0"),
         ("new tokens", f"rollout.max_new_tokens={sh['new_tokens']}", f"max_completion_length={sh['new_tokens']}"),
@@ -131,6 +138,12 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return ordered[(len(ordered) - 1) // 2]
 
 
+def _first(r: dict[str, Any]) -> float | None:
+    """Seconds from the command's start until the first step ended (start-up, then the first batch: for
+    jetrl its generation by the servers just started, for TRL its own generation)."""
+    return r["history"][0]["t"] if r["history"] else None
+
+
 def _med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -142,7 +155,7 @@ def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str,
     unit = "10-step mean reward " + str(args.target) if args.task == "copy3" else f"eval pass rate +{args.lift:.2f}"
     print(f"\nevery run (time to the {unit}, seconds from the command's start)")
     print(f"{'side':<6} {'setting':<18} {'seed':>4} {'t->0.5':>7} {'t->tgt':>7} {'step':>5} {'steps':>5} {'samples':>8} {'cpu s':>7} "
-          f"{'start':>6} {'step s':>7} {'gen/wait':>8} {'train':>6} {'peak GiB':>8} {'eval acc':>14}")
+          f"{'start':>6} {'1st':>6} {'step s':>7} {'gen/wait':>8} {'train':>6} {'peak GiB':>8} {'eval acc':>14}")
     for r in runs:
         hist = r["history"]
         step_s = _med([h.get("step_s", h.get("step_time_s", 0.0)) for h in hist])
@@ -152,10 +165,10 @@ def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str,
         acc = f"{fmt(r.get('base_acc'), '.3f')}->{fmt(r.get('best_acc'), '.3f')}" if args.task == "arith" else ""
         print(f"{r['side']:<6} {label(r['setting']):<18} {r['seed']:>4} {fmt(r['t_half']):>7} {fmt(r['t_target']):>7} "
               f"{fmt(r['step_target']):>5} {r['steps']:>5} {int(r['samples']):>8} {r['cpu_s']:>7.0f} {fmt(r['startup_s']):>6} "
-              f"{step_s:>7.3f} {gen:>8.3f} {train:>6.3f} {peak:>8.2f} {acc:>14}")
+              f"{fmt(_first(r)):>6} {step_s:>7.3f} {gen:>8.3f} {train:>6.3f} {peak:>8.2f} {acc:>14}")
 
     print(f"\nby setting (median over seeds; a run that never got there counts as inf)\n{'side':<6} {'setting':<18} "
-          f"{'median t->tgt':>13} {'median step':>11} {'reached':>8} {'median start':>12}")
+          f"{'median t->tgt':>13} {'median step':>11} {'reached':>8} {'median start':>12} {'median 1st':>10}")
     table: dict[str, dict[str, Any]] = {}
     for side in ("trl", "jetrl"):
         for lab in dict.fromkeys(label(r["setting"]) for r in runs if r["side"] == side):
@@ -164,10 +177,11 @@ def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str,
             row = {"median_t_s": _med([_t(r) for r in group]), "median_step": _med(steps) if steps else None,
                    "reached": f"{len(steps)}/{len(group)}", "t_s": [r["t_target"] for r in group],
                    "steps_to_target": [r["step_target"] for r in group],
-                   "median_startup_s": _med([r["startup_s"] for r in group if r["startup_s"] is not None])}
+                   "median_startup_s": _med([r["startup_s"] for r in group if r["startup_s"] is not None]),
+                   "median_first_step_s": _med([f for f in map(_first, group) if f is not None])}
             table[f"{side} {lab}"] = row
             print(f"{side:<6} {lab:<18} {fmt(row['median_t_s']):>13} {fmt(row['median_step']):>11} {row['reached']:>8} "
-                  f"{fmt(row['median_startup_s']):>12}")
+                  f"{fmt(row['median_startup_s']):>12} {fmt(row['median_first_step_s']):>10}")
 
     best: dict[str, tuple[str, float]] = {}
     for side in ("trl", "jetrl"):
@@ -185,7 +199,7 @@ def summarize(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str,
     processes = print_processes(bests.get("jetrl", []))
     cap = print_ceiling(breakdown, processes, bests.get("trl", []), shape(args.task)["group"])
     return {"score": round(score, 3), "task": args.task, "seeds": args.seeds, "first_seed": args.first_seed,
-            "batches": args.batches, "lrs": args.lrs, "etas": args.etas, "pins": args.pins,
+            "batches": args.batches, "lrs": args.lrs, "etas": args.etas, "pins": args.pins, "beside": args.beside,
             "trl_best": {"setting": best.get("trl", (None,))[0], "median_t_s": t_trl},
             "jetrl_best": {"setting": best.get("jetrl", (None,))[0], "median_t_s": t_jetrl},
             "settings": table, "breakdown": breakdown, "jetrl_processes": processes,

@@ -63,3 +63,20 @@ def test_an_unpinned_jetrl_setting_runs_up_with_pin_trainer_off_and_says_so_in_i
     assert arith_sections({**pinned, "pin": False}, 0, 60)["up"]["pin_trainer"] is False
     assert report.label(pinned) == "b32 eta1 lr0.001"  # jetrl's default
     assert report.label({**pinned, "pin": False}) == "b32 eta1 lr0.001 unpinned"
+
+
+def test_a_beside_setting_runs_up_with_those_services_beside_the_trainer_and_names_a_valid_run() -> None:
+    from bench.support.jetrl_side import copy3_sections
+    from bench.vs_trl import BESIDE, run_name
+    from services.up.presets import DEMO_PRESET
+    from services.up.settings import UpSettings
+
+    setting = {"batch": 16, "eta": 2, "lr": 1e-3, "pin": True, "beside": ["reward", "weights"]}
+    up = copy3_sections(DEMO_PRESET, setting, 0)["up"]
+    assert up == {"pin_trainer": True, "beside_trainer": ["reward", "weights"]}
+    assert UpSettings(**up).beside_trainer == ["reward", "weights"]  # what the bench writes, jetrl up takes
+    assert set(BESIDE) == set(UpSettings.model_fields["beside_trainer"].annotation.__args__[0].__args__[0].__args__)
+    assert report.label(setting) == "b16 eta2 lr0.001 beside:reward+weights"
+    assert report.label({**setting, "beside": []}) == "b16 eta2 lr0.001 beside:none"
+    assert "beside" not in copy3_sections(DEMO_PRESET, {**setting, "beside": None}, 0)["up"]  # up's own default
+    assert UpSettings(run=run_name("copy3", setting, 3)).run == "vs-trl-copy3-b16-eta2-lr0p001-beside_reward_weights-3"
