@@ -9,6 +9,7 @@ bounds them, and past it requests wait in the subscription.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +112,7 @@ class RewardService:
             processes=self.pool.processes,
             allowed=self.allow.describe(),
             start_s=round(time.monotonic() - t0, 3),
+            cpus=sorted(os.sched_getaffinity(0)),  # the cores it (and its pool) runs on: `jetrl up` may pin them
         )
 
     async def stop(self, timeout_s: float | None = None) -> None:

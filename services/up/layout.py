@@ -21,6 +21,9 @@ from dataclasses import dataclass, replace
 
 from services.up.settings import UpSettings
 
+BESIDE_ONE_THREAD = ["reward", "weights"]
+"""What runs on the trainer's core by default where the trainer runs one thread (`UpSettings.beside_trainer`)."""
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -32,10 +35,12 @@ class Layout:
     """With `pin_trainer`: the cores the trainer runs on alone; empty: no pinning."""
     other_cpus: tuple[int, ...] = ()
     """With `pin_trainer`: the cores every other service runs on."""
+    beside_trainer: frozenset[str] = frozenset()
+    """The modules (`services.reward`, ...) that run on the trainer's cores (`beside_trainer`)."""
 
     def cpus(self, module: str) -> tuple[int, ...]:
         """The cores a service's processes are pinned to (empty: not pinned)."""
-        return self.trainer_cpus if module == "services.trainer" else self.other_cpus
+        return self.trainer_cpus if module == "services.trainer" or module in self.beside_trainer else self.other_cpus
 
 
 def allowed_cpus() -> list[int]:
@@ -58,7 +63,9 @@ def layout(s: UpSettings, n_cores: int | None = None, cpus: list[int] | None = N
     threads = s.torch_threads or max(1, n // (1 + s.inference_servers))
     shape = Layout(cores=n, rollout_workers=s.rollout_workers, torch_threads=threads)
     if s.pin_trainer and threads < n:  # cores left to the others: the trainer's threads get cores of their own
-        return replace(shape, trainer_cpus=tuple(mask[:threads]), other_cpus=tuple(mask[threads:]))
+        beside = s.beside_trainer if s.beside_trainer is not None else (BESIDE_ONE_THREAD if threads == 1 else [])
+        return replace(shape, trainer_cpus=tuple(mask[:threads]), other_cpus=tuple(mask[threads:]),
+                       beside_trainer=frozenset(f"services.{name}" for name in beside))
     return shape
 
 

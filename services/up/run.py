@@ -128,7 +128,8 @@ async def _run(s: UpSettings, sections: dict[str, dict[str, Any]], run_dir: Path
 
         shape = layout(s)
         log.info("process layout", cores=shape.cores, rollout_workers=shape.rollout_workers, torch_threads=shape.torch_threads,
-                 **({"trainer_cpus": list(shape.trainer_cpus), "other_cpus": list(shape.other_cpus)} if shape.trainer_cpus else {}))
+                 **({"trainer_cpus": list(shape.trainer_cpus), "other_cpus": list(shape.other_cpus),
+                     "beside_trainer": sorted(m.removeprefix("services.") for m in shape.beside_trainer)} if shape.trainer_cpus else {}))
         # the demo: a fixed eval set of 32 prompts, every 10 steps; a generated task: its held-out rows
         eval_set = await asyncio.to_thread(_make_dataset, run_dir, 32, "copy3-eval.jsonl", 1) if not s.dataset_path else task_eval
         composed = compose(s, sections, creds, run_dir, url, shape, dataset, eval_set, store.monitor_url if store else None)

@@ -42,6 +42,14 @@ class UpSettings(ServiceSettings):
     other; with `torch_threads` 2 there, as the real-model example sets, nothing is pinned). Off: every
     process may run on every core. On 2 cores the first step came ~1-3 s sooner pinned (docs/up.md
     "Processes and threads")."""
+    beside_trainer: list[Literal["reward", "weights", "rollout", "track"]] | None = None
+    """With the trainer pinned: the services that run on the trainer's cores instead of the others'
+    (each of their processes: the reward service's pool too). The inference servers never do: they and
+    the trainer do the tensor work. Empty: the trainer's cores are its own. Unset: the reward service
+    and the weights agents where the trainer runs one torch thread (a single thread only loses the CPU
+    time they take; a team of OpenMP threads stalls at every barrier when one of them is preempted),
+    else none. On 2 cores the first step came ~1.3 s sooner with them beside the trainer (their
+    start-up no longer delays the inference server's), seconds a step about the same (docs/up.md)."""
     serving_nice: int = Field(0, ge=0, le=19)
     """Niceness (`os.nice`) of the inference servers, rollout workers and reward service, against the
     trainer's 0: above 0, on shared cores the trainer's step (on the path of every version) runs

@@ -39,7 +39,7 @@ def test_the_trainer_runs_the_torch_threads_and_up_the_rollout_workers_that_up_s
 
 
 @pytest.mark.timeout(900)
-def test_pin_trainer_runs_the_trainer_on_a_core_of_its_own_and_every_other_service_on_the_rest(tmp_path: Path) -> None:
+def test_pin_trainer_runs_the_trainer_and_the_reward_service_on_a_core_and_every_other_service_on_the_rest(tmp_path: Path) -> None:
     import os
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -54,4 +54,6 @@ def test_pin_trainer_runs_the_trainer_on_a_core_of_its_own_and_every_other_servi
     [served] = events(logs / "inference-0.log", "ready")
     assert ready["cpus"] == cpus[:1], ready  # what the trainer process itself runs on, as it reports
     assert served["cpus"] == cpus[1:], served
+    [scoring] = events(logs / "reward.log", "reward service ready")
+    assert scoring["cpus"] == cpus[:1], scoring  # beside the one-thread trainer (up.beside_trainer unset)
     assert left_behind(tmp_path) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from services.up.layout import layout
 from services.up.settings import UpSettings
@@ -73,7 +74,7 @@ def test_a_process_started_nice_runs_at_that_lower_priority(tmp_path: Path) -> N
 )
 def test_pin_trainer_gives_the_trainer_its_threads_cores_and_the_rest_to_every_other_service(
         cpus: list[int], threads: int | None, trainer: tuple[int, ...], others: tuple[int, ...]) -> None:
-    shape = layout(UpSettings(pin_trainer=True, torch_threads=threads), cpus=cpus)
+    shape = layout(UpSettings(pin_trainer=True, torch_threads=threads, beside_trainer=[]), cpus=cpus)
     assert (shape.trainer_cpus, shape.other_cpus) == (trainer, others)  # at least one core is left to the others
     assert shape.cpus("services.trainer") == trainer
     assert shape.cpus("services.inference") == shape.cpus("services.rollout") == shape.cpus("services.reward") == others
@@ -84,6 +85,25 @@ def test_pinned_by_default_unless_turned_off_or_no_core_is_left_to_the_others() 
     assert layout(UpSettings(pin_trainer=False), cpus=[0, 1]).cpus("services.trainer") == ()
     assert layout(UpSettings(), cpus=[3]).cpus("services.trainer") == ()  # one core
     assert layout(UpSettings(torch_threads=2), cpus=[0, 1]).cpus("services.inference") == ()  # the real-model example's layout
+
+
+def test_beside_trainer_puts_the_named_services_on_the_trainers_cores_and_never_a_server() -> None:
+    shape = layout(UpSettings(beside_trainer=["reward", "weights"]), cpus=[0, 1])
+    assert shape.cpus("services.reward") == shape.cpus("services.weights") == shape.cpus("services.trainer") == (0,)
+    assert shape.cpus("services.rollout") == shape.cpus("services.inference") == (1,)
+    assert layout(UpSettings(beside_trainer=["reward"], pin_trainer=False), cpus=[0, 1]).cpus("services.reward") == ()
+    assert layout(UpSettings(beside_trainer=[]), cpus=[0, 1]).cpus("services.reward") == (1,)
+
+
+def test_by_default_reward_and_weights_share_a_one_thread_trainers_core_but_not_a_thread_teams() -> None:
+    one = layout(UpSettings(), cpus=[0, 1])
+    assert one.cpus("services.reward") == one.cpus("services.weights") == (0,)
+    assert one.cpus("services.rollout") == (1,)
+    team = layout(UpSettings(torch_threads=2), cpus=[0, 1, 2, 3])  # an OpenMP team of 2 on cores 0-1
+    assert team.cpus("services.trainer") == (0, 1)
+    assert team.cpus("services.reward") == team.cpus("services.weights") == (2, 3)
+    with pytest.raises(ValidationError, match="inference"):
+        UpSettings(beside_trainer=["inference"])
 
 
 def test_a_pinned_child_runs_only_on_its_cores() -> None:
