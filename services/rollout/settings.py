@@ -86,6 +86,10 @@ class RolloutSettings(ServiceSettings):
     version_poll_s: float = Field(0.5, gt=0)
     """While a prompt waits for the weights it may be generated with (its `min_version`), re-read the
     servers' versions this often (a load report on `weights.loaded` wakes it at once)."""
+    servable_poll_s: float = Field(0.1, gt=0)
+    """At start, until a server serves (a worker started beside loading servers), ask them this often: the
+    first prompts wait on it (a poll of 0.5 s cost the first step ~0.25 s on average), and a loading
+    local server answers at once."""
 
     @model_validator(mode="after")
     def _check(self) -> RolloutSettings:

@@ -29,9 +29,12 @@ log = get_logger("rollout.gate")
 
 
 class VersionGate:
-    def __init__(self, engine: Any, *, poll_s: float = 0.5, max_age_s: float = 10.0, warn_after_s: float = 30.0) -> None:
+    def __init__(self, engine: Any, *, poll_s: float = 0.5, servable_poll_s: float = 0.1, max_age_s: float = 10.0,
+                 warn_after_s: float = 30.0) -> None:
         self.engine = engine
         self.poll_s = poll_s
+        self.servable_poll_s = servable_poll_s
+        """`wait_servable`'s poll: while no server serves yet (at start)."""
         self.max_age_s = max_age_s
         self.warn_after_s = warn_after_s
         self.version: int | None = None
@@ -112,7 +115,7 @@ class VersionGate:
             stop = asyncio.ensure_future(stopping.wait())
             loaded = asyncio.ensure_future(self._loaded.wait())
             try:
-                await asyncio.wait({stop, loaded}, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({stop, loaded}, timeout=self.servable_poll_s, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 stop.cancel()
                 loaded.cancel()

@@ -80,6 +80,8 @@ class WorkerConfig:
     version_poll_s: float = 0.5
     """While a prompt waits for its `min_version`, re-read the servers' versions this often (a load
     report on `weights.loaded` wakes it at once)."""
+    servable_poll_s: float = 0.1
+    """At start, until a server serves, ask them this often."""
 
 
 class RolloutWorker:
@@ -111,7 +113,7 @@ class RolloutWorker:
         self.failures = EpisodeFailures(workflow_name(workflow), config.fail_fast_after)
         self._task_ids = itertools.count()  # AReaL's integer task ids, one per episode task
         self.max_deliver = config.max_deliver
-        self.gate = VersionGate(engine, poll_s=config.version_poll_s)
+        self.gate = VersionGate(engine, poll_s=config.version_poll_s, servable_poll_s=config.servable_poll_s)
         self._inflight: set[asyncio.Task[None]] = set()
         self._at_gate: set[asyncio.Task[None]] = set()
         """Episodes still waiting for their weight version: nothing generated yet."""
