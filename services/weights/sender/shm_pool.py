@@ -53,6 +53,12 @@ def _new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
+def warm_shared_memory() -> None:
+    """Start torch's shared-memory manager (`torch_shm_manager`, one per process, spawned by the first
+    shared-memory storage and kept for the process's life) ahead of the first version."""
+    _new_buffer(ALIGN, torch.device("cpu"))
+
+
 def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A copy cut into pieces of about PIECE bytes, so one large tensor keeps every copy thread busy."""
     if not src.is_contiguous():
