@@ -27,6 +27,12 @@ log = get_logger("up")
 
 _PR_SET_PDEATHSIG = 1
 
+DRAINED_FIRST = frozenset({"services.rollout"})
+"""What `Stack.stop` ends, and waits for, before the rest (by module): a rollout worker's SIGTERM drains
+its in-flight episodes, which need the inference servers and the reward service still up (stopped all
+at once, each drained episode failed on the reward service already gone, with an error and a traceback
+in the worker's log at the end of every run)."""
+
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: new process group, and SIGTERM if `jetrl up` itself dies."""
@@ -121,6 +127,8 @@ class Stack:
         self.cpus: Callable[[str], tuple[int, ...]] = lambda module: ()
         """The cores a module's processes are pinned to (`Layout.cpus`); empty: not pinned."""
         self._reported: set[str] = set()
+        self.drained_first: frozenset[str] = DRAINED_FIRST
+        """The modules `stop` ends, and waits for, before the others."""
 
     def start(self, name: str, module: str, env: dict[str, str], required: bool = True, nice: int | None = None) -> Proc:
         nice = self.nice.get(module, 0) if nice is None else nice
@@ -164,23 +172,37 @@ class Stack:
         return ended
 
     def stop(self, timeout_s: float) -> None:
-        """SIGTERM every process group, wait up to the deadline, SIGKILL what is left."""
-        for proc in reversed(self.procs):
+        """SIGTERM every process group, wait up to the deadline, SIGKILL what is left. The rollout workers
+        (`drained_first`) and the trainer first; the others once the rollout workers have ended (at most
+        half the deadline), so the episodes a worker drains still have their servers and reward service."""
+        deadline = time.monotonic() + timeout_s
+        # the trainer serves no episode: it gets its whole deadline to finish its step and checkpoint
+        first = [p for p in self.procs if p.module in self.drained_first or p.module == "services.trainer"]
+        self._terminate(first)
+        self._wait([p for p in first if p.module in self.drained_first], time.monotonic() + timeout_s / 2)
+        self._terminate([p for p in self.procs if p not in first])
+        self._wait(self.procs, deadline)
+        for proc in self.procs:
+            # the group too: a launcher's ranks or a pool's workers may outlive their parent
+            _signal_group(proc, signal.SIGKILL)
+            if proc.popen is not None and proc.popen.poll() is None:
+                proc.popen.wait()
+
+    @staticmethod
+    def _terminate(procs: list[Proc]) -> None:
+        for proc in reversed(procs):
             if proc.poll() is None:
                 _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs:
+
+    @staticmethod
+    def _wait(procs: list[Proc], deadline: float) -> None:
+        for proc in procs:
             if proc.popen is None:
                 continue
             try:
                 proc.popen.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("did not stop in time; killing", service=proc.name)
-        for proc in self.procs:
-            # the group too: a launcher's ranks or a pool's workers may outlive their parent
-            _signal_group(proc, signal.SIGKILL)
-            if proc.popen is not None and proc.popen.poll() is None:
-                proc.popen.wait()
 
 
 def _signal_group(proc: Proc, sig: signal.Signals) -> None:
