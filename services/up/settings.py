@@ -37,10 +37,11 @@ class UpSettings(ServiceSettings):
     among the trainer and the servers, at least 1. Every other process runs one thread."""
     pin_trainer: bool = True
     """Give the trainer cores of its own: it runs on the first `torch_threads` cores this process may
-    use and every other service (servers, rollout workers, reward, weights agents) on the rest, where
-    `torch_threads` leaves cores to the rest (on 2 cores: the trainer on one, everything else on the
-    other; with `torch_threads` 2 there, as the real-model example sets, nothing is pinned). Off: every
-    process may run on every core. On 2 cores the first step came ~1-3 s sooner pinned (docs/up.md
+    use and every other service (servers, rollout workers, reward, weights agents) on the rest, but those
+    `beside_trainer` names, where `torch_threads` leaves cores to the rest (on 2 cores: the trainer, the
+    reward service and the weights agent on one, the server and the rollout worker on the other; with
+    `torch_threads` 2 there, as the real-model example sets, nothing is pinned). Off: every process may
+    run on every core. On 2 cores the first step came ~1-3 s sooner pinned (docs/up.md
     "Processes and threads")."""
     beside_trainer: list[Literal["reward", "weights", "rollout", "track"]] | None = None
     """With the trainer pinned: the services that run on the trainer's cores instead of the others'
