@@ -41,7 +41,8 @@ from services.common.logging import configure_logging
 from services.inference.make_model import build_model
 from services.reward.service import RewardService
 from services.reward.settings import RewardSettings
-from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.worker import RolloutWorker
+from services.rollout.worker_config import WorkerConfig
 from services.rollout.workflow import RolloutWorkflow
 from services.rollout.workflows.synthetic import SyntheticWorkflow
 

@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 from bench.support import vs_trl_report as report  # noqa: E402  (after the sys.path line)
 from bench.support.jetrl_side import arith_sections, copy3_sections, cpu_since, run_up, step_split  # noqa: E402
 from services.up.presets import DEMO_PRESET  # noqa: E402
+from services.up.settings import BesideTrainer  # noqa: E402
 
 GROUP = DEMO_PRESET["rollout"]["group_size"]
 CLIP = 0.2
@@ -161,7 +162,7 @@ def _nonnegative(text: str) -> int:
     return value
 
 
-BESIDE = ("reward", "weights", "rollout", "track")
+BESIDE: tuple[str, ...] = get_args(BesideTrainer)
 
 
 def _beside(parser: argparse.ArgumentParser, value: str) -> list[str]:

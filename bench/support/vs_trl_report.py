@@ -21,13 +21,13 @@ def label(setting: dict[str, Any]) -> str:
     parts = ([f"b{setting['batch']}"] + ([f"eta{setting['eta']}"] if "eta" in setting else []) + [f"lr{setting['lr']:g}"]
              + ([{"float32": "fp32", "bfloat16": "bf16"}[setting["dtype"]]] if "dtype" in setting else [])
              + ([f"t{setting['threads']}"] if "threads" in setting else []) + (["unpinned"] if setting.get("pin") is False else [])
-             + ([beside_label(setting["beside"])] if setting.get("beside") is not None else []))
+             + ([f"beside:{beside_label(setting['beside'])}"] if setting.get("beside") is not None else []))
     return " ".join(parts)
 
 
 def beside_label(beside: list[str]) -> str:
     """How a sweep's `up.beside_trainer` value is spelled (`--beside`): "none" or the services joined by "+"."""
-    return "beside:" + ("+".join(beside) or "none")
+    return "+".join(beside) or "none"
 
 
 def shape(task: str) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def print_mapping(args: argparse.Namespace, sh: dict[str, Any]) -> None:
         ("learning rate", f"trainer.lr in {{{lrs}}} (swept)", "learning_rate, the same values (constant, no warmup)"),
         ("staleness", f"trainer.eta in {{{etas}}} (swept)", "none: on-policy (generation waits for training)"),
         ("cores", "up.pin_trainer in {" + ",".join("on" if p else "off" for p in args.pins) + "} (swept; on: trainer's own cores)"
-         + ("; up.beside_trainer in {" + ", ".join(beside_label(b)[7:] for b in args.beside) + "} (swept)" if args.beside else ""),
+         + ("; up.beside_trainer in {" + ", ".join(beside_label(b) for b in args.beside) + "} (swept)" if args.beside else ""),
          "one process on every core"),
         ("optimizer", "torch AdamW (0.9/0.999, 1e-8, wd 0), clip 1.0", "adamw_torch_fused (0.9/0.999, 1e-8, wd 0), max_grad_norm=1.0"),
         ("new tokens", f"rollout.max_new_tokens={sh['new_tokens']}", f"max_completion_length={sh['new_tokens']}"),

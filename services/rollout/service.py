@@ -37,7 +37,8 @@ from services.rollout.selection import Accepting, EvalOrTrain
 from services.rollout.settings import RolloutSettings
 from services.rollout.tokenizer import load_pretrained_tokenizer
 from services.rollout.versions import CheckedWorkflow
-from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.worker import RolloutWorker
+from services.rollout.worker_config import WorkerConfig
 from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError, import_ref
 
 log = get_logger("rollout")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
@@ -49,6 +48,7 @@ from services.rollout.stats import RolloutStats, constraint_counters
 from services.rollout.tensors import group_sizes
 from services.rollout.version_gate import VersionGate
 from services.rollout.versions import workflow_name
+from services.rollout.worker_config import WorkerConfig
 from services.rollout.workflow import RolloutWorkflow, WorkflowError, as_tensor_dict, workflow_context
 
 log = get_logger("rollout")
@@ -60,28 +60,6 @@ PERMANENT_ERRORS: tuple[type[BaseException], ...] = (WorkflowError, TrajectoryEr
 
 class EpisodeTimeout(TimeoutError):
     """An episode ran past `episode_timeout_s` (a failed attempt: retried, then rejected)."""
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    worker: str
-    max_concurrent: int = 16
-    max_deliver: int = 3
-    ack_wait_s: float = 60.0
-    nak_delay_s: float = 2.0
-    publish_timeout_s: float = 10.0
-    fetch_timeout_s: float = 1.0
-    max_ack_pending: int = 10_000
-    drain_timeout_s: float = 10.0
-    episode_timeout_s: float = 1800.0
-    """Longest run of one episode; 0 = no limit."""
-    fail_fast_after: int = 0
-    """Failed episode attempts, none having succeeded yet, after which the worker stops; 0: never."""
-    version_poll_s: float = 0.5
-    """While a prompt waits for its `min_version`, re-read the servers' versions this often (a load
-    report on `weights.loaded` wakes it at once)."""
-    servable_poll_s: float = 0.1
-    """At start, until a server serves, ask them this often."""
 
 
 class RolloutWorker:

@@ -11,6 +11,9 @@ from pydantic import Field
 from services.common.model_path import ModelPath
 from services.common.settings import ServiceSettings, flag
 
+BesideTrainer = Literal["reward", "weights", "rollout", "track"]
+"""A service that may run on the trainer's cores (`UpSettings.beside_trainer`); never an inference server."""
+
 
 class UpSettings(ServiceSettings):
     service: ClassVar[str] = "up"
@@ -43,7 +46,7 @@ class UpSettings(ServiceSettings):
     `torch_threads` 2 there, as the real-model example sets, nothing is pinned). Off: every process may
     run on every core. On 2 cores the first step came ~1-3 s sooner pinned (docs/up.md
     "Processes and threads")."""
-    beside_trainer: list[Literal["reward", "weights", "rollout", "track"]] | None = None
+    beside_trainer: list[BesideTrainer] | None = None
     """With the trainer pinned: the services that run on the trainer's cores instead of the others'
     (each of their processes: the reward service's pool too). The inference servers never do: they and
     the trainer do the tensor work. Empty: the trainer's cores are its own. Unset: the reward service

@@ -24,7 +24,8 @@ from services.replay.reader import StreamReader
 from services.replay.settings import RangeSettings
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import SGLangClient
-from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.worker import RolloutWorker
+from services.rollout.worker_config import WorkerConfig
 from services.trainer.intake.consumer import TrajectoryConsumer
 from services.trainer.intake.intake import Intake
 from services.trainer.settings import TrainerSettings

@@ -22,7 +22,8 @@ from services.common.metrics import MetricsPublisher
 from services.rollout.failures import EpisodeFailures, EpisodesFailing
 from services.rollout.tensors import sample_tensors
 from services.rollout.versions import CheckedWorkflow
-from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.worker import RolloutWorker
+from services.rollout.worker_config import WorkerConfig
 from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError, as_tensor_dict
 from tests.support.rollout import RUN, S, collect, push_prompts
 

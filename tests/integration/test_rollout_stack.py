@@ -29,7 +29,8 @@ from services.reward.settings import RewardSettings
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.dump import TrajectoryDumper
 from services.rollout.engine import SGLangClient
-from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.worker import RolloutWorker
+from services.rollout.worker_config import WorkerConfig
 from services.rollout.workflows.multi_turn import MultiTurnWorkflow
 from services.rollout.workflows.rlvr import RLVRWorkflow
 from tests.support.reward import running_reward

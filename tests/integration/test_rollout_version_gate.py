@@ -23,7 +23,8 @@ from schemas.subjects import PROMPTS_STREAM, Subjects
 from schemas.trajectory import decode_group
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import ModelRequest, SGLangClient
-from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.worker import RolloutWorker
+from services.rollout.worker_config import WorkerConfig
 from services.rollout.workflow import RolloutWorkflow
 from tests.support.inference import spawn_server, wait_ready
 from tests.support.rollout import RUN, collect

@@ -19,7 +19,8 @@ from schemas.trajectory import decode_group
 from services.common.bus import declare_streams
 from services.common.metrics import MetricsPublisher
 from services.rollout.engine import BadRequestError
-from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.worker import RolloutWorker
+from services.rollout.worker_config import WorkerConfig
 from services.rollout.workflow import RolloutWorkflow, workflow_context
 from services.rollout.workflows.synthetic import SyntheticWorkflow
 from tests.support.rollout import RUN, S, collect, push_prompts

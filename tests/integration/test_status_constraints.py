@@ -25,7 +25,8 @@ from services.rollout.agent.workflow import AgentWorkflow
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import SGLangClient
 from services.rollout.versions import CheckedWorkflow
-from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.worker import RolloutWorker
+from services.rollout.worker_config import WorkerConfig
 from services.rollout.workflow import GroupedRolloutWorkflow
 from services.up.display import Display
 from services.up.monitor import RunView, watch

@@ -20,7 +20,8 @@ from schemas.subjects import PROMPTS_STREAM, Subjects
 from schemas.trajectory import decode_group
 from services.rollout.client_settings import InferenceClientSettings
 from services.rollout.engine import SGLangClient
-from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.worker import RolloutWorker
+from services.rollout.worker_config import WorkerConfig
 from tests.integration.test_rollout_version_gate import OneSample
 from tests.support.inference import ServerProcess, free_port, wait_ready
 from tests.support.rollout import RUN, collect

@@ -13,7 +13,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from schemas.messages import PromptTask, encode
 from schemas.subjects import TRAJECTORIES_STREAM, Subjects
-from services.rollout.worker import RolloutWorker, WorkerConfig
+from services.rollout.worker import RolloutWorker
+from services.rollout.worker_config import WorkerConfig
 
 RUN = "rt"
 S = Subjects(RUN)

@@ -22,6 +22,7 @@ def test_stop_lets_the_rollout_workers_drain_before_the_services_their_episodes_
     import os
 
     from services.up.stack import DRAINED_FIRST, Stack
+    from tests.support.waiting import wait_until
 
     events = tmp_path / "events.txt"
     (tmp_path / "draining.py").write_text(  # on SIGTERM: finishes an episode (0.3 s of work), then exits
@@ -38,17 +39,10 @@ def test_stop_lets_the_rollout_workers_drain_before_the_services_their_episodes_
         stack.start("inference-0", "serving", {}, required=False)
         stack.start("rollout-0", "draining", {}, required=False)
         for name in ("serving", "draining"):  # both have their SIGTERM handlers in place
-            wait_for_file(tmp_path / f"{name}.py.up")
+            ready = tmp_path / f"{name}.py.up"
+            wait_until(f"{name} ready", ready.exists, timeout_s=60)
     finally:
         stack.stop(20.0)
     assert events.read_text().splitlines() == ["episode drained", "server stopped"]
     assert "services.rollout" in DRAINED_FIRST  # jetrl up's own rollout workers are the ones drained first
 
-
-def wait_for_file(path: Path) -> None:
-    import time
-
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.01)
