@@ -221,6 +221,11 @@ class TrainerSettings(ServiceSettings):
     ppo.n_minibatches (then total_steps must be set)."""
     lr_min_ratio: float = Field(0.0, ge=0, le=1)
     """The lr at the end of the decay, as a fraction of lr."""
+    trim_free_mb: float = Field(256.0, ge=0)
+    """After a step, the freed heap memory goes back to the system (`malloc_trim`) when the allocator holds
+    at least this many MB of it: a real model's step frees hundreds of MB, which would otherwise stay with
+    the process and grow it step after step; a small model's few MB are left to the allocator, since a
+    trim makes the next step fault every page back in (services/trainer/model/memory.py). 0: every step."""
     max_tokens_per_microbatch: int = Field(0, ge=0)
     """Token budget (rows x padded length) of one forward/backward pass per rank: a rank's piece of a
     mini-batch is cut into micro-batches of at most this many tokens (a longer row goes alone) and
