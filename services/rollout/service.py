@@ -114,6 +114,7 @@ async def run(settings: RolloutSettings, bus: Bus) -> None:
     async def main(sup: Supervisor) -> None:
         from services.reward.client import RewardClient
         from services.rollout.engine import SGLangClient
+        from services.rollout.reward_batching import CoalescingRewardClient
 
         nc = await bus.connect(f"rollout-{settings.worker}")
         sup.stack.push_async_callback(close_connection, nc)
@@ -132,8 +133,9 @@ async def run(settings: RolloutSettings, bus: Bus) -> None:
                 loaded["tok"] = load_pretrained_tokenizer(settings.model_path)
             return loaded["tok"]
 
+        reward = CoalescingRewardClient(RewardClient(nc, settings.reward_timeout_s), settings.reward_batch_max_items)
         try:
-            workflow = build_workflow(settings, standard_kwargs(settings, tokenizer, RewardClient(nc, settings.reward_timeout_s)))
+            workflow = build_workflow(settings, standard_kwargs(settings, tokenizer, reward))
         except WorkflowError:
             raise
         except Exception as exc:

@@ -47,6 +47,10 @@ class RolloutSettings(ServiceSettings):
     """Reward function, "module:function", on the reward service's allow-list."""
     reward_timeout_s: float = 30.0
     """Longest wait for one reward request's reply."""
+    reward_batch_max_items: int = Field(1024, ge=1)
+    """The reward requests of episodes that ask in the same turn (the groups of one batched generation)
+    go to the reward service as one request of at most this many items (services/rollout/reward_batching.py):
+    one NATS round trip and one pool batch instead of one per group. 1: one request per call."""
     max_concurrent: int = Field(16, ge=1)
     """Episodes (prompts) this worker runs at once."""
     max_deliver: int = Field(3, ge=1)
