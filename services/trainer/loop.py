@@ -50,7 +50,7 @@ from services.trainer.versions import VersionWindow
 from services.weights.sender.sync import NoWeights, WeightSync
 
 log = get_logger("trainer")
-_LOGGED = ("weights_gather_s", "trim_s", "resident_anon_gib", "resident_file_gib", "resident_shmem_gib")
+_LOGGED = ("weights_gather_s", "trim_s", "heap_free_mib", "resident_anon_gib", "resident_file_gib", "resident_shmem_gib")
 """Stats of the training call that each step's log line carries beside loss and reward (where memory and time go)."""
 
 SourceFactory = Callable[[Intake], GroupSource]
