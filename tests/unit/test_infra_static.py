@@ -334,3 +334,80 @@ def test_the_cluster_node_config_is_valid_for_nats_server() -> None:
     proc = subprocess.run([find_binary(), "-c", str(INFRA / "nats-cluster.conf"), "-t"], env=env, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+IMAGE_ENTRY_MODULES = {
+    "rollout": ("services.rollout.service", "services.rollout.engine", "services.rollout.reward_batching",
+                "services.rollout.workflows.rlvr"),
+    "inference": ("services.inference.server", "services.inference.model_backend"),
+    "reward": ("services.reward.service", "services.reward.pool", "services.reward.worker"),
+    "weights": ("services.weights.agent.agent",),
+}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _installed_closure(names: set[str]) -> set[str]:
+    """`names` and every distribution they require (as installed here), normalised."""
+    from importlib import metadata
+
+    todo, seen = [_norm(n) for n in names], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        todo += [_norm(re.split(r"[<>=!~\[; (]", r, maxsplit=1)[0]) for r in requires if "extra ==" not in r]
+    return seen
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """Top-level names a file imports when it is imported: module-level statements (inside `if`, not
+    `if TYPE_CHECKING`, not under `try`, which is how optional imports are written)."""
+    import ast
+
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body)
+                visit(node.orelse)
+
+    visit(ast.parse(path.read_text()).body)
+    return names
+
+
+def test_what_a_service_imports_is_installed_in_its_image() -> None:
+    """Every third-party package the modules of ours that a light image's service loads import at module
+    level is in that image's requirements (or required by one of them): the rollout image once lacked
+    orjson, which only the stack built from the images showed (every rollout replica died at import).
+    Only our own modules' imports are checked: a library's optional imports (what it loads where installed)
+    are its business."""
+    from importlib import metadata
+
+    dists = metadata.packages_distributions()
+    problems = []
+    for image, modules in IMAGE_ENTRY_MODULES.items():
+        code = ("import importlib, json, sys\n"
+                f"for m in {list(modules)!r}: importlib.import_module(m)\n"
+                "print(json.dumps(sorted(getattr(m, '__file__', None) or '' for n, m in list(sys.modules.items())\n"
+                "                        if n.split('.')[0] in ('services', 'schemas'))))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, check=True)
+        ours = [Path(f) for f in json.loads(out.stdout.strip().splitlines()[-1]) if f]
+        imported = set().union(*(_module_level_imports(f) for f in ours))
+        needed = {_norm(d) for top in imported for d in dists.get(top, [])} - {"jetrl"}
+        missing = needed - _installed_closure(requirement_names(image))
+        if missing:
+            problems.append(f"{image}: our modules import {sorted(missing)}, which infra/requirements/{image}.txt does not install")
+    assert not problems, problems
