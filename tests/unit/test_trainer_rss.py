@@ -109,11 +109,10 @@ def step():
     pieces = [torch.ones(MB // 4 * 3) for _ in range(100)]  # 300 MB from the heap arena
     held.append(torch.ones(MB // 4))
     del pieces
-    out["free"] = memory.heap_free()
     before = memory.resident()[0]
-    out["skipped_s"] = memory.release_freed(min_free=1024 * MB)  # less free than that: left to glibc
+    out["skipped_s"], out["free"] = memory.release_if_free(1024 * MB)  # less free than that: left to glibc
     out["kept"] = before - memory.resident()[0]
-    out["trimmed_s"] = memory.release_freed(min_free=100 * MB)
+    out["trimmed_s"], _ = memory.release_if_free(100 * MB)
     out["released"] = before - memory.resident()[0]
 
 thread = threading.Thread(target=step)

@@ -74,9 +74,8 @@ def execute(engine: TrainEngine, actor: PPOActor, cmd: Command, sink: BucketStre
         state = engine.full_state_dict() if cmd.weights_state else None
         if cmd.weights_dir or cmd.weights_state or cmd.weights_stream:  # part of what publishing costs the step
             stats = {**stats, "weights_gather_s": time.perf_counter() - t0}
-        free = memory.heap_free()
         # what the step freed goes back to the system, when there is enough of it to be worth the faults (memory.py)
-        trim_s = memory.release_freed(int(engine.settings.trim_free_mb * 2**20))
+        trim_s, free = memory.release_if_free(int(engine.settings.trim_free_mb * 2**20))
         now, peak = memory.resident()
         stats = {**stats, "trim_s": trim_s, **({"heap_free_mib": free / 2**20} if free is not None else {}),
                  "resident_gib": now / 2**30, "peak_resident_gib": peak / 2**30,

@@ -72,19 +72,23 @@ def heap_free() -> int | None:
     return None if fn is None else int(fn().fordblks)
 
 
-def release_freed(min_free: int = 0) -> float:
-    """Return the allocator's free memory to the system if it holds at least `min_free` bytes of it (0:
-    always; where the amount is unknown, always); the seconds it took (0 where nothing was done)."""
+def release_freed() -> float:
+    """Return the allocator's free memory to the system; the seconds it took (0 where unavailable)."""
     libc = _libc()
     if libc is None:
         return 0.0
-    if min_free > 0:
-        free = heap_free()
-        if free is not None and free < min_free:
-            return 0.0
     t0 = time.perf_counter()
     libc.malloc_trim(0)
     return time.perf_counter() - t0
+
+
+def release_if_free(min_free: int) -> tuple[float, int | None]:
+    """`release_freed` when the heaps hold at least `min_free` bytes free (always where the amount is
+    unknown); (the seconds the trim took, 0 if skipped; the free bytes measured, None if unknown)."""
+    free = heap_free()
+    if free is not None and free < min_free:
+        return 0.0, free
+    return release_freed(), free
 
 
 def resident_parts() -> dict[str, int]:
