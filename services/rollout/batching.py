@@ -25,6 +25,7 @@ from typing import Any
 from schemas.sglang_protocol import ProtocolError, batch_key, build_batch_payload, split_batch_reply
 from services.common.logging import get_logger
 from services.rollout.io_struct import BadRequestError, InferenceError
+from services.rollout.turn_batch import fail, send_batch
 
 log = get_logger("inference-client")
 
@@ -71,16 +72,7 @@ class GenerateBatcher:
         items = self._pending.pop(key, None)
         if not items:
             return
-        task = asyncio.get_running_loop().create_task(self._send(key[0], items))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-        def cancel_when_unwanted(_: asyncio.Future[Any]) -> None:
-            if all(i.future.cancelled() for i in items):
-                task.cancel()
-
-        for item in items:
-            item.future.add_done_callback(cancel_when_unwanted)
+        send_batch(self._tasks, self._send(key[0], items), [i.future for i in items])
 
     async def _send(self, server: str, items: list[_Pass]) -> None:
         if len(items) == 1:
@@ -126,9 +118,7 @@ class GenerateBatcher:
 
 
 def _fail(items: list[_Pass], exc: Exception) -> None:
-    for item in items:
-        if not item.future.done():
-            item.future.set_exception(exc)
+    fail([i.future for i in items], exc)
 
 
 def _cancel(items: list[_Pass]) -> None:

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-import orjson
 
 from schemas.sglang_protocol import (
     MODEL_INFO,
@@ -50,6 +48,7 @@ from services.rollout.io_struct import (
     ServersUnavailableError,
     WeightUpdateMeta,
 )
+from services.rollout.replies import json_or_text
 
 log = get_logger("inference-client")
 
@@ -132,7 +131,7 @@ class SGLangClient:
                 raise _Unavailable(f"connection error ({type(exc).__name__}: {exc})") from exc
             if status in (408, 429) or status >= 500:
                 raise _Unavailable(f"HTTP {status}: {text[:200]}")
-            body = _json_or_text(text)
+            body = json_or_text(text)
             if status >= 400:
                 raise BadRequestError(f"{server}{path}: HTTP {status}: {error_message(body, text[:500])}")
             return body
@@ -320,7 +319,7 @@ class SGLangClient:
                 status, text = resp.status, await resp.text()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise ServersUnavailableError(f"{url}: {exc!r}") from exc
-        return status, _json_or_text(text), text
+        return status, json_or_text(text), text
 
     async def connect(self, server: str) -> tuple[int, ...] | None:
         """Read `server`'s SGLang version (once) and refuse a server too old for jetrl (InferenceError
@@ -389,15 +388,3 @@ class SGLangClient:
 
 class _Unavailable(Exception):
     """One server's retries are spent (internal: turns into failover)."""
-
-
-def _json_or_text(text: str) -> Any:
-    """A reply's JSON (orjson: parsing `/generate`'s replies is a per-sample cost, several times
-    faster than the stdlib's), or its text where it is not JSON."""
-    try:
-        return orjson.loads(text)
-    except ValueError:  # not JSON, or what only the stdlib reads (an integer past 64 bits)
-        try:
-            return json.loads(text)
-        except ValueError:
-            return text

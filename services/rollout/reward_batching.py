@@ -23,6 +23,7 @@ from typing import Any
 from schemas.messages import RewardItem, RewardResult
 from services.common.logging import get_logger
 from services.reward.client import RewardClient, RewardRequestError
+from services.rollout.turn_batch import fail, send_batch
 
 log = get_logger("reward-client")
 
@@ -82,16 +83,7 @@ class CoalescingRewardClient:
 
     def _flush(self, key: tuple[Any, ...]) -> None:
         calls = self._pending.pop(key).calls
-        task = asyncio.get_running_loop().create_task(self._send(key, calls))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-        def cancel_when_unwanted(_: asyncio.Future[Any]) -> None:
-            if all(c.future.cancelled() for c in calls):
-                task.cancel()
-
-        for call in calls:
-            call.future.add_done_callback(cancel_when_unwanted)
+        send_batch(self._tasks, self._send(key, calls), [c.future for c in calls])
 
     async def _send(self, key: tuple[Any, ...], calls: list[_Call]) -> None:
         fn, timeout_s, item_timeout_s = key
@@ -100,7 +92,7 @@ class CoalescingRewardClient:
             results = await self.client.score(fn, [i for c in calls for i in c.items], timeout_s, item_timeout_s=item_timeout_s)
         except RewardRequestError as exc:
             if len(calls) == 1:
-                _fail(calls, exc)
+                fail([c.future for c in calls], exc)
                 return
             self.split += 1
             if self.split & (self.split - 1) == 0:  # 1st, 2nd, 4th, ...: a service refusing every batch does not flood the log
@@ -113,16 +105,10 @@ class CoalescingRewardClient:
                 c.future.cancel()
             raise
         except Exception as exc:  # no service answered: every caller gets the error
-            _fail(calls, exc)
+            fail([c.future for c in calls], exc)
             return
         at = 0
         for c in calls:
             if not c.future.done():
                 c.future.set_result(results[at:at + len(c.items)])
             at += len(c.items)
-
-
-def _fail(calls: list[_Call], exc: Exception) -> None:
-    for c in calls:
-        if not c.future.done():
-            c.future.set_exception(exc)
