@@ -34,6 +34,7 @@ from schemas.headers import prompt_id_of, prompt_tag_of, rejection_headers, traj
 from schemas.messages import MessageError, PromptTask, RejectionMarker, decode, encode
 from schemas.subjects import PROMPTS_STREAM, TRAJECTORIES_STREAM, Subjects
 from schemas.trajectory import TrajectoryError, encode_group_with_meta
+from schemas.trajectory.warm import warm_up
 from services.common.bus import Bus, publish_acked
 from services.common.busretry import INITIAL_BACKOFF_S, MAX_BACKOFF_S, full_jitter
 from services.common.consumers import add_consumer
@@ -128,7 +129,8 @@ class RolloutWorker:
             await self.gate.follow_loads(self.nc, self.run_name)
             # No prompt is taken before a server can run it: a worker started beside its servers (as
             # compose, k8s and `jetrl up` start them) would otherwise fail its first episodes.
-            waited = await self.gate.wait_servable(stopping)
+            # pyarrow's first conversion (pandas' import) meanwhile, not in the first episode's encode
+            waited, _ = await asyncio.gather(self.gate.wait_servable(stopping), asyncio.to_thread(warm_up))
             if stopping.is_set():
                 await self.gate.close()
                 return

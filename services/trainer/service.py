@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from nats.aio.client import Client as NATS
 
+from schemas.trajectory.warm import warm_up
 from services.common.bus import Bus, close_connection
 from services.common.logging import bind_context, get_logger
 from services.common.model_path import require_model
@@ -142,8 +143,14 @@ def weight_sync(settings: TrainerSettings, nc: NATS, bus: Bus) -> WeightSync:
 
 async def _train(trainer: Trainer, sup: Supervisor, building: asyncio.Future[TrainEngine] | None = None) -> None:
     try:
+        # pyarrow's first conversion (pandas' import) while the engine builds or the first batch comes,
+        # not inside the first batch's decode
+        warming = asyncio.to_thread(warm_up)
         if building is not None:  # the feeder and the consumer are at work meanwhile
-            trainer.attach_engine(await building)
+            engine, _ = await asyncio.gather(building, warming)
+            trainer.attach_engine(engine)
+        else:
+            await warming
         await trainer.run(sup.stopping)
         # Only on success: after a failure inside a collective the other ranks cannot take a command;
         # rank 0 exits and they die with the broken process group.
