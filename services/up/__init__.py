@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog="--config FILE may also hold one section per service (inference, rollout, reward, trainer,"
         " weights, track) with that service's settings (see `jetrl <service> --help`).",
     )
-    from services.up.run import run_stack, validate_sections
+    from services.up.launch import run_stack, validate_sections
 
     try:  # a bad --config (missing, not YAML, unknown section or key) is a message and exit 2
         data = read_yaml(line.config) if line.config else {}

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from services.common.logging import get_logger
+from services.up.fork.client import ForkedProcess, ForkServer, forkable
 
 log = get_logger("up")
 
@@ -34,7 +36,7 @@ at once, each drained episode failed on the reward service already gone, with an
 in the worker's log at the end of every run)."""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: new process group, and SIGTERM if `jetrl up` itself dies."""
     os.setsid()
     try:
@@ -47,7 +49,7 @@ def _child_setup(nice: int, cpus: tuple[int, ...] = ()) -> Callable[[], None]:
     """What runs in the child before exec: `_die_with_parent`, then `os.nice(nice)` and
     `os.sched_setaffinity(cpus)` when asked."""
     def setup() -> None:
-        _die_with_parent()
+        die_with_parent()
         if nice:
             os.nice(nice)
         if cpus:
@@ -99,7 +101,8 @@ class Proc:
     """Its niceness above `jetrl up`'s own (`os.nice`): lower priority for the cores."""
     cpus: tuple[int, ...] = ()
     """The cores it is pinned to (`up.pin_trainer`); empty: any this process may use."""
-    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    popen: subprocess.Popen[bytes] | ForkedProcess | None = field(default=None, repr=False)
+    """The process: started by `python -m`, or forked by the fork server (services/up/fork/; its pid comes later)."""
 
     @property
     def pid(self) -> int | None:
@@ -129,27 +132,48 @@ class Stack:
         self._reported: set[str] = set()
         self.drained_first: frozenset[str] = DRAINED_FIRST
         """The modules `stop` ends, and waits for, before the others."""
+        self.forks: ForkServer | None = None
+        """Where services are forked from when their environment allows (fork/client.py); None: `python -m` each."""
+        self._procs_file = threading.Lock()
+
+    def fork_from(self, server: ForkServer) -> None:
+        self.forks = server
+        server.on_started = self._write_procs
+
+    def close_forks(self, timeout_s: float) -> None:
+        """Stop the fork server, if any (`stop` does, after the services; this is for a run that ended
+        before it could)."""
+        if self.forks is not None:
+            self.forks.stop(timeout_s)
 
     def start(self, name: str, module: str, env: dict[str, str], required: bool = True, nice: int | None = None) -> Proc:
         nice = self.nice.get(module, 0) if nice is None else nice
         proc = Proc(name, module, env, self.logs / f"{name}.log", required, nice, self.cpus(module))
         # Only the machine's basics plus this service's settings: exactly what a container gets.
         full_env = {**self.base_env, **env}
-        with open(proc.log_path, "ab") as out:
-            proc.popen = subprocess.Popen(
-                [sys.executable, "-m", module],
-                env=full_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=_child_setup(nice, proc.cpus),
-            )
-        log.info("started", service=name, pid=proc.pid, log=str(proc.log_path), **({"nice": nice} if nice else {}),
-                 **({"cpus": list(proc.cpus)} if proc.cpus else {}))
+        if self.forks is not None and not (self.forks.gone or self.forks.closed) and forkable(full_env, self.forks.env):
+            proc.popen = self.forks.spawn(name, module, full_env, proc.log_path, nice, proc.cpus)
+        else:
+            with open(proc.log_path, "ab") as out:
+                proc.popen = subprocess.Popen(
+                    [sys.executable, "-m", module],
+                    env=full_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_child_setup(nice, proc.cpus),
+                )
+        log.info("started", service=name, **({"pid": proc.pid} if proc.pid is not None else {"forked": True}),
+                 log=str(proc.log_path), **({"nice": nice} if nice else {}), **({"cpus": list(proc.cpus)} if proc.cpus else {}))
         self.procs.append(proc)
-        # which process is which, for `jetrl status` and for tests that kill one on purpose
-        (self.run_dir / "procs.json").write_text(json.dumps({p.name: p.pid for p in self.procs}))
+        self._write_procs()
         return proc
+
+    def _write_procs(self) -> None:
+        """Which process is which (those with a pid so far), for `jetrl status` and for tests that kill
+        one on purpose; rewritten as each forked service's pid comes."""
+        with self._procs_file:
+            (self.run_dir / "procs.json").write_text(json.dumps({p.name: p.pid for p in self.procs if p.pid is not None}))
 
     def failed(self) -> Proc | None:
         """The first required process that has ended, if any."""
@@ -176,6 +200,8 @@ class Stack:
         (`drained_first`) and the trainer first; the others once the rollout workers have ended (at most
         half the deadline), so the episodes a worker drains still have their servers and reward service."""
         deadline = time.monotonic() + timeout_s
+        if self.forks is not None:  # nothing more is forked: every process asked for has its pid, or is dropped
+            self.forks.close(timeout_s / 2)
         # the trainer serves no episode: it gets its whole deadline to finish its step and checkpoint
         first = [p for p in self.procs if p.module in self.drained_first or p.module == "services.trainer"]
         self._terminate(first)
@@ -187,6 +213,8 @@ class Stack:
             _signal_group(proc, signal.SIGKILL)
             if proc.popen is not None and proc.popen.poll() is None:
                 proc.popen.wait()
+        if self.forks is not None:
+            self.forks.stop(timeout_s)
 
     @staticmethod
     def _terminate(procs: list[Proc]) -> None:

@@ -80,12 +80,20 @@ async def probe(url: str, secrets: Path, server: str) -> list[str]:
     return wrong
 
 
+def served_url(run_dir: Path) -> str:
+    """The inference server's URL, from its log's first line ("listening; loading model")."""
+    first = (run_dir / "logs" / "inference-0.log").read_text().splitlines()[0]
+    return str(json.loads(first)["url"])
+
+
 @pytest.mark.timeout(900)
-def test_a_default_up_admits_only_its_own_services_and_stops_within_its_deadlines_without_a_bus(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fork_server", [True, False], ids=["forked", "python-m"])
+def test_a_default_up_admits_only_its_own_services_and_stops_within_its_deadlines_without_a_bus(tmp_path: Path,
+                                                                                               fork_server: bool) -> None:
     config = {name: {"shutdown_timeout_s": SHUTDOWN_S} for name in SERVICES}
     config["trainer"]["checkpoint_every"] = 0
     # up kills what overran only long after the deadlines checked here
-    config["up"] = {"stop_timeout_s": 60, "recording_max_bytes": 500_000_000}
+    config["up"] = {"stop_timeout_s": 60, "recording_max_bytes": 500_000_000, "fork_server": fork_server}
     proc = start_up(tmp_path, RUN, 400, config)
     run_dir = tmp_path / RUN
     secrets = run_dir / SECRETS_DIR
@@ -102,15 +110,16 @@ def test_a_default_up_admits_only_its_own_services_and_stops_within_its_deadline
         assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in secrets.iterdir()} == {"0o600"}
 
         # each process holds only its own: its user's password file, the admin key where it is needed
-        for name, user in (("trainer", "trainer"), ("rollout-0", "rollout"), ("reward", "reward"), ("weights-0", "weights")):
-            env = env_of(run_dir, name)
-            files = {v for v in env.values() if v.startswith(str(secrets))}
-            admin = {str(secrets / "inference-admin-key")} if name in ("trainer", "weights-0") else set()
+        # (/proc/<pid>/environ is what a process was started with: a forked one's is its fork server's,
+        # which holds no credential at all; that a forked service gets exactly the environment it is
+        # given, nothing more, is tests/integration/test_up_fork_server.py's)
+        for name, user in (("trainer", "trainer"), ("rollout-0", "rollout"), ("reward", "reward"), ("weights-0", "weights"),
+                           ("inference-0", None)):
+            files = {v for v in env_of(run_dir, name).values() if v.startswith(str(secrets))}
+            admin = {str(secrets / "inference-admin-key")} if name in ("trainer", "weights-0", "inference-0") else set()
             issuer = {str(secrets / "prompt-issuer-key")} if name == "trainer" else set()
-            assert files == {str(secrets / user), *admin, *issuer}, (name, files)
-        inference = env_of(run_dir, "inference-0")
-        assert {v for v in inference.values() if v.startswith(str(secrets))} == {str(secrets / "inference-admin-key")}
-        server = f"http://127.0.0.1:{inference['JETRL_INFERENCE__PORT']}"
+            assert files == (set() if fork_server else {*([str(secrets / user)] if user else []), *admin, *issuer}), (name, files)
+        server = served_url(run_dir)
 
         url = (run_dir / "nats.url").read_text().strip()
         assert asyncio.run(probe(url, secrets, server)) == []

@@ -14,7 +14,7 @@ from services.rollout.service import build_workflow, standard_kwargs
 from services.rollout.settings import RolloutSettings
 from services.rollout.versions import CheckedWorkflow
 from services.rollout.workflow import GroupedRolloutWorkflow, RolloutWorkflow, WorkflowError
-from services.up.run import passed_env
+from services.up.launch import passed_env
 from services.up.settings import UpSettings
 from tests.reward_fns import length
 

@@ -26,6 +26,7 @@ def _imported(module: str) -> list[str]:
     "module",
     [
         "services.up.run",  # `jetrl up` until its services are started (the curve's numpy comes at the end)
+        "services.up.launch",  # `jetrl up` until the fork server is started (it imports torch, `up` does not)
         "services.weights.agent.agent",  # the weights agent
         "services.common.entry",  # every service's entry point, before its settings are parsed
         "services.cli",  # `jetrl`

@@ -74,7 +74,7 @@ def test_an_eval_lift_without_a_step_0_round_is_refused_before_anything_starts()
     import pytest
 
     from services.common.settings import SettingsError
-    from services.up.run import validate_sections
+    from services.up.launch import validate_sections
 
     with pytest.raises(SettingsError, match="eval_at_start"):
         validate_sections({"trainer": {"feeder": {"eval_every": 10}}}, "task:arith", 0.15)
