@@ -16,10 +16,18 @@ from collections import defaultdict
 
 import psutil
 
+FORK_SERVER = "fork server"
+"""`jetrl up`'s fork server (services/up/fork/server.py); a child it has just forked carries its command
+line until it names itself (setproctitle), so a process with this label is labelled again next sample."""
+
 
 def label(cmdline: list[str]) -> str:
+    # a forked service's title is one string ("python -m services.trainer"), padded with empty arguments
+    cmdline = " ".join(cmdline).split() if "-m" not in cmdline else cmdline
     if "-m" in cmdline[:-1]:
         module = cmdline[cmdline.index("-m") + 1]
+        if module == "services.up.fork.server":
+            return FORK_SERVER
         return module.removeprefix("services.").split(".")[0]
     joined = " ".join(cmdline)
     if "multiprocessing" in joined:
@@ -63,7 +71,8 @@ class TreeCPU:
                 with proc.oneshot():
                     times = proc.cpu_times()
                     rss = proc.memory_info().rss
-                    name = self._last[proc.pid][0] if proc.pid in self._last else label(proc.cmdline())
+                    known = self._last.get(proc.pid, (FORK_SERVER, 0.0))[0]
+                    name = label(proc.cmdline()) if known == FORK_SERVER else known
             except psutil.Error:
                 continue
             self._last[proc.pid] = (name, times.user + times.system)
