@@ -60,6 +60,7 @@ def probe_path(tmp_path: Path) -> Path:
         while not os.path.exists({str(tmp_path / 'release')!r}):
             time.sleep(0.01)  # a module that takes long to import, until the test lets it finish
     """))
+    (tmp_path / "pkgs" / "crash_import.py").write_text("import os\nos._exit(3)  # a library that kills its importer\n")
     return tmp_path / "pkgs"
 
 
@@ -140,6 +141,19 @@ def test_a_service_asked_for_before_the_heavy_imports_end_is_dropped_by_a_stop(t
         assert not (tmp_path / "trainer.log").exists()
     finally:
         (tmp_path / "release").touch()
+        server.stop(30)
+
+
+def test_a_fork_server_that_dies_fails_what_it_had_not_started_saying_so(tmp_path: Path, probe_path: Path) -> None:
+    env = _env(probe_path)
+    server = _server(tmp_path, env, heavy=("crash_import",))
+    try:
+        proc = server.spawn("trainer", "services.trainer", env, tmp_path / "trainer.log", 0, ())
+        assert proc.wait(60) == 1
+        assert "the fork server ended before it started trainer" in (tmp_path / "trainer.log").read_text()
+        with pytest.raises(RuntimeError, match="fork server has ended"):
+            server.spawn("late", "probe", env, tmp_path / "late.log", 0, ())
+    finally:
         server.stop(30)
 
 
