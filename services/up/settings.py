@@ -59,7 +59,7 @@ class UpSettings(ServiceSettings):
     nats-py, aiohttp; torch and transformers' model classes) once, instead of `python -m` each from
     nothing (services/up/fork/server.py). A service whose environment differs from the others' in more
     than its settings is started with `python -m` all the same; with `device: cuda` every one is. On 2
-    cores the first step came ~2 s sooner (docs/up.md "Start-up"). Off: `python -m` each."""
+    cores the first step came ~2-3 s sooner (docs/up.md "Start-up"). Off: `python -m` each."""
     serving_nice: int = Field(0, ge=0, le=19)
     """Niceness (`os.nice`) of the inference servers, rollout workers and reward service, against the
     trainer's 0: above 0, on shared cores the trainer's step (on the path of every version) runs
