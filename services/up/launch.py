@@ -22,7 +22,7 @@ from services.up.fork.client import HEAVY, ForkServer
 from services.up.layout import layout
 from services.up.rundir import RunDirInUse, prepare_run_dir
 from services.up.settings import UpSettings
-from services.up.stack import Stack, die_with_parent, settings_class
+from services.up.stack import Stack, settings_class
 
 ROOT = Path(__file__).resolve().parents[2]
 _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TORCH_EXTENSIONS_DIR", "VIRTUAL_ENV")
@@ -44,7 +44,7 @@ def run_stack(settings: UpSettings, sections: dict[str, dict[str, Any]]) -> int:
         if settings.fork_server and settings.device == "cpu":
             threads = layout(settings).torch_threads  # the trainer's and the servers' (compose.py): torch reads it on import
             stack.fork_from(ForkServer({**stack.base_env, "OMP_NUM_THREADS": str(threads)}, stack.logs / "fork-server.log",
-                                       heavy=HEAVY, model=_local_model(settings.model_path), preexec=die_with_parent))
+                                       heavy=HEAVY, model=_local_model(settings.model_path)))
         from services.up.run import run
 
         return asyncio.run(run(settings, sections, run_dir, kept, stack, started))

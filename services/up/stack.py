@@ -5,8 +5,6 @@ within a deadline and leaves nothing behind."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib
 import json
 import os
@@ -23,40 +21,16 @@ from typing import Any
 from pydantic import BaseModel
 
 from services.common.logging import get_logger
-from services.up.fork.client import ForkedProcess, ForkServer, forkable
+from services.up.child import child_setup
+from services.up.fork.client import ForkedProcess, ForkServer
 
 log = get_logger("up")
-
-_PR_SET_PDEATHSIG = 1
 
 DRAINED_FIRST = frozenset({"services.rollout"})
 """What `Stack.stop` ends, and waits for, before the rest (by module): a rollout worker's SIGTERM drains
 its in-flight episodes, which need the inference servers and the reward service still up (stopped all
 at once, each drained episode failed on the reward service already gone, with an error and a traceback
 in the worker's log at the end of every run)."""
-
-
-def die_with_parent() -> None:
-    """Runs in the child before exec: new process group, and SIGTERM if `jetrl up` itself dies."""
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-def _child_setup(nice: int, cpus: tuple[int, ...] = ()) -> Callable[[], None]:
-    """What runs in the child before exec: `_die_with_parent`, then `os.nice(nice)` and
-    `os.sched_setaffinity(cpus)` when asked."""
-    def setup() -> None:
-        die_with_parent()
-        if nice:
-            os.nice(nice)
-        if cpus:
-            with contextlib.suppress(OSError):  # pinning only speeds a start up: a process runs unpinned rather than not at all
-                os.sched_setaffinity(0, cpus)  # (the trainer and the servers log the cores they got)
-
-    return setup
 
 
 def settings_class(service: str) -> type[BaseModel]:
@@ -151,7 +125,7 @@ class Stack:
         proc = Proc(name, module, env, self.logs / f"{name}.log", required, nice, self.cpus(module))
         # Only the machine's basics plus this service's settings: exactly what a container gets.
         full_env = {**self.base_env, **env}
-        if self.forks is not None and not (self.forks.gone or self.forks.closed) and forkable(full_env, self.forks.env):
+        if self.forks is not None and self.forks.accepts(full_env):
             proc.popen = self.forks.spawn(name, module, full_env, proc.log_path, nice, proc.cpus)
         else:
             with open(proc.log_path, "ab") as out:
@@ -161,7 +135,7 @@ class Stack:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    preexec_fn=_child_setup(nice, proc.cpus),
+                    preexec_fn=child_setup(nice, proc.cpus),
                 )
         log.info("started", service=name, **({"pid": proc.pid} if proc.pid is not None else {"forked": True}),
                  log=str(proc.log_path), **({"nice": nice} if nice else {}), **({"cpus": list(proc.cpus)} if proc.cpus else {}))

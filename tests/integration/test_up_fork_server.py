@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from services.up.fork.client import HEAVY, ForkServer, forkable
-from services.up.stack import Stack, die_with_parent
+from services.up.stack import Stack
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,9 +40,8 @@ if code == "raise":
     raise RuntimeError("the probe failed on purpose")
 if code == "sleep":
     open(os.environ["JETRL_PROBE__READY"], "w").close()
-    import time
-    while True:
-        time.sleep(60)
+    import threading
+    threading.Event().wait()  # runs until it is killed
 sys.exit(int(code))
 '''
 
@@ -55,11 +54,9 @@ def probe_path(tmp_path: Path) -> Path:
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "__main__.py").write_text(PROBE)
-    (tmp_path / "pkgs" / "slow_import.py").write_text(textwrap.dedent(f"""
-        import os, time
-        while not os.path.exists({str(tmp_path / 'release')!r}):
-            time.sleep(0.01)  # a module that takes long to import, until the test lets it finish
-    """))
+    os.mkfifo(tmp_path / "release")
+    # a module that takes long to import: until the test opens the pipe's other end
+    (tmp_path / "pkgs" / "slow_import.py").write_text(f"open({str(tmp_path / 'release')!r}).read()\n")
     (tmp_path / "pkgs" / "crash_import.py").write_text("import os\nos._exit(3)  # a library that kills its importer\n")
     return tmp_path / "pkgs"
 
@@ -70,7 +67,7 @@ def _env(pkgs: Path, **extra: str) -> dict[str, str]:
 
 
 def _server(tmp_path: Path, env: dict[str, str], heavy: tuple[str, ...] = ()) -> ForkServer:
-    return ForkServer(env, tmp_path / "fork-server.log", heavy=heavy, preexec=die_with_parent)
+    return ForkServer(env, tmp_path / "fork-server.log", heavy=heavy)
 
 
 def _facts(log: Path) -> dict:
@@ -135,12 +132,12 @@ def test_a_service_asked_for_before_the_heavy_imports_end_is_dropped_by_a_stop(t
     try:
         proc = server.spawn("trainer", "services.trainer", env, tmp_path / "trainer.log", 0, ())
         server.end_requests()  # the stop, while the server still imports
-        (tmp_path / "release").touch()  # the import ends; the server then reads the end of its requests
+        with open(tmp_path / "release", "w"):  # the import ends; the server then reads the end of its requests
+            pass
         server.close(60)
         assert proc.pid is None and proc.poll() == -signal.SIGTERM  # dropped, never forked
         assert not (tmp_path / "trainer.log").exists()
     finally:
-        (tmp_path / "release").touch()
         server.stop(30)
 
 
@@ -164,9 +161,8 @@ def test_nothing_outlives_up_when_it_is_killed(tmp_path: Path, probe_path: Path)
         sys.path[:0] = [{str(ROOT)!r}]
         from pathlib import Path
         from services.up.fork.client import ForkServer
-        from services.up.stack import die_with_parent
         env = {_env(probe_path)!r}
-        server = ForkServer(env, Path({str(tmp_path / 'fs.log')!r}), preexec=die_with_parent)
+        server = ForkServer(env, Path({str(tmp_path / 'fs.log')!r}))
         proc = server.spawn("probe", "probe", env | {{"JETRL_PROBE__EXIT": "sleep", "JETRL_PROBE__READY": {str(ready)!r}}},
                             Path({str(tmp_path / 'probe.log')!r}), 0, ())
         while proc.pid is None:

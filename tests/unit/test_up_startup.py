@@ -111,11 +111,11 @@ def test_a_pinned_child_runs_only_on_its_cores() -> None:
     import subprocess
     import sys
 
-    from services.up.stack import _child_setup
+    from services.up.child import child_setup
 
     first = min(os.sched_getaffinity(0))
     out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], capture_output=True,
-                         text=True, check=True, preexec_fn=_child_setup(0, (first,))).stdout
+                         text=True, check=True, preexec_fn=child_setup(0, (first,))).stdout
     assert out.strip() == f"[{first}]"
 
 
@@ -124,8 +124,8 @@ def test_a_child_that_cannot_be_pinned_still_runs_unpinned() -> None:
     import subprocess
     import sys
 
-    from services.up.stack import _child_setup
+    from services.up.child import child_setup
 
     out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], capture_output=True,
-                         text=True, check=True, preexec_fn=_child_setup(0, (4095,))).stdout  # no such core here
+                         text=True, check=True, preexec_fn=child_setup(0, (4095,))).stdout  # no such core here
     assert out.strip() == str(sorted(os.sched_getaffinity(0)))

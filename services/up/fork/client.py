@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from services.common.logging import get_logger
+from services.up.child import die_with_parent
 
 log = get_logger("up")
 
@@ -81,22 +82,20 @@ class ForkServer:
     from); `heavy`: the modules imported for the trainer and the servers after the light ones (`HEAVY`,
     then `model`'s classes; empty: none, and they are forked at once)."""
 
-    def __init__(self, env: dict[str, str], log_path: Path, *, heavy: tuple[str, ...] = (), model: str = "",
-                 preexec: Callable[[], None] | None = None) -> None:
+    def __init__(self, env: dict[str, str], log_path: Path, *, heavy: tuple[str, ...] = (), model: str = "") -> None:
         self.env = env
         self.log_path = log_path
         self.changed = threading.Condition()
         self.gone = False
         self.closed = False
         self._close_answered = False
-        self.preloaded: dict[str, dict[str, Any]] = {}
         self.on_started: Callable[[], None] = lambda: None
         """Called (from the reader thread) when a service's pid becomes known."""
         self._procs: dict[str, ForkedProcess] = {}
         spec = {"light": list(LIGHT), "heavy": list(heavy), "model": model if heavy else ""}
         with open(log_path, "ab") as err:
             self._popen = subprocess.Popen([sys.executable, "-m", "services.up.fork.server", json.dumps(spec)], env=env,
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, preexec_fn=preexec)
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, preexec_fn=die_with_parent)
         assert self._popen.stdin is not None and self._popen.stdout is not None
         self._stdin: IO[bytes] = self._popen.stdin
         self._reader = threading.Thread(target=self._read, args=(self._popen.stdout,), name="fork-server-replies", daemon=True)
@@ -105,6 +104,11 @@ class ForkServer:
     @property
     def pid(self) -> int:
         return self._popen.pid
+
+    def accepts(self, env: Mapping[str, str]) -> bool:
+        """Whether a service with environment `env` is forked here: the server still takes requests, and
+        `env` differs from its own only where a fork may (`forkable`)."""
+        return not (self.gone or self.closed) and forkable(env, self.env)
 
     def spawn(self, name: str, module: str, env: dict[str, str], log_path: Path, nice: int, cpus: tuple[int, ...],
               heavy: bool | None = None) -> ForkedProcess:
@@ -181,7 +185,6 @@ class ForkServer:
                 if proc.pid == reply["exited"]:
                     proc.returncode = reply["code"]
         elif "preloaded" in reply:
-            self.preloaded[reply["preloaded"]] = reply
             log.info("fork server preloaded", stage=reply["preloaded"], cpu_s=reply["cpu_s"],
                      **({"failed": reply["failed"]} if reply["failed"] else {}))
         elif "closed" in reply:

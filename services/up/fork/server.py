@@ -25,19 +25,16 @@ and on stdin's end `{"closed": [names of requests dropped unforked]}`; then it r
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib
 import json
 import os
 import runpy
 import selectors
-import signal
 import sys
 import time
 from typing import Any
 
-_PR_SET_PDEATHSIG = 1
+from services.up.child import child_setup
 
 
 class Server:
@@ -162,16 +159,9 @@ def _model_classes(model: str) -> bool:
 def become(request: dict[str, Any]) -> None:
     """In the forked child: turn into the service `request` names, as `python -m <module>` would be, and
     run it (its exit is this process's exit)."""
-    os.setsid()
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != request["parent"]:  # the server died before the line above: so does this child
+    child_setup(request["nice"], tuple(request["cpus"]))()
+    if os.getppid() != request["parent"]:  # the server died before its death signal was asked for: so does this child
         os._exit(1)
-    if request.get("nice"):
-        os.nice(request["nice"])
-    if request.get("cpus"):
-        with contextlib.suppress(OSError):  # pinning only speeds a start up (stack.py)
-            os.sched_setaffinity(0, request["cpus"])
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
